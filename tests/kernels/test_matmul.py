@@ -1,0 +1,188 @@
+"""linear / bmm_fixed: accuracy against float64 and bitwise row/element invariance."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Iterator
+
+import pytest
+import torch
+
+from zmrl.kernels_batch_invariant.matmul import bmm_fixed, linear, linear_ref
+
+U32 = 2.0**-24
+SIZES = [1, 3, 16, 17, 64, 80, 100, 256, 576, 1000]
+BATCHES = list(range(1, 71))
+THREAD_BATCHES = [1, 2, 3, 15, 16, 17, 33, 64, 70]
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _gamma_bound(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
+    """Worst-case fp32 dot-product error, any summation order: gamma_K * (|x| @ |w|^T)."""
+    return (k * U32 / (1 - k * U32)) * (x.double().abs() @ w.double().abs().t())
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Accuracy does not depend on the thread count; one thread keeps these many small cases fast."""
+    with num_threads(1):
+        yield
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize("k,n", list(itertools.product(SIZES, SIZES)))
+def test_linear_matches_float64(k: int, n: int, one_thread: None) -> None:
+    g = torch.Generator().manual_seed(k * 7919 + n)
+    ms = [[1, 2, 7, 16, 33, 100, 300][(k + n) % 7], (k * n) % 300 + 1]  # M covers 1..300 over the grid
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    for m in ms:
+        x = torch.randn(m, k, generator=g)
+        ref = linear_ref(x, w)
+        got = linear(x, w)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        # The bound is rigorous for fp32 accumulation in any order; a wrong row, a transposed or
+        # mis-cropped weight, or stray padding gives errors of the size of |y| (~sqrt(K)), far above.
+        bound = _gamma_bound(x, w, k) + 1e-30
+        assert ((got.double() - ref).abs() <= bound).all(), (m, k, n)
+        # + bias: one more rounding of |y + b|
+        got_b = linear(x, w, bias)
+        ref_b = linear_ref(x, w, bias)
+        assert ((got_b.double() - ref_b).abs() <= bound + U32 * ref_b.abs() * 2 + 1e-30).all()
+
+
+@pytest.mark.parametrize("k,n", [(1, 1), (17, 3), (64, 80), (576, 100), (1000, 17)])
+def test_linear_bf16(k: int, n: int, one_thread: None) -> None:
+    g = torch.Generator().manual_seed(k + n)
+    x = torch.randn(37, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    ref = linear_ref(x, w)  # bf16 -> float64 is exact
+    got = linear(x, w)
+    assert got.dtype == torch.bfloat16
+    # fp32 accumulation of exact products, then one bf16 rounding (2^-9 relative): bound both.
+    err = (got.double() - ref).abs()
+    assert (err <= _gamma_bound(x, w, k) * 1.01 + 2.0**-8 * ref.abs() + 1e-30).all()
+    got32 = linear(x, w, out_dtype=torch.float32)
+    assert got32.dtype == torch.float32
+    assert torch.equal(got32.bfloat16(), got)  # rounded once, at the end
+
+
+def test_linear_leading_dims_and_empty() -> None:
+    x = torch.randn(2, 3, 5, 17)
+    w = torch.randn(9, 17)
+    y = linear(x, w)
+    assert y.shape == (2, 3, 5, 9)
+    assert torch.equal(y.reshape(-1, 9), linear(x.reshape(-1, 17), w))
+    assert linear(torch.randn(0, 17), w).shape == (0, 9)
+    with pytest.raises(ValueError):
+        linear(torch.randn(3, 16), w)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5), (64, 64, 64), (64, 17, 128), (16, 576, 64), (1, 5, 3)])
+def test_bmm_fixed_matches_float64(shape: tuple[int, int, int], one_thread: None) -> None:
+    m, k, n = shape
+    a = torch.randn(6, m, k)
+    b = torch.randn(6, k, n)
+    ref = a.double() @ b.double()
+    got = bmm_fixed(a, b)
+    bound = (k * U32 / (1 - k * U32)) * (a.double().abs() @ b.double().abs())
+    assert ((got.double() - ref).abs() <= bound + 1e-30).all()
+    # broadcast leading dims
+    b1 = torch.randn(k, n)
+    torch.testing.assert_close(bmm_fixed(a, b1), a @ b1, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- invariance
+
+
+INV_SHAPES = [(17, 3), (64, 1), (5, 16), (100, 80), (256, 256), (576, 17), (1000, 100)]
+
+
+@pytest.mark.parametrize("k,n", INV_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_row_invariance(k: int, n: int, dtype: torch.dtype) -> None:
+    """Every row alone == the same row inside batches of 1..70 rows at every position, from
+    storage at random offsets, computed with 1 or 2 threads."""
+    g = torch.Generator().manual_seed(k * 31 + n)
+    pool = torch.randn(90, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    flat = torch.empty(90 * k + 64, dtype=dtype)
+
+    def check(sizes: list[int], alone: list[torch.Tensor]) -> None:
+        for b in sizes:
+            idx = torch.randperm(len(pool), generator=g)[:b]
+            off = int(torch.randint(0, 64, (1,), generator=g))
+            x = flat[off:off + b * k].view(b, k)  # storage at a random (unaligned) offset
+            x.copy_(pool[idx])
+            out = linear(x, w, bias)
+            if not torch.equal(out, torch.stack([alone[i] for i in idx.tolist()])):
+                j = next(j for j, i in enumerate(idx.tolist()) if not torch.equal(out[j], alone[i]))
+                pytest.fail(f"row at position {j} of a batch of {b} differs from the row alone")
+
+    with num_threads(1):
+        alone = [linear(pool[i:i + 1], w, bias)[0] for i in range(len(pool))]
+        check(BATCHES, alone)
+    # 2 threads: fewer calls (an oversubscribed 2-core CI box makes each one slow)
+    with num_threads(2):
+        assert all(torch.equal(linear(pool[i:i + 1], w, bias)[0], alone[i]) for i in range(0, 90, 11))
+        check(THREAD_BATCHES, alone)
+
+
+def test_plain_matmul_is_not_row_invariant_here() -> None:
+    """Documents the problem linear() solves: plain ``x @ w.T`` gives row 0 different bits alone
+    (MKL's M=1 path) than inside a batch. Skipped on a CPU/BLAS where it happens not to."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 256, generator=g)
+    w = torch.randn(256, 256, generator=g)
+    for m in (2, 16, 17, 33, 70):
+        alone, batched = (x[:1] @ w.t())[0], (x[:m] @ w.t())[0]
+        if not torch.equal(alone, batched):
+            # reliably so: recomputing reproduces both results bit for bit
+            assert torch.equal((x[:1] @ w.t())[0], alone) and torch.equal((x[:m] @ w.t())[0], batched)
+            assert torch.equal(linear(x[:1], w)[0], linear(x[:m], w)[0])
+            return
+    pytest.skip("plain x @ w.T happens to be row-invariant on this CPU/BLAS")
+
+
+@pytest.mark.parametrize("shape", [(64, 64, 64), (64, 17, 128), (16, 576, 64), (1, 5, 3), (7, 13, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bmm_fixed_element_invariance(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """Element b's product does not depend on the batch count, its position, the other elements'
+    values, or the thread count; a row of a product does not depend on the other rows' values."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m * k + n)
+    a = torch.randn(40, m, k, generator=g).to(dtype)
+    b = torch.randn(40, k, n, generator=g).to(dtype)
+    with num_threads(1):
+        alone = [bmm_fixed(a[i:i + 1], b[i:i + 1])[0] for i in range(40)]
+    for threads in (1, 2):
+        with num_threads(threads):
+            for count in (1, 2, 3, 15, 16, 17, 33, 40):
+                idx = torch.randperm(40, generator=g)[:count]
+                out = bmm_fixed(a[idx], b[idx])
+                for j, i in enumerate(idx.tolist()):
+                    assert torch.equal(out[j], alone[i]), (shape, count, j, threads)
+            # other elements' values replaced: element 5 unchanged
+            a2, b2 = torch.randn_like(a.float()).to(dtype), torch.randn_like(b.float()).to(dtype)
+            a2[5], b2[5] = a[5], b[5]
+            assert torch.equal(bmm_fixed(a2, b2)[5], alone[5])
+            # zeroing rows of a leaves the other rows' results unchanged
+            if m > 1:
+                az = a.clone()
+                az[:, ::2] = 0
+                full = bmm_fixed(a, b)
+                zr = bmm_fixed(az, b)
+                assert torch.equal(zr[:, 1::2], full[:, 1::2])
+                assert torch.equal(zr[:, ::2], torch.zeros_like(zr[:, ::2]))

@@ -1,0 +1,5 @@
+import sys
+
+from zmrl.cli import main
+
+sys.exit(main())

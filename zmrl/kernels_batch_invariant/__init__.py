@@ -1,0 +1,5 @@
+"""Batch-invariant ops: every token's outputs are computed with an arithmetic order that depends
+on that token's own inputs (and its context) alone. See DESIGN §2."""
+from ._dispatch import InvariantOp, get_mode, invariant_op, kernel_mode, set_mode
+from .matmul import bmm_fixed, grouped_linear, linear
+from .reduce import tree_mean, tree_sum

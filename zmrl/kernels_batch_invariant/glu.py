@@ -1,0 +1,58 @@
+"""Gated-linear-unit activations for the MLP / expert hidden layer.
+
+Both are elementwise, so invariance only needs every element to be computed by the same
+arithmetic wherever it sits in the tensor: torch's fp32 sigmoid/SiLU are not (SIMD bulk and scalar
+tail differ in the last ulp), so the sigmoid is ``pointwise.sigmoid`` and everything else is
+IEEE ``* /`` and fp32 ``tanh``/``exp``. Computed in fp32 (fp64 stays fp64), cast once at the end to
+``out_dtype`` (default: the dtype of ``gate``). Fixed evaluation order (a Triton backend must match):
+
+    swiglu:   (g * sigmoid(g)) * u
+    situ_glu: ((4 * tanh(g / 4)) * sigmoid(g)) * (25 * tanh(u / 25))
+"""
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import invariant_op
+from .pointwise import sigmoid, silu
+
+
+def _cdt(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check(gate: torch.Tensor, up: torch.Tensor, name: str) -> None:
+    if gate.shape != up.shape:
+        raise ValueError(f"{name}: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+
+
+@invariant_op
+def swiglu(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``silu(gate) * up``. gate, up: [..., I]; returns [..., I]."""
+    _check(gate, up, "swiglu")
+    cdt = _cdt(gate.dtype)
+    return (silu(gate.to(cdt)) * up.to(cdt)).to(out_dtype or gate.dtype)
+
+
+@invariant_op
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Kimi K3 SiTU-GLU: ``4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)``. gate, up: [..., I]."""
+    _check(gate, up, "situ_glu")
+    cdt = _cdt(gate.dtype)
+    g, u = gate.to(cdt), up.to(cdt)
+    # Soft caps: the gate branch is bounded by 4, the linear branch by 25 (both ~identity near 0).
+    a = (4.0 * torch.tanh(g / 4.0)) * sigmoid(g)
+    b = 25.0 * torch.tanh(u / 25.0)
+    return (a * b).to(out_dtype or gate.dtype)
+
+
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """float64 reference for ``swiglu``."""
+    g = gate.double()
+    return g * torch.sigmoid(g) * up.double()
+
+
+def situ_glu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """float64 reference for ``situ_glu``."""
+    g, u = gate.double(), up.double()
+    return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * 25.0 * torch.tanh(u / 25.0)

@@ -1,0 +1,248 @@
+"""Chunked KDA (Kimi Delta Attention) forward, batch-invariant, torch backend.
+
+Math: reference/architecture.md §1.5 (WY form, chunk C = 64); contract: DESIGN §2 (KDA bullet).
+
+Sequences are packed varlen (``cu_seqlens``); every sequence segment starts at an absolute chunk
+boundary, so its chunks are rows [0, 64), [64, 128), ... of the segment. All chunks of all
+sequences and heads are laid out as one batch ``[C*H, 64, d]`` (pad rows = 0) and processed at
+once; only the state recurrence runs chunk index by chunk index (vectorised over sequences).
+
+Why row r of a chunk is bitwise the same whether rows > r are real (training/prefill) or zero
+padding (decode re-running the current chunk):
+
+* the within-chunk cumsum of g is an explicit scan, row by row;
+* A_kk / A_qk entries are formed from masked exponent differences ``exp(gc_i - gc_j)`` (j <= i,
+  masked to -inf before exp, never factored as ``exp(gc_i) * exp(-gc_j)``, which overflows) and
+  reduced over d with ``tree_sum``: each entry is a function of rows i and j only;
+* the triangular solve ``(I + A_kk) X = diag(beta) [exp(gc) * K | V]`` is a forward substitution,
+  one row per step, whose inner sum over j is a ``tree_sum`` over the full width 64 (zeros for
+  j >= i), so row i never sees rows > i;
+* the remaining products are ``bmm_fixed`` with per-(chunk, head) shapes fixed by the model
+  ([64, dk] @ [dk, dv], [64, 64] @ [64, dv], [dk, 64] @ [64, dv]); row r of such a product reads
+  row r of the left operand and, through exact zeros, nothing of rows > r.
+
+The state advances only through complete chunks; a trailing partial chunk is evaluated (its rows
+are returned) but the returned state is the one at its start. Everything is fp32 (fp64 when the
+inputs are fp64, for gradcheck).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._dispatch import invariant_op
+from ..matmul import bmm_fixed
+from ..reduce import tree_sum
+
+CHUNK_SIZE = 64
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class _Layout:
+    """Where each sequence's chunks sit in the chunk batch (all index tensors on CPU)."""
+
+    lens: list[int]
+    n_chunks: list[int]  # ceil(len / 64)
+    n_complete: list[int]  # len // 64
+    chunk_start: list[int]  # first chunk id of each sequence (packed order)
+    complete_start: list[int]  # first complete-chunk id of each sequence (packed order)
+    tok_idx: torch.Tensor  # [C, 64] token feeding (chunk, row); T for pad rows
+    tok_pos: torch.Tensor  # [T] flat (chunk * 64 + row) position of each token
+    n_rows: int  # most real rows in any chunk (row loops may stop there)
+
+    @property
+    def total_chunks(self) -> int:
+        return sum(self.n_chunks)
+
+
+def _layout(cu_seqlens: torch.Tensor, total: int) -> _Layout:
+    c = CHUNK_SIZE
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if any(n < 0 for n in lens) or (cu and cu[-1] != total) or (cu and cu[0] != 0):
+        raise ValueError(f"kda_chunk: cu_seqlens {cu} does not describe {total} packed tokens")
+    n_chunks = [(n + c - 1) // c for n in lens]
+    n_complete = [n // c for n in lens]
+    chunk_start, complete_start, acc, acc_c = [], [], 0, 0
+    for nc, ncc in zip(n_chunks, n_complete):
+        chunk_start.append(acc)
+        complete_start.append(acc_c)
+        acc += nc
+        acc_c += ncc
+    seq_of_chunk = torch.tensor([s for s, nc in enumerate(n_chunks) for _ in range(nc)], dtype=torch.int64)
+    local_chunk = torch.tensor([j for nc in n_chunks for j in range(nc)], dtype=torch.int64)
+    pos = local_chunk[:, None] * c + torch.arange(c)[None, :]  # position inside the sequence
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    starts_t = torch.tensor(cu[:-1], dtype=torch.int64)
+    valid = pos < lens_t[seq_of_chunk][:, None]
+    tok_idx = torch.where(valid, starts_t[seq_of_chunk][:, None] + pos, total)
+    # Chunks are in packed order and rows ascend, so the valid slots in row-major order are the
+    # tokens 0..T-1 in order.
+    tok_pos = valid.reshape(-1).nonzero().squeeze(1)
+    n_rows = max([min(c, n - j * c) for n, nc in zip(lens, n_chunks) for j in range(nc)], default=0)
+    return _Layout(lens, n_chunks, n_complete, chunk_start, complete_start, tok_idx, tok_pos, n_rows)
+
+
+def _to_chunks(x: torch.Tensor, lay: _Layout, cdt: torch.dtype) -> torch.Tensor:
+    """[T, H, d] -> [C*H, 64, d] (chunk-major, head-minor), pad rows exactly 0."""
+    t, h, d = x.shape
+    xz = torch.cat([x.to(cdt), x.new_zeros(1, h, d, dtype=cdt)], dim=0)
+    xc = xz[lay.tok_idx.to(x.device)]  # [C, 64, H, d]
+    return xc.permute(0, 2, 1, 3).reshape(-1, CHUNK_SIZE, d)
+
+
+def _scan_rows(g: torch.Tensor) -> torch.Tensor:
+    """Inclusive prefix sum over dim 1 as an explicit left-to-right scan (row r = rows 0..r only)."""
+    acc = g[:, 0]
+    rows = [acc]
+    for r in range(1, g.shape[1]):
+        acc = acc + g[:, r]
+        rows.append(acc)
+    return torch.stack(rows, dim=1)
+
+
+def _pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Stack per-row tensors [CH, ...] along dim 1 and zero-fill up to 64 rows."""
+    x = torch.stack(rows, dim=1)
+    missing = CHUNK_SIZE - x.shape[1]
+    if missing:
+        x = torch.cat([x, like.new_zeros(x.shape[0], missing, *x.shape[2:])], dim=1)
+    return x
+
+
+def _intra_chunk(
+    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, gc: torch.Tensor, bc: torch.Tensor, n_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """State-independent part of every chunk.
+
+    qc (already scaled), kc, gc (cumulative log-decay): [CH, 64, dk]; vc: [CH, 64, dv];
+    bc: [CH, 64, 1]. Returns (A_qk [CH, 64, 64] lower incl. diagonal, W [CH, 64, dk],
+    U [CH, 64, dv]) with X = [W | U] = (I + A_kk)^-1 diag(beta) [exp(gc) * K | V].
+    Rows >= n_rows are pad rows in every chunk; they are returned as zeros, which is what the full
+    computation gives for them too (beta = 0 there), up to the sign of zero.
+    """
+    c = CHUNK_SIZE
+    dk = kc.shape[-1]
+    cols = torch.arange(c, device=kc.device)
+    rhs = bc * torch.cat([torch.exp(gc) * kc, vc], dim=-1)  # [CH, 64, dk+dv]
+    # Reduced dims go first ([d, CH, 64], [j, CH, E]): tree_sum then halves contiguous blocks.
+    # The layout changes speed only; every sum is still the same tree of the same IEEE adds.
+    q_t, k_t, g_t = (x.permute(2, 0, 1).contiguous() for x in (qc, kc, gc))  # [dk, CH, 64]
+    b_t = bc[..., 0]  # [CH, 64]
+    a_qk_rows: list[torch.Tensor] = []
+    x_rows: list[torch.Tensor] = []  # solved rows of X, each [CH, dk+dv]
+    for i in range(n_rows):
+        # exp(gc_i - gc_j) for j <= i; masked before exp so no overflow and exact zeros for j > i.
+        diff = g_t[:, :, i : i + 1] - g_t  # [dk, CH, 64(j)]
+        decay = torch.exp(torch.where(cols <= i, diff, float("-inf")))
+        k_dec = k_t * decay
+        a_qk_rows.append(tree_sum(q_t[:, :, i : i + 1] * k_dec, dim=0))  # [CH, 64(j)]
+        if i == 0:
+            x_rows.append(rhs[:, 0])
+            continue
+        a_kk = tree_sum(k_t[:, :, i : i + 1] * k_dec, dim=0) * b_t[:, i : i + 1]  # [CH, 64(j)]
+        a_kk = torch.where(cols < i, a_kk, 0.0)
+        solved = torch.stack(x_rows, dim=0)  # [i, CH, E]
+        solved = torch.cat([solved, solved.new_zeros(c - i, *solved.shape[1:])], dim=0)  # zeros j >= i
+        x_rows.append(rhs[:, i] - tree_sum(a_kk.t().unsqueeze(-1) * solved, dim=0))
+    a_qk = _pad_rows(a_qk_rows, qc)
+    x = _pad_rows(x_rows, qc)
+    return a_qk, x[..., :dk], x[..., dk:]
+
+
+def _permute_back(parts: list[torch.Tensor], ids: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-step results and put row k at position ids[k] (ids are a permutation)."""
+    cat = torch.cat(parts, dim=0)
+    order = torch.argsort(torch.cat(ids))
+    return cat[order.to(cat.device)]
+
+
+@invariant_op
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_chunk_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA over packed varlen sequences.
+
+    q, k: [T, H, dk] (already L2-normalised); v: [T, H, dv]; g: [T, H, dk] per-token log-decay;
+    beta: [T, H]; cu_seqlens: [N+1] int64; initial_state: [N, H, dk, dv] (None = zeros);
+    scale: multiplies q (default dk^-0.5).
+
+    Returns (o [T, H, dv] in v.dtype,
+             final_state [N, H, dk, dv] fp32: state after each sequence's last COMPLETE chunk,
+             chunk_states [complete chunks, H, dk, dv] fp32 in packed order, or None).
+    """
+    cdt = _compute_dtype(q.dtype)
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    n = cu_seqlens.numel() - 1
+    scale = dk**-0.5 if scale is None else scale
+    dev = q.device
+    lay = _layout(cu_seqlens, t)
+    if initial_state is None:
+        s_cur = torch.zeros(n, h, dk, dv, dtype=cdt, device=dev)
+    else:
+        s_cur = initial_state.to(cdt)
+    n_complete_total = sum(lay.n_complete)
+    if lay.total_chunks == 0:
+        empty = s_cur.new_zeros(0, h, dk, dv)
+        return v.new_zeros(0, h, dv), s_cur, (empty if output_chunk_states else None)
+
+    qc = _to_chunks(q, lay, cdt) * scale
+    kc = _to_chunks(k, lay, cdt)
+    vc = _to_chunks(v, lay, cdt)
+    gc = _scan_rows(_to_chunks(g, lay, cdt))
+    bc = _to_chunks(beta.unsqueeze(-1), lay, cdt)
+
+    a_qk, w, u = _intra_chunk(qc, kc, vc, gc, bc, lay.n_rows)
+    q_dec = qc * torch.exp(gc)  # inter-chunk read-out weights
+    g_last = gc[:, -1]  # [CH, dk]
+    k_decT = (torch.exp(g_last[:, None, :] - gc) * kc).transpose(1, 2).contiguous()  # [CH, dk, 64]
+    s_decay = torch.exp(g_last).unsqueeze(-1)  # [CH, dk, 1]
+
+    def per_chunk(x: torch.Tensor, cid: torch.Tensor) -> torch.Tensor:
+        """[CH, ...] -> the rows of chunks ``cid``: [len(cid)*H, ...]."""
+        return x.view(-1, h, *x.shape[1:])[cid].reshape(-1, *x.shape[1:])
+
+    o_parts, o_ids, st_parts, st_ids = [], [], [], []
+    for c in range(max(lay.n_chunks)):
+        act = [s for s in range(n) if lay.n_chunks[s] > c]
+        cid = torch.tensor([lay.chunk_start[s] + c for s in act], dtype=torch.int64, device=dev)
+        s_in = s_cur[torch.tensor(act, dtype=torch.int64, device=dev)].reshape(-1, dk, dv)
+        v_e = per_chunk(u, cid) - bmm_fixed(per_chunk(w, cid), s_in)  # [A*H, 64, dv]
+        o_c = bmm_fixed(per_chunk(q_dec, cid), s_in) + bmm_fixed(per_chunk(a_qk, cid), v_e)
+        o_parts.append(o_c.view(len(act), h, CHUNK_SIZE, dv))
+        o_ids.append(cid.cpu())
+        done = [i for i, s in enumerate(act) if lay.n_complete[s] > c]
+        if not done:
+            continue
+        sel = torch.tensor(done, dtype=torch.int64, device=dev)
+        cid_done = cid[sel]
+        s_next = per_chunk(s_decay, cid_done) * s_in.view(len(act), h, dk, dv)[sel].reshape(-1, dk, dv)
+        s_next = s_next + bmm_fixed(per_chunk(k_decT, cid_done), v_e.view(len(act), h, CHUNK_SIZE, dv)[sel].reshape(-1, CHUNK_SIZE, dv))
+        s_next = s_next.view(len(done), h, dk, dv)
+        seqs_done = [act[i] for i in done]
+        s_cur = s_cur.index_copy(0, torch.tensor(seqs_done, dtype=torch.int64, device=dev), s_next)
+        if output_chunk_states:
+            st_parts.append(s_next)
+            st_ids.append(torch.tensor([lay.complete_start[s] + c for s in seqs_done], dtype=torch.int64))
+
+    o_all = _permute_back(o_parts, o_ids)  # [C, H, 64, dv]
+    o = o_all.permute(0, 2, 1, 3).reshape(-1, h, dv)[lay.tok_pos.to(dev)]
+    chunk_states = None
+    if output_chunk_states:
+        chunk_states = _permute_back(st_parts, st_ids) if st_parts else s_cur.new_zeros(0, h, dk, dv)
+        assert chunk_states.shape[0] == n_complete_total
+    return o.to(v.dtype), s_cur, chunk_states

@@ -1,0 +1,118 @@
+"""Batch-invariant matmuls.
+
+Stock CPU GEMMs (MKL/oneDNN) choose kernels and blockings from M, so row 0 of ``A[:m] @ W`` changes
+with m. The construction here makes every GEMM call the library sees have one fixed shape:
+
+* ``linear`` splits the rows into tiles of ``ROW_TILE`` (zero-padded) and runs one batched GEMM
+  whose every batch element is ``[ROW_TILE, K] @ [K, N]`` against the same weight. The number of
+  tiles changes with the batch; the per-tile problem, hence every row's K-loop, does not.
+  N and K are padded to multiples of ``COL_TILE``: for N < 16 or ragged K, MKL otherwise switches
+  to gemv-like paths whose result depends on the row's position in the tile (measured).
+* ``bmm_fixed`` is for products whose per-matrix shape is fixed by the model, not by the batch
+  (per-chunk KDA products, per-block attention scores): a batched GEMM's element b does not
+  depend on how many other elements share the call.
+
+bf16 inputs are computed in fp32 (bf16 products are exact in fp32) and rounded once at the end,
+the same contract as a GPU kernel with fp32 accumulation. tests/kernels/test_matmul.py proves
+invariance over batch size, row position and thread count.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import invariant_op
+
+ROW_TILE = 16
+COL_TILE = 16
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@invariant_op
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``y = x @ weight.T (+ bias)`` with each row computed independently of the others.
+
+    x: [..., K]; weight: [N, K]; returns [..., N] in ``out_dtype`` (default x.dtype).
+    """
+    out_dtype = out_dtype or x.dtype
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"linear: x has {k} features but weight is {tuple(weight.shape)}")
+    cdt = _compute_dtype(x.dtype)
+    x2 = x.reshape(-1, k).to(cdt)
+    w = weight.to(cdt)
+    m = x2.shape[0]
+    kp, np_ = _round_up(k, COL_TILE), _round_up(n, COL_TILE)
+    mp = _round_up(max(m, 1), ROW_TILE)
+    x2 = F.pad(x2, (0, kp - k, 0, mp - m))
+    if kp != k or np_ != n:
+        w = F.pad(w, (0, kp - k, 0, np_ - n))
+    tiles = x2.view(mp // ROW_TILE, ROW_TILE, kp)
+    y = torch.bmm(tiles, w.t().unsqueeze(0).expand(tiles.shape[0], kp, np_))
+    y = y.reshape(mp, np_)[:m, :n]
+    if bias is not None:
+        y = y + bias.to(cdt)
+    return y.reshape(*lead, n).to(out_dtype)
+
+
+@invariant_op
+def bmm_fixed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched ``a @ b`` over leading dims; the per-matrix shape must not depend on the batch.
+
+    a: [..., m, k], b: [..., k, n] (broadcast leading dims); computed in fp32 (fp64 for fp64).
+    """
+    cdt = _compute_dtype(a.dtype)
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.to(cdt).expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.to(cdt).expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return torch.bmm(a3, b3).reshape(*lead, a.shape[-2], b.shape[-1])
+
+
+@linear.register("fast")
+def _linear_fast(x, weight, bias=None, out_dtype=None):
+    y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return y.to(out_dtype or x.dtype)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 reference."""
+    y = x.double() @ weight.double().t()
+    return y if bias is None else y + bias.double()
+
+
+@invariant_op
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-group ``linear``: ``y[g] = x[g] @ weight[g].T`` for x [G, M, K], weight [G, N, K].
+
+    Each group's rows are tiled exactly like ``linear`` (ROW_TILE rows, N and K padded to COL_TILE),
+    so a row's result equals ``linear(row, weight[g])`` bitwise and is independent of M and G.
+    Used for per-head absorbed MLA projections and batched expert/LoRA weights.
+    """
+    out_dtype = out_dtype or x.dtype
+    g, m, k = x.shape
+    n = weight.shape[1]
+    if weight.shape[0] != g or weight.shape[2] != k:
+        raise ValueError(f"grouped_linear: x {tuple(x.shape)} vs weight {tuple(weight.shape)}")
+    cdt = _compute_dtype(x.dtype)
+    kp, np_ = _round_up(k, COL_TILE), _round_up(n, COL_TILE)
+    mp = _round_up(max(m, 1), ROW_TILE)
+    xp = F.pad(x.to(cdt), (0, kp - k, 0, mp - m)).view(g, mp // ROW_TILE, ROW_TILE, kp)
+    w = weight.to(cdt)
+    if kp != k or np_ != n:
+        w = F.pad(w, (0, kp - k, 0, np_ - n))
+    wt = w.transpose(1, 2).unsqueeze(1).expand(g, mp // ROW_TILE, kp, np_)
+    y = torch.bmm(xp.reshape(-1, ROW_TILE, kp), wt.reshape(-1, kp, np_))
+    return y.view(g, mp, np_)[:, :m, :n].to(out_dtype)

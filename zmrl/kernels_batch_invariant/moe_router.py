@@ -1,0 +1,174 @@
+"""MoE router ("noaux_tc": sigmoid scores, correction bias for selection only, optional group
+limiting) and the fixed-order combine of the selected experts' outputs.
+
+Invariance: the router logits come from the row-invariant ``linear``; every other step is per row
+and exact (sorting moves values, it does not round them), with every tie broken by the lower index,
+so a token's experts and weights are a function of that token alone. Stock ``topk`` breaks ties
+arbitrarily and is avoided. Fixed semantics (DESIGN §4, reference/architecture.md §4):
+
+    logits = linear(x, W_gate) in fp32;  s = sigmoid(logits);  sb = s + bias   (bias: selection only)
+    n_group > 1: group score = top1 + top2 of sb in the group (one rounding); keep the topk_group
+                 best groups (ties: lower group index); sb of the other groups = -inf
+    chosen = top_k experts by (sb desc, expert id asc), then reordered by ascending expert id
+    w = s[chosen] (ascending id order); if norm_topk_prob: w = w / tree_sum(w) (no epsilon);
+    w = w * routed_scaling_factor
+
+The normalising sum runs over the weights in ascending expert-id order (the order returned), so
+weights are a function of the chosen set only, not of the ranking.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._dispatch import invariant_op
+from .matmul import linear
+from .pointwise import sigmoid
+from .reduce import tree_sum
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    """expert_ids: [T, k] int64, ascending per token; weights: [T, k] fp32, aligned with expert_ids."""
+
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+
+
+def _cdt(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_route_args(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    if n_group < 1 or n_experts % n_group != 0:
+        raise ValueError(f"moe_route: {n_experts} experts cannot be split into n_group={n_group} groups")
+    groups_kept = topk_group if n_group > 1 else 1
+    if n_group > 1 and not 1 <= topk_group <= n_group:
+        raise ValueError(f"moe_route: topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if not 1 <= top_k <= groups_kept * (n_experts // n_group):
+        raise ValueError(
+            f"moe_route: top_k={top_k} must be in [1, {groups_kept * (n_experts // n_group)}] "
+            f"(experts in the {groups_kept} kept group(s))"
+        )
+
+
+def _desc_order(v: torch.Tensor) -> torch.Tensor:
+    """Indices sorting the last dim by (value desc, index asc): a stable descending sort."""
+    return torch.sort(v, dim=-1, descending=True, stable=True).indices
+
+
+@invariant_op
+def moe_route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> RouterOutput:
+    """Route each token to ``top_k`` experts.
+
+    x: [T, D] (any float dtype); gate_weight: [E, D]; correction_bias: [E] or None.
+    Returns RouterOutput(expert_ids [T, top_k] int64 ascending, weights [T, top_k] fp32).
+    The weights are differentiable w.r.t. x and gate_weight (through s); selection is not.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"moe_route: x must be [T, D], got {tuple(x.shape)}")
+    n_experts = gate_weight.shape[0]
+    _check_route_args(n_experts, top_k, n_group, topk_group)
+    cdt = _cdt(x.dtype)
+    logits = linear(x.to(cdt), gate_weight.to(cdt), out_dtype=cdt)  # [T, E]
+    s = sigmoid(logits)
+    sb = s.detach()
+    if correction_bias is not None:
+        sb = sb + correction_bias.to(cdt)
+    if n_group > 1:
+        t = sb.shape[0]
+        grouped = sb.reshape(t, n_group, n_experts // n_group)
+        top = torch.sort(grouped, dim=-1, descending=True).values
+        group_score = top[..., 0] + top[..., 1] if top.shape[-1] > 1 else top[..., 0]  # [T, G]
+        kept = _desc_order(group_score)[:, :topk_group]
+        keep = torch.zeros(t, n_group, dtype=torch.bool, device=sb.device)
+        keep.scatter_(1, kept, True)
+        sb = torch.where(keep[:, :, None], grouped, float("-inf")).reshape(t, n_experts)
+    chosen = _desc_order(sb)[:, :top_k]
+    expert_ids = torch.sort(chosen, dim=-1).values  # ascending expert id (ids are distinct)
+    w = s.gather(1, expert_ids)
+    if norm_topk_prob:
+        w = w / tree_sum(w, dim=-1, keepdim=True)
+    w = w * routed_scaling_factor
+    return RouterOutput(expert_ids=expert_ids, weights=w)
+
+
+@invariant_op
+def moe_combine(
+    expert_outputs: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``sum_j weights[:, j] * expert_outputs[:, j]`` accumulated in fp32 in slot order j = 0..k-1.
+
+    expert_outputs: [T, k, D] in RouterOutput order (ascending expert id); weights: [T, k].
+    Returns [T, D] in ``out_dtype`` (default expert_outputs.dtype). Add the shared expert after.
+    """
+    t, k, d = expert_outputs.shape
+    if weights.shape != (t, k):
+        raise ValueError(f"moe_combine: weights {tuple(weights.shape)} do not match outputs {(t, k, d)}")
+    cdt = _cdt(expert_outputs.dtype)
+    eo, w = expert_outputs.to(cdt), weights.to(cdt)
+    acc = torch.zeros(t, d, dtype=cdt, device=expert_outputs.device)
+    for j in range(k):  # one rounding per product and per add, in this order: no FMA, no tree
+        acc = acc + w[:, j, None] * eo[:, j]
+    return acc.to(out_dtype or expert_outputs.dtype)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def moe_route_ref(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> RouterOutput:
+    """Reference: scores in float64, selection written as plain Python with the same tie rules.
+
+    Returns float64 weights. Selection agrees with ``moe_route`` unless two candidates are closer
+    than fp32 rounding (or exactly tied in one precision but not the other).
+    """
+    n_experts = gate_weight.shape[0]
+    _check_route_args(n_experts, top_k, n_group, topk_group)
+    s = torch.sigmoid(x.double() @ gate_weight.double().t())
+    sb = s + (correction_bias.double() if correction_bias is not None else 0.0)
+    size = n_experts // n_group
+    ids_rows, w_rows = [], []
+    for row_s, row_sb in zip(s.tolist(), sb.tolist()):
+        allowed = range(n_experts)
+        if n_group > 1:
+            scores = []
+            for g in range(n_group):
+                vals = sorted(row_sb[g * size:(g + 1) * size], reverse=True)
+                scores.append(sum(vals[:2]))
+            groups = sorted(range(n_group), key=lambda g: (-scores[g], g))[:topk_group]
+            allowed = [e for g in sorted(groups) for e in range(g * size, (g + 1) * size)]
+        picked = sorted(sorted(allowed, key=lambda e: (-row_sb[e], e))[:top_k])
+        w = [row_s[e] for e in picked]
+        if norm_topk_prob:
+            total = sum(w)
+            w = [v / total for v in w]
+        ids_rows.append(picked)
+        w_rows.append([v * routed_scaling_factor for v in w])
+    return RouterOutput(
+        expert_ids=torch.tensor(ids_rows, dtype=torch.int64).view(-1, top_k),
+        weights=torch.tensor(w_rows, dtype=torch.float64).view(-1, top_k),
+    )
+
+
+def moe_combine_ref(expert_outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float64 reference for ``moe_combine``."""
+    return (weights.double()[:, :, None] * expert_outputs.double()).sum(1)

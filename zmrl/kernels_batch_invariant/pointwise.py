@@ -1,0 +1,30 @@
+"""Position-safe pointwise nonlinearities.
+
+On CPU, torch evaluates a pointwise op with a SIMD kernel on the bulk of a tensor and a scalar
+kernel on the tail; for sigmoid, SiLU and softplus (fp32) and rsqrt (bf16) the two disagree in the
+last ulp, so an element's value depends on where it lands in the tensor, i.e. on the batch.
+exp, log, log1p, tanh, sqrt, rsqrt (fp32) and IEEE +,-,*,/ agree on both paths
+(tests/kernels/test_pointwise.py proves it on every path), so the nonlinearities are composed
+from those, in fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x * sigmoid(x)
+
+
+def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
+    # Same threshold as torch.nn.functional.softplus; the clamp keeps exp finite on the
+    # branch that where() discards (its gradient would otherwise be inf * 0 = nan).
+    return torch.where(x > threshold, x, torch.log1p(torch.exp(x.clamp(max=threshold))))
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.clamp_min(x, 0.0)

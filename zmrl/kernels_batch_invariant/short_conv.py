@@ -1,0 +1,100 @@
+"""Depthwise causal short convolution over packed varlen sequences (KDA's q/k/v ShortConv).
+
+Each output token is ``sum_i weight[:, i] * x_{t-W+1+i}`` accumulated elementwise in the fixed
+order i = 0..W-1 (fp32), so it depends on its own window only. The window reaches back into the
+previous call's inputs through ``conv_state`` (the last W-1 inputs of each sequence, oldest
+first), which makes "one shot" and "in pieces, carrying the state" bitwise identical.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._dispatch import invariant_op
+from .pointwise import silu
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _window_index(cu_seqlens: torch.Tensor, total: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather indices into ``cat([x, state.flatten(0, 1)])`` (x has ``total`` rows).
+
+    Returns (win [T, W]: the W inputs of each token's window, oldest first;
+             last [N, W-1]: each sequence's last W-1 inputs, i.e. its next conv_state).
+    Local position q < 0 of sequence s refers to state row (W-1)+q of s.
+    """
+    cu = cu_seqlens.to(torch.int64).cpu()
+    n = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    dev = cu_seqlens.device
+    seq_of_tok = torch.repeat_interleave(torch.arange(n), lens, output_size=total)
+    local = torch.arange(total) - cu[:-1][seq_of_tok]  # position of each token in its sequence
+
+    def resolve(seq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        from_x = cu[:-1][seq] + q
+        from_state = total + seq * (w - 1) + (w - 1) + q
+        return torch.where(q >= 0, from_x, from_state)
+
+    offs = torch.arange(w) - (w - 1)  # -(W-1) .. 0
+    win = resolve(seq_of_tok[:, None], local[:, None] + offs[None, :])
+    seqs = torch.arange(n)[:, None]
+    last = resolve(seqs, lens[:, None] - 1 + offs[None, 1:])  # lens-(W-1) .. lens-1
+    return win.to(dev), last.to(dev)
+
+
+@invariant_op
+def causal_short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, C] packed tokens; weight: [C, W]; cu_seqlens: [N+1] int64;
+    conv_state: [N, W-1, C] previous inputs, oldest first (None = zeros = sequence start).
+
+    Returns (y [T, C] in x.dtype, new_state [N, W-1, C] in x.dtype).
+    """
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_short_conv: unsupported activation {activation!r}")
+    cdt = _compute_dtype(x.dtype)
+    t, c = x.shape
+    w = weight.shape[-1]
+    n = cu_seqlens.numel() - 1
+    if conv_state is None:
+        conv_state = x.new_zeros(n, w - 1, c)
+    src = torch.cat([x.to(cdt), conv_state.to(cdt).reshape(n * (w - 1), c)], dim=0)
+    win, last = _window_index(cu_seqlens, t, w)
+    xw = src[win]  # [T, W, C]
+    wt = weight.to(cdt)
+    y = xw[:, 0] * wt[:, 0]
+    for i in range(1, w):
+        y = y + xw[:, i] * wt[:, i]
+    if activation == "silu":
+        y = silu(y)
+    new_state = src[last].to(x.dtype)  # [N, W-1, C]
+    return y.to(x.dtype), new_state
+
+
+def causal_short_conv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference: one sequence at a time with torch's conv1d on the zero/state-padded input."""
+    w = weight.shape[-1]
+    c = x.shape[1]
+    ys, states = [], []
+    cu = cu_seqlens.tolist()
+    for s in range(len(cu) - 1):
+        prev = x.new_zeros(w - 1, c) if conv_state is None else conv_state[s]
+        ext = torch.cat([prev.double(), x[cu[s] : cu[s + 1]].double()], dim=0)  # [W-1+L, C]
+        y = torch.nn.functional.conv1d(ext.t()[None], weight.double()[:, None, :], groups=c)[0].t()
+        if activation == "silu":
+            y = torch.nn.functional.silu(y)
+        ys.append(y)
+        states.append(ext[ext.shape[0] - (w - 1) :])
+    return torch.cat(ys, dim=0), torch.stack(states, dim=0)

@@ -1,0 +1,12 @@
+"""The K3.1 Pro–style hybrid model: config, presets, modules, checkpoint I/O, entry points."""
+from .cache import CacheFullError, ModelCache, forward_incremental
+from .checkpoint import CheckpointError, load_pretrained, save_pretrained
+from .config import ConfigError, LinearAttnConfig, ModelConfig
+from .context import ForwardContext, SequenceState, cu_seqlens_from_lens, packed_context
+from .model import HybridForCausalLM, build_model, forward_packed
+
+__all__ = [
+    "CacheFullError", "CheckpointError", "ConfigError", "ForwardContext", "HybridForCausalLM", "LinearAttnConfig",
+    "ModelCache", "ModelConfig", "SequenceState", "build_model", "cu_seqlens_from_lens", "forward_incremental",
+    "forward_packed", "load_pretrained", "packed_context", "save_pretrained",
+]

@@ -1,0 +1,163 @@
+"""What a forward pass needs besides the token ids: where each token sits, where its cache
+entries go, and the per-sequence recurrent state.
+
+The trainer and the engine build the same ``ForwardContext``; only the store behind it differs
+(an ephemeral, autograd-friendly store for the trainer, persistent pages for the engine), so both
+reach the same layer code and the same ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+LatentFormat = Literal["native", "fp8"]
+
+
+@dataclass
+class KDASeqState:
+    """Recurrent state of one KDA layer for one sequence.
+
+    ``state`` is the fp32 delta-rule state at the start of the current 64-token chunk; ``pending``
+    holds the rows of that chunk seen so far (k, v, g, beta), so the next call re-runs the chunk
+    from its boundary and computes every token with the full-chunk arithmetic (DESIGN §2).
+    """
+
+    conv: torch.Tensor | None = None  # [W-1, 3*H*dk] last short-conv inputs
+    state: torch.Tensor | None = None  # [H, dk, dv] fp32
+    pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # state after each chunk completed during the last forward (prefix-cache snapshots): abs end pos -> state
+    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_pending(self) -> int:
+        return 0 if self.pending is None else self.pending[0].shape[0]
+
+
+@dataclass
+class SequenceState:
+    """Everything the model remembers about one sequence between incremental calls."""
+
+    kda: dict[int, KDASeqState] = field(default_factory=dict)
+    num_tokens: int = 0  # tokens whose cache entries and states exist
+    pages: list[int] = field(default_factory=list)
+
+
+class LatentStore:
+    """Storage for the per-token caches of MLA layers: latent ``[c_kv | k_pe]`` and FP8 index keys."""
+
+    page_size: int
+
+    def write(self, layer_idx: int, slots: torch.Tensor, latent: torch.Tensor,
+              index_k8: torch.Tensor | None, index_scale: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Write the new tokens' entries at flat ``slots`` and return the page tensors to read."""
+        raise NotImplementedError  # abstract: see EphemeralLatentStore / PagedLatentStore
+
+
+class EphemeralLatentStore(LatentStore):
+    """Trainer-side store: builds the pages out of place each call so gradients flow to the latents."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages, self.page_size = num_pages, page_size
+
+    def _scatter(self, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        flat = values.new_zeros(self.num_pages * self.page_size, *values.shape[1:])
+        flat = flat.index_put((slots,), values)
+        return flat.view(self.num_pages, self.page_size, *values.shape[1:])
+
+    def write(self, layer_idx, slots, latent, index_k8, index_scale):
+        kv = self._scatter(slots, latent)
+        if index_k8 is None:
+            return kv, None, None
+        # float8 has no zeros_like/index_put kernels on CPU: scatter its bytes
+        k8 = self._scatter(slots, index_k8.view(torch.uint8)).view(index_k8.dtype)
+        return kv, k8, self._scatter(slots, index_scale)
+
+
+class PagedLatentStore(LatentStore):
+    """Engine-side store: one preallocated page pool per MLA layer, written in place."""
+
+    def __init__(self, mla_layers: list[int], num_pages: int, page_size: int, latent_dim: int,
+                 index_dim: int | None, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if page_size % 64:
+            raise ValueError(f"page_size must be a multiple of 64, got {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.kv = {i: torch.zeros(num_pages, page_size, latent_dim, dtype=dtype, device=device) for i in mla_layers}
+        self.k8: dict[int, torch.Tensor] = {}
+        self.kscale: dict[int, torch.Tensor] = {}
+        if index_dim is not None:
+            for i in mla_layers:
+                self.k8[i] = torch.zeros(num_pages, page_size, index_dim, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+                self.kscale[i] = torch.zeros(num_pages, page_size, dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def write(self, layer_idx, slots, latent, index_k8, index_scale):
+        kv = self.kv[layer_idx]
+        kv.view(-1, kv.shape[-1])[slots] = latent.to(kv.dtype)
+        if index_k8 is None:
+            return kv, None, None
+        k8, ks = self.k8[layer_idx], self.kscale[layer_idx]
+        k8.view(torch.uint8).view(-1, k8.shape[-1])[slots] = index_k8.view(torch.uint8)
+        ks.view(-1)[slots] = index_scale
+        return kv, k8, ks
+
+
+@dataclass
+class ForwardContext:
+    """Batch metadata for one forward over packed new tokens of N sequences."""
+
+    cu_seqlens: torch.Tensor  # [N+1] int64, new tokens per sequence
+    positions: torch.Tensor  # [T] absolute position of every new token
+    seq_idx: torch.Tensor  # [T] row of block_table / kda_states of every new token
+    block_table: torch.Tensor  # [N, max_pages] int64
+    slot_mapping: torch.Tensor  # [T] flat cache slot of every new token
+    store: LatentStore
+    kda_states: list[SequenceState] | None = None  # None: every sequence starts empty (trainer)
+    latent_format: LatentFormat = "native"
+    record_snapshots: bool = False  # keep KDA states at chunk boundaries (engine prefix caching)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    @property
+    def start_positions(self) -> list[int]:
+        return self.positions[self.cu_seqlens[:-1].clamp(max=max(self.positions.numel() - 1, 0))].tolist()
+
+
+def cu_seqlens_from_lens(lens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
+    if lens:
+        cu[1:] = torch.tensor(lens, dtype=torch.int64, device=device).cumsum(0)
+    return cu
+
+
+def packed_context(cu_seqlens: torch.Tensor, page_size: int = 64,
+                   latent_format: LatentFormat = "native") -> ForwardContext:
+    """Context for whole sequences starting at position 0 (the trainer's packed varlen batch)."""
+    device = cu_seqlens.device
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    n_pages = [(n + page_size - 1) // page_size for n in lens]
+    max_pages = max(n_pages, default=0) or 1
+    block_table = torch.zeros(len(lens), max_pages, dtype=torch.int64, device=device)
+    positions, seq_idx, slots = [], [], []
+    first = 0
+    for i, (n, p) in enumerate(zip(lens, n_pages)):
+        block_table[i, :p] = torch.arange(first, first + p, device=device)
+        pos = torch.arange(n, device=device)
+        positions.append(pos)
+        seq_idx.append(torch.full((n,), i, dtype=torch.int64, device=device))
+        slots.append(first * page_size + pos)
+        first += p
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64, device=device)  # noqa: E731
+    return ForwardContext(
+        cu_seqlens=cu_seqlens, positions=cat(positions), seq_idx=cat(seq_idx), block_table=block_table,
+        slot_mapping=cat(slots), store=EphemeralLatentStore(max(first, 1), page_size), kda_states=None,
+        latent_format=latent_format,
+    )

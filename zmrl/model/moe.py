@@ -1,0 +1,80 @@
+"""Dense GLU MLP and the routed mixture of experts (optionally in a K3-style latent)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
+from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_route
+
+from .config import ModelConfig
+from .layers import Linear, RMSNorm, Weight
+
+
+class MLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; act is SiLU (SwiGLU) or K3's SiTU-GLU."""
+
+    def __init__(self, dim: int, inter: int, glu: str = "swiglu", dtype: torch.dtype | None = None):
+        super().__init__()
+        self.gate_proj = Linear(dim, inter, dtype=dtype)
+        self.up_proj = Linear(dim, inter, dtype=dtype)
+        self.down_proj = Linear(inter, dim, dtype=dtype)
+        self.glu = situ_glu if glu == "situ" else swiglu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(Weight):
+    """``mlp.gate``: router weight [E, D] plus the selection-only correction bias [E] (fp32)."""
+
+    def __init__(self, num_experts: int, dim: int, dtype: torch.dtype | None = None):
+        super().__init__(num_experts, dim, dtype=dtype)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        d = cfg.hidden_size
+        self.latent = cfg.moe_latent_size
+        expert_dim = self.latent or d
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.gate = Router(cfg.n_routed_experts, d, dtype=dtype)
+        self.experts = nn.ModuleList(
+            MLP(expert_dim, cfg.moe_intermediate_size, cfg.moe_glu, dtype=dtype) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            MLP(d, cfg.n_shared_experts * cfg.moe_intermediate_size, cfg.moe_glu, dtype=dtype)
+            if cfg.n_shared_experts else None
+        )
+        if self.latent:
+            self.latent_down_proj = Linear(d, self.latent, dtype=dtype)
+            self.latent_norm = RMSNorm(self.latent, eps=cfg.rms_norm_eps, dtype=dtype)
+            self.latent_up_proj = Linear(self.latent, d, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        route = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.n_group,
+                          self.topk_group, self.norm_topk_prob, self.scaling)
+        h = self.latent_down_proj(x) if self.latent else x
+        # Every (token, slot) pair is computed by its expert's invariant linears; a token's result does
+        # not depend on how many other tokens chose the same expert.
+        flat_ids = route.expert_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        outs, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                outs.append(self.experts[e](h[token_of[start:start + c]]))
+            start += c
+        y_sorted = torch.cat(outs) if outs else h.new_zeros(0, h.shape[-1])
+        y = y_sorted[torch.argsort(order)].view(T, self.top_k, -1)
+        routed = moe_combine(y, route.weights, out_dtype=torch.float32)
+        if self.latent:
+            routed = self.latent_up_proj(self.latent_norm(routed, out_dtype=x.dtype), out_dtype=torch.float32)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x).float()
+        return routed.to(x.dtype)
