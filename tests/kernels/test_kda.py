@@ -337,12 +337,27 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
 
 
-def test_backward_fp32_runs():
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_backward_fp32(checkpoint, monkeypatch):
+    """Backward runs in fp32 with and without recomputation of the intra-chunk part, and the
+    recomputation changes nothing: same forward bits, same gradients."""
+    import zmrl.kernels_batch_invariant.kda.chunk as chunk_mod
+
     q, k, v, g, beta, cu, s0 = make_inputs([100, 30], 2, 16, 16, seed=62)
-    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, s0)]
+    o_ref, st_ref, _ = kda_chunk(q, k, v, g, beta, cu, initial_state=s0)  # no grad: plain path
+    monkeypatch.setattr(chunk_mod, "CHECKPOINT_INTRA", checkpoint)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, s0)]
     o, st, _ = kda_chunk(*leaves[:5], cu, initial_state=leaves[5])
+    assert torch.equal(o, o_ref) and torch.equal(st, st_ref)
     (o.square().sum() + st.square().sum()).backward()
-    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
+    grads = [x.grad for x in leaves]
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
+    monkeypatch.setattr(chunk_mod, "CHECKPOINT_INTRA", not checkpoint)
+    leaves2 = [x.detach().clone().requires_grad_() for x in leaves]
+    o2, st2, _ = kda_chunk(*leaves2[:5], cu, initial_state=leaves2[5])
+    (o2.square().sum() + st2.square().sum()).backward()
+    for a, b in zip(grads, (x.grad for x in leaves2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- l2 norm

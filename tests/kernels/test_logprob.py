@@ -141,14 +141,15 @@ def test_errors() -> None:
 @pytest.mark.parametrize("temp", [0.6, 1.0])
 def test_row_invariance(v: int, temp: float) -> None:
     """A row's log-probs are the same bits alone and in any batch, at any position, with 1 or 2
-    threads. (For V = 50257 with 2 threads, torch's own sum/logsumexp split a lone row across
-    threads on this CPU, so a stock reduction fails this.)"""
+    threads. (For V = 50257 with 2 threads, torch.sum splits a lone row across threads on this
+    CPU, so a stock reduction in place of tree_sum fails this.)"""
     n = 80 if v < 50257 else 24
     logits, tok = _logits(n, v, seed=v + 1)
     # Every other row peaked (one token 2 nats above the rest) and shifted so its max is exactly
-    # 0: then lse = log(S) with S = 1 + small, whose rounding resolves every ulp of the sum, so a
-    # reduction whose order changed with the batch or thread count would show. (With max ~ 20, the
-    # final m + log(S) rounds most such differences away and a broken op could pass by luck.)
+    # 0: then lse = log(S) with S ~ 1.2, small enough that the final rounding resolves every ulp
+    # of S, so a reduction whose order changed with the batch or thread count would show. (With
+    # max ~ 20, the final m + log(S) rounds most such differences away and a broken op could pass
+    # by luck; measured: torch.sum in place of tree_sum fails only with these rows.)
     peaked = logits[::2].clone()
     peaked[torch.arange(len(peaked)), tok[::2]] = peaked.amax(-1) + 2
     logits[::2] = peaked - peaked.amax(-1, keepdim=True)

@@ -80,16 +80,20 @@ def test_batch_invariance(n: int) -> None:
     across threads when there are few rows)."""
     g = torch.Generator().manual_seed(n)
     pool = torch.randn(80, n, generator=g) * 4
-    sizes = range(1, 71) if n <= 1000 else [1, 2, 3, 15, 16, 17, 33, 70]
-    for t_alone, t_batch in [(1, 2), (2, 1), (2, 2)]:
-        with num_threads(t_alone):
-            alone = [tree_sum(pool[i:i + 1])[0] for i in range(len(pool))]
-        with num_threads(t_batch):
-            for b in sizes:
-                idx = torch.randperm(len(pool), generator=g)[:b]
-                out = tree_sum(pool[idx])
-                for j, i in enumerate(idx.tolist()):
-                    assert torch.equal(out[j], alone[i]), (n, b, j, t_alone, t_batch)
+    sizes = list(range(1, 71)) if n <= 1000 else [1, 2, 3, 15, 16, 17, 33, 70]
+
+    def check(batch_sizes: list[int], alone: torch.Tensor) -> None:
+        for b in batch_sizes:
+            idx = torch.randperm(len(pool), generator=g)[:b]
+            assert torch.equal(tree_sum(pool[idx]), alone[idx]), (n, b)
+
+    with num_threads(1):
+        alone = torch.stack([tree_sum(pool[i:i + 1])[0] for i in range(len(pool))])
+        check(sizes, alone)
+    with num_threads(2):  # fewer calls: 2 threads on a loaded 2-core box are slow
+        stride = 1 if n > 1000 else 9  # a lone long row is what a stock sum splits across threads
+        assert all(torch.equal(tree_sum(pool[i:i + 1])[0], alone[i]) for i in range(0, len(pool), stride))
+        check([1, 2, 3, 15, 16, 17, 33, 64, 70], alone)
 
 
 def test_invariance_over_other_dims() -> None:

@@ -102,3 +102,11 @@ def test_gradcheck():
         return causal_short_conv(x, w, cu, s)
 
     assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+
+
+def test_hf_weight_shape():
+    x, weight, cu, state = make([9, 4], 16, seed=7, with_state=True)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(causal_short_conv(x, weight[:, None, :], cu, state), causal_short_conv(x, weight, cu, state))
+    )

@@ -3,3 +3,8 @@ on that token's own inputs (and its context) alone. See DESIGN §2."""
 from ._dispatch import InvariantOp, get_mode, invariant_op, kernel_mode, set_mode
 from .matmul import bmm_fixed, grouped_linear, linear
 from .reduce import tree_mean, tree_sum
+
+__all__ = [
+    "InvariantOp", "bmm_fixed", "get_mode", "grouped_linear", "invariant_op", "kernel_mode", "linear", "set_mode",
+    "tree_mean", "tree_sum",
+]

@@ -51,7 +51,7 @@ def causal_short_conv(
     conv_state: torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, C] packed tokens; weight: [C, W]; cu_seqlens: [N+1] int64;
+    """x: [T, C] packed tokens; weight: [C, W] (or [C, 1, W]); cu_seqlens: [N+1] int64;
     conv_state: [N, W-1, C] previous inputs, oldest first (None = zeros = sequence start).
 
     Returns (y [T, C] in x.dtype, new_state [N, W-1, C] in x.dtype).
@@ -67,7 +67,7 @@ def causal_short_conv(
     src = torch.cat([x.to(cdt), conv_state.to(cdt).reshape(n * (w - 1), c)], dim=0)
     win, last = _window_index(cu_seqlens, t, w)
     xw = src[win]  # [T, W, C]
-    wt = weight.to(cdt)
+    wt = weight.to(cdt).reshape(c, w)  # also accepts HF's [C, 1, W]
     y = xw[:, 0] * wt[:, 0]
     for i in range(1, w):
         y = y + xw[:, i] * wt[:, i]
@@ -92,7 +92,8 @@ def causal_short_conv_ref(
     for s in range(len(cu) - 1):
         prev = x.new_zeros(w - 1, c) if conv_state is None else conv_state[s]
         ext = torch.cat([prev.double(), x[cu[s] : cu[s + 1]].double()], dim=0)  # [W-1+L, C]
-        y = torch.nn.functional.conv1d(ext.t()[None], weight.double()[:, None, :], groups=c)[0].t()
+        wd = weight.double().reshape(c, 1, w)
+        y = torch.nn.functional.conv1d(ext.t()[None], wd, groups=c)[0].t()
         if activation == "silu":
             y = torch.nn.functional.silu(y)
         ys.append(y)

@@ -11,12 +11,14 @@ Why row r of a chunk is bitwise the same whether rows > r are real (training/pre
 padding (decode re-running the current chunk):
 
 * the within-chunk cumsum of g is an explicit scan, row by row;
-* A_kk / A_qk entries are formed from masked exponent differences ``exp(gc_i - gc_j)`` (j <= i,
-  masked to -inf before exp, never factored as ``exp(gc_i) * exp(-gc_j)``, which overflows) and
-  reduced over d with ``tree_sum``: each entry is a function of rows i and j only;
-* the triangular solve ``(I + A_kk) X = diag(beta) [exp(gc) * K | V]`` is a forward substitution,
-  one row per step, whose inner sum over j is a ``tree_sum`` over the full width 64 (zeros for
-  j >= i), so row i never sees rows > i;
+* A_kk / A_qk are built per 16-row sub-block: off-diagonal blocks as one fixed-shape product
+  factored through the decay at the block's first row (both exponents <= 0, so no overflow: the
+  naive exp(gc_i) * exp(-gc_j) overflows once the in-chunk decay passes ~88), diagonal blocks
+  from masked exponent differences reduced with ``tree_sum``: entry (i, j) depends on rows
+  <= i only;
+* the triangular solve ``(I + A_kk) X = diag(beta) [exp(gc) * K | V]`` is blocked the same way
+  (one fixed-shape product with the solved rows before the block, then row-by-row substitution
+  inside it), so row i never sees rows > i;
 * the remaining products are ``bmm_fixed`` with per-(chunk, head) shapes fixed by the model
   ([64, dk] @ [dk, dv], [64, 64] @ [64, dv], [dk, 64] @ [64, dv]); row r of such a product reads
   row r of the left operand and, through exact zeros, nothing of rows > r.
@@ -30,12 +32,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .._dispatch import invariant_op
 from ..matmul import bmm_fixed
 from ..reduce import tree_sum
 
 CHUNK_SIZE = 64
+# Under autograd, recompute the intra-chunk part in backward instead of keeping its per-row
+# intermediates (about 64 * T * H * (3*dk + dv) floats: ~0.5-1 GB for 2048 tokens at H=4,
+# dk=dv=64). The recomputation is the same deterministic code, so values are unchanged.
+CHECKPOINT_INTRA = True
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,13 +113,7 @@ def _scan_rows(g: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows, dim=1)
 
 
-def _pad_rows(rows: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """Stack per-row tensors [CH, ...] along dim 1 and zero-fill up to 64 rows."""
-    x = torch.stack(rows, dim=1)
-    missing = CHUNK_SIZE - x.shape[1]
-    if missing:
-        x = torch.cat([x, like.new_zeros(x.shape[0], missing, *x.shape[2:])], dim=1)
-    return x
+SUB = 16  # sub-block size of the intra-chunk products
 
 
 def _intra_chunk(
@@ -123,35 +124,59 @@ def _intra_chunk(
     qc (already scaled), kc, gc (cumulative log-decay): [CH, 64, dk]; vc: [CH, 64, dv];
     bc: [CH, 64, 1]. Returns (A_qk [CH, 64, 64] lower incl. diagonal, W [CH, 64, dk],
     U [CH, 64, dv]) with X = [W | U] = (I + A_kk)^-1 diag(beta) [exp(gc) * K | V].
-    Rows >= n_rows are pad rows in every chunk; they are returned as zeros, which is what the full
-    computation gives for them too (beta = 0 there), up to the sign of zero.
+
+    The chunk is cut into 16-row sub-blocks. Entries of an off-diagonal block (I, J < I) factor
+    through the decay at the first row ``r`` of block I: exp(gc_i - gc_j) = exp(gc_i - gc_r) *
+    exp(gc_r - gc_j), both exponents <= 0 (no overflow), and the block is one fixed-shape
+    ``bmm_fixed`` product, so entry (i, j) is a function of rows i, j and r <= i alone. Diagonal
+    blocks use masked exponent differences reduced with ``tree_sum``. The solve is blocked the same
+    way: a block's right-hand side subtracts one fixed-shape product with the already solved rows
+    before it, then rows are substituted one by one inside the block. Row i therefore never reads
+    rows > i, which is what lets decode re-run a partial chunk and get the full chunk's bits.
+    Rows >= n_rows (padding in every chunk) are returned as zeros.
     """
-    c = CHUNK_SIZE
-    dk = kc.shape[-1]
-    cols = torch.arange(c, device=kc.device)
+    c, dk = CHUNK_SIZE, kc.shape[-1]
+    ch = qc.shape[0]
     rhs = bc * torch.cat([torch.exp(gc) * kc, vc], dim=-1)  # [CH, 64, dk+dv]
-    # Reduced dims go first ([d, CH, 64], [j, CH, E]): tree_sum then halves contiguous blocks.
-    # The layout changes speed only; every sum is still the same tree of the same IEEE adds.
-    q_t, k_t, g_t = (x.permute(2, 0, 1).contiguous() for x in (qc, kc, gc))  # [dk, CH, 64]
-    b_t = bc[..., 0]  # [CH, 64]
-    a_qk_rows: list[torch.Tensor] = []
-    x_rows: list[torch.Tensor] = []  # solved rows of X, each [CH, dk+dv]
-    for i in range(n_rows):
-        # exp(gc_i - gc_j) for j <= i; masked before exp so no overflow and exact zeros for j > i.
-        diff = g_t[:, :, i : i + 1] - g_t  # [dk, CH, 64(j)]
-        decay = torch.exp(torch.where(cols <= i, diff, float("-inf")))
-        k_dec = k_t * decay
-        a_qk_rows.append(tree_sum(q_t[:, :, i : i + 1] * k_dec, dim=0))  # [CH, 64(j)]
-        if i == 0:
-            x_rows.append(rhs[:, 0])
-            continue
-        a_kk = tree_sum(k_t[:, :, i : i + 1] * k_dec, dim=0) * b_t[:, i : i + 1]  # [CH, 64(j)]
-        a_kk = torch.where(cols < i, a_kk, 0.0)
-        solved = torch.stack(x_rows, dim=0)  # [i, CH, E]
-        solved = torch.cat([solved, solved.new_zeros(c - i, *solved.shape[1:])], dim=0)  # zeros j >= i
-        x_rows.append(rhs[:, i] - tree_sum(a_kk.t().unsqueeze(-1) * solved, dim=0))
-    a_qk = _pad_rows(a_qk_rows, qc)
-    x = _pad_rows(x_rows, qc)
+    tri_incl = torch.ones(SUB, SUB, dtype=torch.bool, device=kc.device).tril()
+    tri_strict = tri_incl.tril(-1)
+    n_blocks = -(-n_rows // SUB)
+    a_qk_blocks: list[torch.Tensor] = []
+    x_blocks: list[torch.Tensor] = []
+    for blk in range(n_blocks):
+        lo, hi = blk * SUB, (blk + 1) * SUB
+        g_i, q_i, k_i, b_i = gc[:, lo:hi], qc[:, lo:hi], kc[:, lo:hi], bc[:, lo:hi]
+        # Diagonal block: exp(gc_i - gc_j) masked before exp (exact zeros above the diagonal).
+        diff = g_i[:, :, None, :] - g_i[:, None, :, :]  # [CH, 16(i), 16(j), dk]
+        dec = torch.exp(torch.where(tri_incl[:, :, None], diff, float("-inf")))
+        kj_dec = k_i[:, None, :, :] * dec
+        qk_diag = tree_sum(q_i[:, :, None, :] * kj_dec, dim=-1)  # [CH, 16, 16]
+        kk_diag = torch.where(tri_strict, tree_sum(k_i[:, :, None, :] * kj_dec, dim=-1), 0.0) * b_i
+        rhs_blk = rhs[:, lo:hi]
+        if blk:
+            g_ref = g_i[:, :1]  # decay at the block's first row
+            left = torch.exp(g_i - g_ref)  # <= 1
+            right = kc[:, :lo] * torch.exp(g_ref - gc[:, :lo])  # <= 1
+            right_t = right.transpose(1, 2)
+            qk_off = bmm_fixed(q_i * left, right_t)  # [CH, 16, lo]
+            kk_off = bmm_fixed(k_i * left, right_t) * b_i
+            a_qk_blocks.append(torch.cat([qk_off, qk_diag, qk_diag.new_zeros(ch, SUB, c - hi)], dim=-1))
+            rhs_blk = rhs_blk - bmm_fixed(kk_off, torch.cat(x_blocks, dim=1))
+        else:
+            a_qk_blocks.append(torch.cat([qk_diag, qk_diag.new_zeros(ch, SUB, c - hi)], dim=-1))
+        rows: list[torch.Tensor] = [rhs_blk[:, 0]]
+        for r in range(1, min(SUB, n_rows - lo)):
+            solved = torch.stack(rows, dim=1)  # [CH, r, E]
+            rows.append(rhs_blk[:, r] - bmm_fixed(kk_diag[:, r : r + 1, :r], solved).squeeze(1))
+        x_blk = torch.stack(rows, dim=1)
+        if x_blk.shape[1] < SUB:
+            x_blk = torch.cat([x_blk, x_blk.new_zeros(ch, SUB - x_blk.shape[1], x_blk.shape[-1])], dim=1)
+        x_blocks.append(x_blk)
+    a_qk = torch.cat(a_qk_blocks, dim=1)
+    x = torch.cat(x_blocks, dim=1)
+    if a_qk.shape[1] < c:
+        a_qk = torch.cat([a_qk, a_qk.new_zeros(ch, c - a_qk.shape[1], c)], dim=1)
+        x = torch.cat([x, x.new_zeros(ch, c - x.shape[1], x.shape[-1])], dim=1)
     return a_qk, x[..., :dk], x[..., dk:]
 
 
@@ -206,7 +231,10 @@ def kda_chunk(
     gc = _scan_rows(_to_chunks(g, lay, cdt))
     bc = _to_chunks(beta.unsqueeze(-1), lay, cdt)
 
-    a_qk, w, u = _intra_chunk(qc, kc, vc, gc, bc, lay.n_rows)
+    if CHECKPOINT_INTRA and torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, gc, bc)):
+        a_qk, w, u = checkpoint(_intra_chunk, qc, kc, vc, gc, bc, lay.n_rows, use_reentrant=False)
+    else:
+        a_qk, w, u = _intra_chunk(qc, kc, vc, gc, bc, lay.n_rows)
     q_dec = qc * torch.exp(gc)  # inter-chunk read-out weights
     g_last = gc[:, -1]  # [CH, dk]
     k_decT = (torch.exp(g_last[:, None, :] - gc) * kc).transpose(1, 2).contiguous()  # [CH, dk, 64]
@@ -228,10 +256,12 @@ def kda_chunk(
         done = [i for i, s in enumerate(act) if lay.n_complete[s] > c]
         if not done:
             continue
+        # Only complete chunks advance the state; a trailing partial chunk leaves it at its start.
         sel = torch.tensor(done, dtype=torch.int64, device=dev)
         cid_done = cid[sel]
-        s_next = per_chunk(s_decay, cid_done) * s_in.view(len(act), h, dk, dv)[sel].reshape(-1, dk, dv)
-        s_next = s_next + bmm_fixed(per_chunk(k_decT, cid_done), v_e.view(len(act), h, CHUNK_SIZE, dv)[sel].reshape(-1, CHUNK_SIZE, dv))
+        s_prev = s_in.view(len(act), h, dk, dv)[sel].reshape(-1, dk, dv)
+        v_e_done = v_e.view(len(act), h, CHUNK_SIZE, dv)[sel].reshape(-1, CHUNK_SIZE, dv)
+        s_next = per_chunk(s_decay, cid_done) * s_prev + bmm_fixed(per_chunk(k_decT, cid_done), v_e_done)
         s_next = s_next.view(len(done), h, dk, dv)
         seqs_done = [act[i] for i in done]
         s_cur = s_cur.index_copy(0, torch.tensor(seqs_done, dtype=torch.int64, device=dev), s_next)
