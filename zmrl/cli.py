@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_smoke)
+
+    from zmrl.rollout.planner import add_plan_subcommand
+
+    add_plan_subcommand(sub)
     return parser
 
 

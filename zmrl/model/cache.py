@@ -42,17 +42,20 @@ class ModelCache:
 
     def release(self, seq: SequenceState) -> None:
         self.free_pages.extend(reversed(seq.pages))
-        seq.pages = []
-        seq.kda.clear()
-        seq.num_tokens = 0
+        seq.reset()
 
-    def context(self, seqs: list[SequenceState], num_new: list[int], record_snapshots: bool = False) -> ForwardContext:
-        """Allocate pages for ``num_new`` tokens of each sequence and describe the batch."""
+    def context(self, seqs: list[SequenceState], num_new: list[int], record_snapshots: bool = False,
+                allocate: bool = True) -> ForwardContext:
+        """Describe the batch (allocating pages for ``num_new`` tokens of each sequence unless the caller,
+        e.g. the engine's block manager, already did)."""
         for s, n in zip(seqs, num_new):
             if s.num_tokens + n > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence would reach {s.num_tokens + n} tokens, more than "
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
-            self.allocate(s, n)
+            if allocate:
+                self.allocate(s, n)
+            elif self.pages_needed(s, n):
+                raise CacheFullError(f"sequence has {len(s.pages)} pages, needs {self.pages_needed(s, n)} more")
         dev = self.device
         max_pages = max((len(s.pages) for s in seqs), default=1) or 1
         block_table = torch.zeros(len(seqs), max_pages, dtype=torch.int64)

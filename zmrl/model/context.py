@@ -27,8 +27,14 @@ class KDASeqState:
     conv: torch.Tensor | None = None  # [W-1, 3*H*dk] last short-conv inputs
     state: torch.Tensor | None = None  # [H, dk, dv] fp32
     pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # state after each chunk completed during the last forward (prefix-cache snapshots): abs end pos -> state
-    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Chunk boundaries completed during the last forward (prefix-cache snapshots):
+    # absolute position -> (fp32 state, conv inputs before it) — all a sequence resuming there needs.
+    snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def clone(self) -> "KDASeqState":
+        copy = lambda t: None if t is None else t.clone()  # noqa: E731
+        pending = None if self.pending is None else tuple(t.clone() for t in self.pending)
+        return KDASeqState(conv=copy(self.conv), state=copy(self.state), pending=pending)
 
     @property
     def num_pending(self) -> int:
@@ -42,6 +48,11 @@ class SequenceState:
     kda: dict[int, KDASeqState] = field(default_factory=dict)
     num_tokens: int = 0  # tokens whose cache entries and states exist
     pages: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.kda.clear()
+        self.num_tokens = 0
+        self.pages = []
 
 
 class LatentStore:
@@ -102,6 +113,12 @@ class PagedLatentStore(LatentStore):
         k8.view(torch.uint8).view(-1, k8.shape[-1])[slots] = index_k8.view(torch.uint8)
         ks.view(-1)[slots] = index_scale
         return kv, k8, ks
+
+    @torch.no_grad()
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one page of every layer (a forked sequence gets its own copy of a partial page)."""
+        for t in (*self.kv.values(), *self.kscale.values(), *(k.view(torch.uint8) for k in self.k8.values())):
+            t[dst].copy_(t[src])
 
 
 @dataclass

@@ -65,13 +65,13 @@ class KimiDeltaAttention(nn.Module):
         states = [self._state(ctx, i) for i in range(n)]
 
         # Short conv over q|k|v at once (depthwise: channels are independent).
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_w = torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
         conv_in = None
         if any(s.conv is not None for s in states):
-            conv_in = torch.stack([s.conv if s.conv is not None else qkv.new_zeros(self.conv_size - 1, qkv.shape[-1])
+            conv_in = torch.stack([s.conv if s.conv is not None else qkv_in.new_zeros(self.conv_size - 1, qkv_in.shape[-1])
                                    for s in states])
-        qkv, conv_out = causal_short_conv(qkv, conv_w, ctx.cu_seqlens, conv_in, activation="silu")
+        qkv, conv_out = causal_short_conv(qkv_in, conv_w, ctx.cu_seqlens, conv_in, activation="silu")
         q, k, v = qkv.split(H * K, dim=-1)
         q = l2_norm(q.view(T, H, K), out_dtype=torch.float32)
         k = l2_norm(k.view(T, H, K), out_dtype=torch.float32)
@@ -85,8 +85,20 @@ class KimiDeltaAttention(nn.Module):
         o = rms_norm_gated(o, gate.view(T, H, K), self.o_norm.weight, self.o_norm.eps, out_dtype=x.dtype)
         if ctx.kda_states is not None:
             for i, s in enumerate(states):
+                if s.snapshots:
+                    self._snapshot_conv(s, i, qkv_in, conv_in, ctx)
                 s.conv = conv_out[i].detach()
         return self.o_proj(o.reshape(T, H * K))
+
+    def _snapshot_conv(self, s: KDASeqState, i: int, qkv_in: torch.Tensor, conv_in: torch.Tensor | None,
+                       ctx: ForwardContext) -> None:
+        """Pair each recorded chunk-boundary state with the short-conv inputs just before that boundary."""
+        a, b = int(ctx.cu_seqlens[i]), int(ctx.cu_seqlens[i + 1])
+        w = self.conv_size - 1
+        prev = conv_in[i] if conv_in is not None else qkv_in.new_zeros(w, qkv_in.shape[-1])
+        rows = torch.cat([prev, qkv_in[a:b]]).detach()
+        start = ctx.start_positions[i]
+        s.snapshots = {pos: (state, rows[pos - start: pos - start + w].clone()) for pos, state in s.snapshots.items()}
 
     def _state(self, ctx: ForwardContext, i: int) -> KDASeqState:
         if ctx.kda_states is None:

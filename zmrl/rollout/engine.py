@@ -1,0 +1,363 @@
+"""An offline rollout engine in the style of vLLM's ``LLM.generate`` / nano-vllm.
+
+Continuous batching with chunked prefill under a token budget, a paged cache shared by every MLA
+layer (latent + FP8 index keys per block row) with per-request KDA state, prefix caching by block
+hash (latents, index keys and the KDA snapshot at the block end), preemption by recompute, and
+``n > 1`` samples forked from the prompt's blocks. Every token runs through the same model modules
+and batch-invariant ops as the trainer, and sampling noise depends only on (seed, request,
+position), so a request's tokens and log-probs do not depend on what else ran with it.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from zmrl.model import ModelCache
+from zmrl.model.context import KDASeqState, SequenceState
+
+from .block_manager import BlockManager, block_hash
+from .sampling import SamplingParams, request_key, sample
+
+log = logging.getLogger(__name__)
+
+
+def _as_token_list(tokens) -> list:
+    return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 64
+    num_blocks: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    latent_format: str = "native"  # "native" (model dtype) or "fp8"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def validate(self) -> "EngineConfig":
+        for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.latent_format not in ("native", "fp8"):
+            raise ValueError(f"EngineConfig.latent_format must be 'native' or 'fp8', got {self.latent_format!r}")
+        return self
+
+
+@dataclass
+class RolloutOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: torch.Tensor  # [len(token_ids)] float32: log_softmax(logits / T)[token] (raw logits at T = 0)
+    finish_reason: str  # "stop" | "length" | "error"
+    temperature: float = 1.0
+    seed: int = 0
+    weights_version: int = 0
+    num_preemptions: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    fork_ids: list[str] = field(default_factory=list)  # siblings to fork when the prompt is done (n > 1)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    seq: SequenceState = field(default_factory=SequenceState)
+    hashes: list[int] = field(default_factory=list)  # hashes of this request's computed full blocks
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.key = request_key(self.request_id)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_computed(self) -> int:
+        return self.seq.num_tokens
+
+
+class RolloutEngine:
+    def __init__(self, model, config: EngineConfig | None = None):
+        self.model = model.eval()
+        self.config = (config or EngineConfig()).validate()
+        mcfg = model.config
+        self.max_model_len = self.config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"EngineConfig.max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mcfg.max_position_embeddings}")
+        self.block_size = self.config.block_size
+        self.blocks = BlockManager(self.config.num_blocks, self.block_size, self.config.enable_prefix_caching)
+        self.cache = ModelCache(mcfg, num_pages=self.config.num_blocks, page_size=self.block_size,
+                                dtype=model.dtype, device=model.device, latent_format=self.config.latent_format)
+        self.kda_layers = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_kda_layer(i)]
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished: list[RolloutOutput] = []
+        self._ids: set[str] = set()
+        self.weights_version = 0
+        self.num_steps = self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt) == 0:
+            raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range for vocab_size={vocab} (allowed 0..{vocab - 1})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the limit is max_model_len - 1 = {self.max_model_len - 1}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
+        params = sampling or SamplingParams()
+        prompt = _as_token_list(prompt_token_ids)
+        self._validate(prompt, params)
+        ids = [str(request_id)] if params.n == 1 else [f"{request_id}-{j}" for j in range(params.n)]
+        dup = [i for i in ids if i in self._ids]
+        if dup:
+            raise ValueError(f"request id {dup[0]!r} is already in use by an unfinished request")
+        self._ids.update(ids)
+        req = Request(ids[0], prompt, params, fork_ids=ids[1:])
+        longest = min(len(prompt) + params.max_tokens, self.max_model_len)
+        if -(-longest // self.block_size) > self.config.num_blocks:
+            msg = (f"request {req.request_id!r} needs up to {longest} tokens = {-(-longest // self.block_size)} blocks "
+                   f"of {self.block_size}, but the cache has only num_blocks={self.config.num_blocks}")
+            for rid in ids:
+                self._finish(Request(rid, prompt, params), "error", error=msg)
+            return
+        self.waiting.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._finished)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
+                 request_ids: list[str] | None = None, use_tqdm: bool = False) -> list[RolloutOutput]:
+        """Run every prompt to completion; outputs in prompt order (n > 1: samples of a prompt together)."""
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = request_ids or [str(i) for i in range(len(prompts))]
+        for p, sp in zip(prompts, params):  # validate everything before anything runs
+            self._validate(_as_token_list(p), sp)
+        order: dict[str, int] = {}
+        for i, (rid, p, sp) in enumerate(zip(ids, prompts, params)):
+            self.add_request(rid, p, sp)
+            for j in range(sp.n):
+                order[rid if sp.n == 1 else f"{rid}-{j}"] = len(order)
+        outs: list[RolloutOutput] = []
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(order), desc="rollout", unit="seq")
+        while self.has_unfinished_requests():
+            done = self.step()
+            outs.extend(done)
+            if bar is not None:
+                bar.update(len(done))
+        if bar is not None:
+            bar.close()
+        return sorted(outs, key=lambda o: order.get(o.request_id, len(order)))
+
+    # ------------------------------------------------------------------ scheduling
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        return max(0, -(-(req.num_computed + n) // self.block_size) - len(req.seq.pages))
+
+    def _grow(self, req: Request, n: int) -> None:
+        req.seq.pages.extend(self.blocks.allocate(self._blocks_needed(req, n)))
+
+    def _preempt(self, req: Request) -> None:
+        """Free everything the request holds; it recomputes prompt + output so far when rescheduled."""
+        self.blocks.release(req.seq.pages)
+        req.seq.reset()
+        req.hashes = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        log.debug("preempted %s at %d tokens", req.request_id, len(req.tokens))
+
+    def _full_block_hashes(self, tokens: list[int], n_blocks: int, start: list[int]) -> list[int]:
+        hashes = list(start)
+        bs = self.block_size
+        for b in range(len(hashes), n_blocks):
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[b * bs:(b + 1) * bs], self.weights_version))
+        return hashes
+
+    def _apply_prefix_cache(self, req: Request) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        # At least the last token must be computed: its logits are needed for sampling.
+        n_full = (len(req.tokens) - 1) // self.block_size
+        hashes = self._full_block_hashes(req.tokens, n_full, [])
+        blocks, snapshot = self.blocks.match_prefix(hashes)
+        if not blocks:
+            return
+        self.blocks.share(blocks)
+        req.seq.pages = list(blocks)
+        req.seq.num_tokens = len(blocks) * self.block_size
+        req.seq.kda = {layer: KDASeqState(conv=conv.clone(), state=state.clone())
+                       for layer, (state, conv) in snapshot.items()}
+        req.hashes = hashes[: len(blocks)]
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget = self.config.max_num_batched_tokens
+        batch: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.tokens) - req.num_computed, budget)
+            preempted_self = False
+            while self._blocks_needed(req, n) > self.blocks.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                continue
+            self._grow(req, n)
+            batch.append((req, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_computed == 0 and not req.seq.pages:
+                self._apply_prefix_cache(req)
+            n = min(len(req.tokens) - req.num_computed, budget)
+            if self._blocks_needed(req, n) > self.blocks.num_free:
+                if req.seq.pages:  # give prefix-cache references back while it waits
+                    self.blocks.release(req.seq.pages)
+                    req.seq.reset()
+                    req.hashes = []
+                break
+            self._grow(req, n)
+            self.waiting.popleft()
+            self.running.append(req)
+            batch.append((req, n))
+            budget -= n
+        return batch
+
+    # ------------------------------------------------------------------ execution
+    def step(self) -> list[RolloutOutput]:
+        """Schedule and run one forward; returns the requests that finished in this step."""
+        batch = self._schedule()
+        if batch:
+            self._run(batch)
+            self.num_steps += 1
+        elif self.waiting and not self.running:
+            raise RuntimeError("scheduler made no progress with an empty running set (this is a bug)")
+        out, self._finished = self._finished, []
+        return out
+
+    @torch.no_grad()
+    def _run(self, batch: list[tuple[Request, int]]) -> None:
+        reqs = [r for r, _ in batch]
+        lens = [n for _, n in batch]
+        ctx = self.cache.context([r.seq for r in reqs], lens, record_snapshots=self.config.enable_prefix_caching,
+                                 allocate=False)
+        ids = torch.tensor([t for r, n in batch for t in r.tokens[r.num_computed:r.num_computed + n]],
+                           dtype=torch.int64, device=self.model.device)
+        hidden = self.model(ids, ctx)
+        for r, n in batch:
+            r.seq.num_tokens += n
+            self._register_blocks(r)
+        rows = [j for j, r in enumerate(reqs) if r.num_computed == len(r.tokens)]
+        if not rows:
+            return
+        last = ctx.cu_seqlens[1:][torch.tensor(rows)] - 1
+        logits = self.model.compute_logits(hidden[last])
+        samplers: list[tuple[Request, int]] = []  # (request, row of logits)
+        for row, j in enumerate(rows):
+            r = reqs[j]
+            samplers.append((r, row))
+            if r.fork_ids:
+                samplers.extend((child, row) for child in self._fork(r))
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        ok = [(r, row) for r, row in samplers if finite[row]]
+        for r, row in samplers:
+            if not finite[row]:
+                self._drop(r, "error", error=f"non-finite logits for request {r.request_id!r} at position {len(r.tokens)}")
+        if not ok:
+            return
+        tokens, lps = sample(logits[[row for _, row in ok]], [r.params for r, _ in ok], [r.key for r, _ in ok],
+                             [len(r.tokens) for r, _ in ok])
+        for (r, _), t, lp in zip(ok, tokens.tolist(), lps):
+            r.output.append(t)
+            r.logprobs.append(lp.reshape(1))
+            p = r.params
+            if t in p.stop_token_ids:
+                self._drop(r, "stop")
+            elif len(r.output) >= p.max_tokens or len(r.tokens) >= self.max_model_len:
+                self._drop(r, "length")
+
+    def _register_blocks(self, r: Request) -> None:
+        """Publish the request's newly completed full blocks (with their KDA snapshots) for prefix caching."""
+        if not self.config.enable_prefix_caching:
+            return
+        n_full = r.num_computed // self.block_size
+        if n_full <= len(r.hashes):
+            return
+        first_new = len(r.hashes)
+        r.hashes = self._full_block_hashes(r.tokens, n_full, r.hashes)
+        for b in range(first_new, n_full):
+            end = (b + 1) * self.block_size
+            snap = {}
+            for layer in self.kda_layers:
+                st = r.seq.kda.get(layer)
+                if st is None or end not in st.snapshots:
+                    return  # computed before snapshots were recorded: leave it unpublished
+                snap[layer] = st.snapshots[end]
+            self.blocks.register(r.seq.pages[b], r.hashes[b], snap)
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Siblings of an n > 1 request share the prompt's full blocks and copy its partial last block."""
+        children = []
+        for cid in parent.fork_ids:
+            child = Request(cid, parent.prompt, parent.params)
+            n_full = parent.num_computed // self.block_size
+            partial = parent.num_computed % self.block_size != 0
+            if partial and self.blocks.num_free == 0:
+                self.waiting.appendleft(child)  # no block to copy into: it recomputes (or hits the prefix cache)
+                continue
+            shared = parent.seq.pages[:n_full]
+            self.blocks.share(shared)
+            pages = list(shared)
+            if partial:
+                (new,) = self.blocks.allocate(1)
+                self.cache.store.copy_page(parent.seq.pages[n_full], new)
+                pages.append(new)
+            child.seq = SequenceState(kda={k: v.clone() for k, v in parent.seq.kda.items()},
+                                      num_tokens=parent.num_computed, pages=pages)
+            child.hashes = list(parent.hashes)
+            self.running.append(child)
+            children.append(child)
+        parent.fork_ids = []
+        return children
+
+    def _drop(self, r: Request, reason: str, error: str | None = None) -> None:
+        self.blocks.release(r.seq.pages)
+        r.seq.reset()
+        if r in self.running:
+            self.running.remove(r)
+        self._finish(r, reason, error)
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        self._ids.discard(r.request_id)
+        lp = torch.cat(r.logprobs) if r.logprobs else torch.zeros(0, dtype=torch.float32)
+        self._finished.append(RolloutOutput(
+            request_id=r.request_id, prompt_token_ids=list(r.prompt), token_ids=list(r.output), logprobs=lp,
+            finish_reason=reason, temperature=r.params.temperature, seed=r.params.seed,
+            weights_version=self.weights_version, num_preemptions=r.num_preemptions, error=error,
+        ))
