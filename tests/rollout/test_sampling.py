@@ -88,7 +88,9 @@ def test_params_normalised_and_frozen() -> None:
         p.seed = 3  # type: ignore[misc]
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=1e-3).greedy
     d = SamplingParams()
-    assert (d.temperature, d.top_p, d.top_k, d.max_tokens, d.seed, d.stop_token_ids, d.n) == (1.0, 1.0, -1, 16, 0, (), 1)
+    got = (d.temperature, d.top_p, d.top_k, d.max_tokens, d.seed, d.stop_token_ids, d.n)
+    assert got == (1.0, 1.0, -1, 16, 0, (), 1)
+    assert str(SamplingParams(temperature=-0.0).temperature) == "0.0"
     assert SamplingParams(seed=1 << 80).seed == 1 << 80  # wide seeds are allowed (folded in the hash)
 
 

@@ -10,8 +10,10 @@ from zmrl.kernels_batch_invariant import linear
 class Linear(nn.Module):
     """``y = x @ W.T`` through the invariant ``linear`` op.
 
-    ``adapter`` is the hook the LoRA package uses: when set, its output is added to the base
-    output unfused, so the engine and the trainer compute ``base(x) + adapter(x)`` identically.
+    ``adapter`` is the hook the LoRA package uses: when set, its fp32 output is added to the fp32
+    base output before the single rounding, unfused, so the engine and the trainer compute
+    ``base(x) + adapter(x)`` identically. ``extra`` does the same for a per-call delta (batched
+    expert LoRA, whose tensors live in the MoE layer).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
@@ -21,11 +23,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         self.adapter: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, out_dtype=torch.float32 if self.adapter is not None else out_dtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                extra: torch.Tensor | None = None) -> torch.Tensor:
+        if self.adapter is None and extra is None:
+            return linear(x, self.weight, self.bias, out_dtype=out_dtype)
+        y = linear(x, self.weight, self.bias, out_dtype=torch.float32)
         if self.adapter is not None:
-            y = (y + self.adapter(x)).to(out_dtype or x.dtype)
-        return y
+            y = y + self.adapter(x)
+        if extra is not None:
+            y = y + extra
+        return y.to(out_dtype or x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

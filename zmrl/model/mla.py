@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zmrl.kernels_batch_invariant import grouped_linear
+from zmrl.kernels_batch_invariant import grouped_linear, linear
 from zmrl.kernels_batch_invariant.dsa_indexer import dsa_index_scores, dsa_topk
 from zmrl.kernels_batch_invariant.fp8 import fake_quant_fp8, quantize_fp8
 from zmrl.kernels_batch_invariant.hadamard import hadamard_rotate
@@ -85,6 +85,11 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope:]
 
+    def _lora_b_halves(self, lora) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b's LoRA B [H*(nope+v), r] split per head into B_UK [H, nope, r] and B_UV [H, v, r]."""
+        b = lora.lora_B.view(self.num_heads, self.nope + self.v_dim, -1)
+        return b[:, : self.nope], b[:, self.nope:]
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         if hasattr(self, "q_proj"):
@@ -116,6 +121,13 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._kv_b()
         # q_lat[t, h] = q_nope[t, h] @ W_UK[h]: per head, rows tiled like every other linear.
         q_lat = grouped_linear(q_nope.transpose(0, 1), w_uk.transpose(1, 2), out_dtype=torch.float32).transpose(0, 1)
+        lora = self.kv_b_proj.adapter
+        if lora is not None:
+            # kv_b's LoRA in the absorbed form, unfused: + scale * (q_nope[h] @ B_UK[h]) @ A
+            b_uk, _ = self._lora_b_halves(lora)
+            t = grouped_linear(q_nope.transpose(0, 1), b_uk.transpose(1, 2), out_dtype=torch.float32)  # [H, T, r]
+            q_lat = q_lat + lora.scale * grouped_linear(t, lora.lora_A.t().unsqueeze(0).expand(
+                self.num_heads, -1, -1).contiguous(), out_dtype=torch.float32).transpose(0, 1)
         if self.indexer is not None:
             positions = self.indexer.select(x, q_latent, k8_cache, ks_cache, ctx, self.rope)
             o_lat = mla_attention(q_lat, q_pe.float(), kv_cache, ctx.block_table, ctx.seq_idx, positions,
@@ -123,7 +135,15 @@ class MLAAttention(nn.Module):
         else:
             o_lat = mla_attention_dense(q_lat, q_pe.float(), kv_cache, ctx.block_table, ctx.seq_idx,
                                         ctx.positions, self.softmax_scale, self.kv_lora_rank)
-        o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=x.dtype).transpose(0, 1)  # [T, H, v]
+        if lora is None:
+            o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=x.dtype).transpose(0, 1)  # [T, H, v]
+        else:
+            # + scale * (o_lat[h] @ A^T) @ B_UV[h]^T, added in fp32 before the single rounding
+            _, b_uv = self._lora_b_halves(lora)
+            o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=torch.float32)
+            a = linear(o_lat.reshape(-1, self.kv_lora_rank), lora.lora_A, out_dtype=torch.float32)
+            a = a.view(T, H, -1).transpose(0, 1)  # [H, T, r]
+            o = (o + lora.scale * grouped_linear(a, b_uv, out_dtype=torch.float32)).to(x.dtype).transpose(0, 1)
         o = o.reshape(T, H * self.v_dim)
         if hasattr(self, "g_proj"):
             o = (o.float() * sigmoid(self.g_proj(x, out_dtype=torch.float32))).to(x.dtype)

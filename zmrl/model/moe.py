@@ -21,8 +21,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, dim, dtype=dtype)
         self.glu = situ_glu if glu == "situ" else swiglu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: "nn.Module | None" = None, expert: int = 0) -> torch.Tensor:
+        """``lora`` (an ExpertLoRA holding batched [E, ...] tensors) adds expert ``expert``'s deltas."""
+        if lora is None:
+            return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
+        h = self.glu(self.gate_proj(x, extra=lora.delta("gate_proj", expert, x)),
+                     self.up_proj(x, extra=lora.delta("up_proj", expert, x)))
+        return self.down_proj(h, extra=lora.delta("down_proj", expert, h))
 
 
 class Router(Weight):
@@ -53,6 +58,7 @@ class MoE(nn.Module):
             self.latent_down_proj = Linear(d, self.latent, dtype=dtype)
             self.latent_norm = RMSNorm(self.latent, eps=cfg.rms_norm_eps, dtype=dtype)
             self.latent_up_proj = Linear(self.latent, d, dtype=dtype)
+        self.experts_lora: nn.Module | None = None  # set by zmrl.lora.apply_lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -68,7 +74,7 @@ class MoE(nn.Module):
         outs, start = [], 0
         for e, c in enumerate(counts):
             if c:
-                outs.append(self.experts[e](h[token_of[start:start + c]]))
+                outs.append(self.experts[e](h[token_of[start:start + c]], self.experts_lora, e))
             start += c
         y_sorted = torch.cat(outs) if outs else h.new_zeros(0, h.shape[-1])
         y = y_sorted[torch.argsort(order)].view(T, self.top_k, -1)

@@ -170,6 +170,22 @@ class RolloutEngine:
             bar.close()
         return sorted(outs, key=lambda o: order.get(o.request_id, len(order)))
 
+    def update_weights(self, lora_state: dict[str, torch.Tensor] | None = None) -> int:
+        """Push new weights into the live engine without rebuilding it or its cache.
+
+        ``lora_state`` (``zmrl.lora.lora_state_dict`` of the trainer's model) is copied into the
+        engine's model; pass None when the trainer updated this very model object in place. Cached
+        prefixes are dropped (their values belong to the old weights). Returns the new version."""
+        if self.waiting or self.running:
+            raise RuntimeError("update_weights with unfinished requests: their caches hold old-weight values")
+        if lora_state is not None:
+            from zmrl.lora import load_lora_state_dict
+
+            load_lora_state_dict(self.model, lora_state)
+        self.weights_version += 1
+        self.blocks.reset_prefix_cache()
+        return self.weights_version
+
     # ------------------------------------------------------------------ scheduling
     def _blocks_needed(self, req: Request, n: int) -> int:
         return max(0, -(-(req.num_computed + n) // self.block_size) - len(req.seq.pages))

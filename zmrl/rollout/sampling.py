@@ -110,9 +110,9 @@ class SamplingParams:
         bad = [s for s in stops if not _is_int(s) or s < 0]
         if bad:
             raise _bad("stop_token_ids", self.stop_token_ids, f"ints >= 0 (bad entry {bad[0]!r})")
-        for name, value in (("temperature", float(t)), ("top_p", float(p)), ("top_k", int(k)),
+        for name, value in (("temperature", float(t) + 0.0), ("top_p", float(p)), ("top_k", int(k)),
                             ("max_tokens", int(self.max_tokens)), ("n", int(self.n)), ("seed", int(self.seed)),
-                            ("stop_token_ids", tuple(int(s) for s in stops))):
+                            ("stop_token_ids", tuple(int(s) for s in stops))):  # + 0.0: -0.0 -> 0.0
             object.__setattr__(self, name, value)
 
     @property

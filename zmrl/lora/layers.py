@@ -1,0 +1,46 @@
+"""LoRA adapters: ``delta(x) = scale * B(A(x))`` in fp32 through the invariant ``linear``.
+
+They are never merged into base weights: engine and trainer both add the unfused delta, so the
+two sides stay bitwise equal (DESIGN §2, LoRA bullet).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zmrl.kernels_batch_invariant import linear
+
+
+class LoraAdapter(nn.Module):
+    """Adapter of one Linear: lora_A [r, in], lora_B [out, r] (PEFT layout), fp32."""
+
+    def __init__(self, in_features: int, out_features: int, r: int, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.lora_A = nn.Parameter(torch.zeros(r, in_features))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, r))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * linear(linear(x, self.lora_A, out_dtype=torch.float32), self.lora_B, out_dtype=torch.float32)
+
+
+class ExpertLoRA(nn.Module):
+    """Batched adapters of all routed experts of one MoE layer: ``<proj>_lora_A`` [E, r, in] and
+    ``<proj>_lora_B`` [E, out, r] for gate/up/down — three tensor pairs, not hundreds of modules."""
+
+    def __init__(self, num_experts: int, dim: int, inter: int, r: int, scale: float, projs: tuple[str, ...]):
+        super().__init__()
+        self.scale = scale
+        self.projs = projs
+        shapes = {"gate_proj": (dim, inter), "up_proj": (dim, inter), "down_proj": (inter, dim)}
+        for p in projs:
+            fan_in, fan_out = shapes[p]
+            setattr(self, f"{p}_lora_A", nn.Parameter(torch.zeros(num_experts, r, fan_in)))
+            setattr(self, f"{p}_lora_B", nn.Parameter(torch.zeros(num_experts, fan_out, r)))
+
+    def delta(self, proj: str, expert: int, x: torch.Tensor) -> torch.Tensor | None:
+        if proj not in self.projs:
+            return None
+        a = getattr(self, f"{proj}_lora_A")[expert]
+        b = getattr(self, f"{proj}_lora_B")[expert]
+        return self.scale * linear(linear(x, a, out_dtype=torch.float32), b, out_dtype=torch.float32)

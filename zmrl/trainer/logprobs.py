@@ -1,0 +1,63 @@
+"""The trainer's log-prob forward: packed varlen micro-batches through the same modules and ops
+as the engine, with autograd enabled."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zmrl.kernels_batch_invariant.logprob import token_logprobs
+from zmrl.model import cu_seqlens_from_lens, forward_packed
+
+
+def pack_micro_batches(lengths: Sequence[int], micro_batch_tokens: int | None,
+                       order: Sequence[int] | None = None) -> list[list[int]]:
+    """Greedy packing in ``order``: a micro-batch holds whole sequences and at most
+    ``micro_batch_tokens`` tokens (a longer sequence gets a micro-batch of its own)."""
+    order = list(range(len(lengths))) if order is None else list(order)
+    if sorted(order) != list(range(len(lengths))):
+        raise ValueError(f"order must be a permutation of range({len(lengths)})")
+    if micro_batch_tokens is None:
+        return [order] if order else []
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        if cur and used + lengths[i] > micro_batch_tokens:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += lengths[i]
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def compute_logprobs(model, sequences: Sequence[torch.Tensor | Sequence[int]], prompt_lens: Sequence[int],
+                     temperature: float | Sequence[float] = 1.0, micro_batch_tokens: int | None = None,
+                     order: Sequence[int] | None = None, latent_format: str = "native") -> list[torch.Tensor]:
+    """Response-token log-probs (float32, autograd enabled) of each ``prompt ++ response`` sequence.
+
+    ``lp[i][j] = log_softmax(logits / T)[response_j]`` (raw logits when T = 0): the exact quantity the
+    engine records when it samples, so ``torch.equal`` holds token by token. ``latent_format`` must be
+    the engine's (``"fp8"`` quantises latents here too, with a straight-through gradient).
+    """
+    seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in sequences]
+    if len(prompt_lens) != len(seqs):
+        raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(seqs)} sequences")
+    temps = list(temperature) if isinstance(temperature, Sequence) else [temperature] * len(seqs)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        if not 1 <= p <= s.numel():
+            raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {s.numel()}]")
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    device = model.device
+    for batch in pack_micro_batches([s.numel() for s in seqs], micro_batch_tokens, order):
+        lens = [seqs[i].numel() for i in batch]
+        ids = torch.cat([seqs[i] for i in batch]).to(device)
+        logits = forward_packed(model, ids, cu_seqlens_from_lens(lens, device), latent_format=latent_format)
+        for i, rows in zip(batch, logits.split(lens)):
+            p = prompt_lens[i]
+            out[i] = token_logprobs(rows[p - 1:-1], seqs[i][p:].to(device), temps[i])
+    return out  # type: ignore[return-value]
