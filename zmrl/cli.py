@@ -32,8 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_smoke)
 
     from zmrl.rollout.planner import add_plan_subcommand
+    from zmrl.train import add_train_arguments, run_train
 
     add_plan_subcommand(sub)
+    p = add_train_arguments(sub.add_parser("train", help="run an RL recipe (GRPO/PPO with LoRA)"))
+    p.set_defaults(func=run_train)
+    for module, adder in (("zmrl.parity", "add_parity_subcommand"), ("zmrl.rl.dashboard", "add_dashboard_subcommand")):
+        try:
+            mod = __import__(module, fromlist=[adder])
+        except ImportError:  # optional pieces missing from a partial install
+            continue
+        getattr(mod, adder)(sub)
     return parser
 
 

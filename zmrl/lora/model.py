@@ -111,8 +111,12 @@ def to_peft_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def from_peft_state_dict(model: torch.nn.Module, peft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of ``to_peft_state_dict`` for this model's adapters (experts re-batched)."""
+    """Inverse of ``to_peft_state_dict`` for this model's adapters (experts re-batched).
+
+    Raises ValueError naming a tensor the model needs that ``peft`` lacks, or one that ``peft`` holds
+    but no adapter of the model takes (an adapter for another architecture must not load partially)."""
     state: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
     for name, p in lora_state_dict(model).items():
         m = _EXPERT_RE.match(name)
         if m:
@@ -127,7 +131,13 @@ def from_peft_state_dict(model: torch.nn.Module, peft: dict[str, torch.Tensor]) 
             key = f"{PEFT_PREFIX}{module}.lora_{ab}.weight"
             if key not in peft:
                 raise ValueError(f"adapter is missing tensor {key}")
+            keys = [key]
             state[name] = peft[key]
+        used.update(keys)
+    unexpected = sorted(set(peft) - used)
+    if unexpected:
+        raise ValueError(f"adapter has {len(unexpected)} tensor(s) that no LoRA module of the model takes, "
+                         f"e.g. {unexpected[:3]}")
     return state
 
 
@@ -144,14 +154,24 @@ def save_adapter(model: torch.nn.Module, path: str | os.PathLike, base_model_nam
 
 
 def load_adapter(model: torch.nn.Module, path: str | os.PathLike) -> torch.nn.Module:
-    """Apply LoRA as described by ``adapter_config.json`` (if not applied yet) and load the weights."""
+    """Apply LoRA as described by ``adapter_config.json`` (if not applied yet) and load the weights.
+
+    A model that already has adapters must have the file's r, lora_alpha and target_modules (else the
+    weights would be applied with another scale, or only partly). ``lora_dropout`` is a training-time
+    setting that zmrl never applies (dropout 0 on the parity path), so a file's value is ignored."""
     root = Path(path)
     for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (root / f).exists():
             raise FileNotFoundError(f"{root}: no {f}")
     meta = json.loads((root / ADAPTER_CONFIG).read_text())
-    if getattr(model, "lora_config", None) is None:
-        apply_lora(model, LoraConfig(r=meta["r"], alpha=meta["lora_alpha"], dropout=meta.get("lora_dropout", 0.0),
-                                     target_modules=tuple(meta["target_modules"])))
+    file_cfg = LoraConfig(r=meta["r"], alpha=meta["lora_alpha"], target_modules=tuple(meta["target_modules"]))
+    own: LoraConfig | None = getattr(model, "lora_config", None)
+    if own is None:
+        apply_lora(model, file_cfg)
+    else:
+        for field, ours, theirs in (("r", own.r, file_cfg.r), ("lora_alpha", own.alpha, file_cfg.alpha),
+                                    ("target_modules", sorted(own.target_modules), sorted(file_cfg.target_modules))):
+            if ours != theirs:
+                raise ValueError(f"{root}: adapter has {field}={theirs}, but the model's LoRA has {field}={ours}")
     load_lora_state_dict(model, from_peft_state_dict(model, load_file(str(root / ADAPTER_WEIGHTS))))
     return model

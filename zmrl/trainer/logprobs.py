@@ -2,6 +2,7 @@
 as the engine, with autograd enabled."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +49,12 @@ def compute_logprobs(model, sequences: Sequence[torch.Tensor | Sequence[int]], p
     if len(prompt_lens) != len(seqs):
         raise ValueError(f"got {len(prompt_lens)} prompt_lens for {len(seqs)} sequences")
     temps = list(temperature) if isinstance(temperature, Sequence) else [temperature] * len(seqs)
+    if len(temps) != len(seqs):
+        raise ValueError(f"got {len(temps)} temperatures for {len(seqs)} sequences")
+    for i, t in enumerate(temps):
+        # checked before any forward: token_logprobs would reject it only after the micro-batch ran
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"sequence {i}: temperature must be finite and >= 0 (0 means greedy), got {t}")
     for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
         if not 1 <= p <= s.numel():
             raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {s.numel()}]")

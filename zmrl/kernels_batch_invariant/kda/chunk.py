@@ -113,7 +113,7 @@ def _scan_rows(g: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows, dim=1)
 
 
-SUB = 16  # sub-block size of the intra-chunk products
+SUB = 8  # sub-block size of the intra-chunk products
 
 
 def _intra_chunk(
