@@ -116,9 +116,8 @@ def scenario_staggered(model) -> Run:
 
 def _chunked(model, budget: int, lengths: list[int], seed: int) -> Run:
     prompts = _prompts(seed, lengths)
-    run = _generate(_engine(model, max_num_batched_tokens=budget), prompts,
-                    [sp(MIX[i + 1], seed * 10 + i) for i in range(len(prompts))])
-    return run
+    return _generate(_engine(model, max_num_batched_tokens=budget), prompts,
+                     [sp(MIX[i + 1], seed * 10 + i) for i in range(len(prompts))])
 
 
 def scenario_chunked13(model) -> Run:
@@ -399,6 +398,15 @@ def _control_outs(world) -> list:
     if b16.error is not None:
         raise b16.error
     return world.runs["single"].outs + b16.outs[5:10]  # T = 1.0, 0.6 and 0 all present
+
+
+def test_assert_parity_detects_one_ulp(world):
+    """The equality check itself can fail: one token moved by one ulp is caught and named."""
+    outs = world.runs["single"].outs
+    lps = [o.logprobs.clone() for o in outs]
+    lps[0][3] = torch.nextafter(lps[0][3], torch.tensor(0.0))
+    with pytest.raises(pytest.fail.Exception, match="request 0 .*1/8 tokens differ, first token 3"):
+        assert_parity(outs, lps, "one-ulp control")
 
 
 def test_negative_control_other_temperature(world):

@@ -9,6 +9,7 @@ import importlib
 import pytest
 import torch
 
+from zmrl.kernels_batch_invariant import linear
 from zmrl.kernels_batch_invariant.moe_router import moe_route
 from zmrl.lora import ExpertLoRA, LoraAdapter, LoraConfig, apply_lora, lora_parameters, lora_state_dict
 from zmrl.model import ModelConfig, build_model, cu_seqlens_from_lens, forward_packed
@@ -140,8 +141,8 @@ def expected_adapters(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
                 attn["g_proj"] = (D, Hm * v)
         out.update({f"{p}self_attn.{k}": s for k, s in attn.items()})
         if cfg.is_moe_layer(i) and cfg.n_shared_experts:
-            out.update({f"{p}mlp.shared_experts.gate_proj": (D, inter_s), f"{p}mlp.shared_experts.up_proj": (D, inter_s),
-                        f"{p}mlp.shared_experts.down_proj": (inter_s, D)})
+            shared = {"gate_proj": (D, inter_s), "up_proj": (D, inter_s), "down_proj": (inter_s, D)}
+            out.update({f"{p}mlp.shared_experts.{k}": s for k, s in shared.items()})
     return out
 
 
@@ -228,6 +229,9 @@ def test_zero_b_is_bitwise_noop(dtype, flags):
     ref, got = logits_of(base, cfg), logits_of(lora, cfg)
     assert torch.isfinite(ref).all()
     assert torch.equal(ref, got), f"max |diff| {float((ref - got).abs().max()):.3e}"
+    with torch.no_grad():  # the adapters are live: one non-zero B changes the output
+        lora.model.layers[3].self_attn.kv_b_proj.adapter.lora_B.fill_(0.01)
+    assert not torch.equal(logits_of(lora, cfg), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -286,8 +290,6 @@ def test_linear_adapter_single_rounding_bf16():
     g = torch.Generator().manual_seed(1)
     lin = _linear_with_adapter(g, torch.bfloat16)
     x = torch.randn(37, 48, generator=g).to(torch.bfloat16)
-    from zmrl.kernels_batch_invariant import linear
-
     fp32 = linear(x, lin.weight, lin.bias, out_dtype=torch.float32) + lin.adapter(x)
     y = lin(x)
     assert y.dtype == torch.bfloat16 and torch.equal(y, fp32.to(torch.bfloat16))

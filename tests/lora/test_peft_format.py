@@ -85,7 +85,8 @@ def test_files_and_names(trained, saved, cfg):
     d, la = cfg.hidden_size, cfg.linear_attn_config
     q = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     assert q.shape == (R, d)  # lora_A [r, in]
-    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].shape == (la.num_heads * la.head_dim, R)
+    q_b = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert q_b.shape == (la.num_heads * la.head_dim, R)  # lora_B [out, r]
     inter = cfg.moe_intermediate_size
     for e in (0, cfg.n_routed_experts - 1):
         p = f"base_model.model.model.layers.1.mlp.experts.{e}."

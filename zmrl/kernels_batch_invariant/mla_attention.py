@@ -70,7 +70,10 @@ def _attend_group(q: torch.Tensor, key_positions: torch.Tensor, flat_cache: torc
         pos = key_positions[:, b0:b0 + KEY_BLOCK]
         slots, valid = cache_slots(block_table, seq_idx, pos, page_size)
         # Zero the masked keys so uninitialised cache slots (possibly inf/NaN) never reach a product.
-        kv = torch.where(valid.unsqueeze(-1), flat_cache[slots].to(cdt), 0.0)  # [G, 64, D]
+        # index_select, not flat_cache[slots]: the backward of advanced indexing with repeated slots
+        # accumulates in a thread-dependent order; index_select's is deterministic.
+        gathered = flat_cache.index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
+        kv = torch.where(valid.unsqueeze(-1), gathered.to(cdt), 0.0)  # [G, 64, D]
         s = bmm_fixed(q, kv.transpose(1, 2)) * softmax_scale  # [G, H, 64]
         vmask = valid.unsqueeze(1)  # [G, 1, 64]
         # The running max only stabilises the exponentials; the result does not depend on it

@@ -37,7 +37,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .synthetic import TaskSpec, make_dataset, make_problem, solution_token_ids
+from .synthetic import TaskSpec, format_solution, make_dataset, make_problem, solution_token_ids
 from .tokenizer import ByteTokenizer, write_byte_tokenizer_marker
 
 __all__ = ["BOOTSTRAP_FILE", "BootstrapRecipe", "bootstrap_model", "evaluate_accuracy", "main", "tiny_byte_config"]
@@ -55,10 +55,10 @@ class BootstrapRecipe:
     seed: int = 0
     vocab_size: int = 512  # >= 259 (ByteTokenizer); smaller than the preset's 2048 -> faster lm_head
     task: TaskSpec = field(default_factory=TaskSpec)
-    max_steps: int = 400
-    time_budget_s: float = 150.0  # wall-clock cap on the training loop (evaluation not included)
+    max_steps: int = 120
+    time_budget_s: float | None = 150.0  # wall-clock cap on the training loop (evaluation not included)
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = 1e-3  # measured: 3e-3 and 2e-3 stall on a plateau (format learnt, digits not); 5e-4 is slower
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.0
@@ -66,11 +66,14 @@ class BootstrapRecipe:
     num_threads: int = 1
     eval_problems: int = 64
     eval_seed: int = 1_000_003  # held-out problem stream
-    eval_max_tokens: int = 16
+    eval_max_tokens: int = 20  # the longest default target is 18 tokens (synthetic.py)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["version"] = BOOTSTRAP_VERSION
+        # the text formats are code, not recipe fields: hash what they produce so a change invalidates caches
+        d["prompt_example"] = ByteTokenizer().apply_chat_template("What is 7 * 8?")
+        d["target_example"] = format_solution({"question": "What is 7 * 8?", "answer": 56})
         return d
 
     def hash(self) -> str:
@@ -206,6 +209,13 @@ def _cache_hit(cache: Path, recipe_hash: str) -> bool:
         return False
 
 
+def _check_replaceable(cache: Path) -> None:
+    """Only an earlier bootstrap result or an empty folder may be replaced: never a user's folder."""
+    if cache.exists() and not (cache / BOOTSTRAP_FILE).exists() and (not cache.is_dir() or any(cache.iterdir())):
+        raise FileExistsError(f"{cache} exists and is not a bootstrap cache (no {BOOTSTRAP_FILE}); refusing to "
+                              f"replace it -- pick another folder or empty it")
+
+
 def bootstrap_model(cache_dir: str | os.PathLike, seed: int = 0, time_budget_s: float = 150.0,
                     max_steps: int | None = None, recipe: BootstrapRecipe | None = None,
                     force: bool = False, evaluate: bool = True, progress: bool = True) -> Path:
@@ -220,11 +230,12 @@ def bootstrap_model(cache_dir: str | os.PathLike, seed: int = 0, time_budget_s: 
         recipe = BootstrapRecipe(seed=seed, time_budget_s=time_budget_s)
         if max_steps is not None:
             recipe.max_steps = max_steps
-    cache = Path(cache_dir)
+    cache = Path(cache_dir).expanduser()
     rhash = recipe.hash()
     if not force and _cache_hit(cache, rhash):
         log.info("bootstrap cache hit: %s (recipe %s)", cache, rhash)
         return cache
+    _check_replaceable(cache)  # before spending minutes on training
     log.info("bootstrapping the default model into %s (recipe %s)", cache, rhash)
     tok = ByteTokenizer()
     t0 = time.perf_counter()
@@ -251,6 +262,7 @@ def bootstrap_model(cache_dir: str | os.PathLike, seed: int = 0, time_budget_s: 
         write_byte_tokenizer_marker(tmp)
         (tmp / BOOTSTRAP_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         if cache.exists():  # stale (other recipe) or forced: move it aside, then swap in the new one
+            _check_replaceable(cache)
             old = Path(tempfile.mkdtemp(prefix=f".{cache.name}.old-", dir=cache.parent))
             os.replace(cache, old / "x")
             shutil.rmtree(old, ignore_errors=True)

@@ -86,10 +86,11 @@ def _math_verify_integer(content: str) -> int | None:
         try:
             if not getattr(expr, "is_number", False):
                 continue
-            value = int(expr)
-            if expr == value:
+            ev = expr.doit()  # math-verify keeps 2**3, sqrt(4) unevaluated
+            if ev.is_Integer or (ev.is_Float and ev == int(ev)):
+                value = int(ev)
                 return value if 0 <= value <= AIME_MAX else None
-        except Exception:
+        except Exception:  # noqa: BLE001 -- sympy raises many types; an unreadable box is no answer
             continue
     return None
 
