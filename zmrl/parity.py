@@ -221,6 +221,8 @@ def run_audit(num_requests: int = 16, seed: int = 0, dtype: str = "float32", sce
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     rng = random.Random(seed)
     features = _parse_scenario(scenario, rng)
     cfg = ModelConfig.preset("tiny")

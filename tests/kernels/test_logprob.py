@@ -2,9 +2,6 @@
 bitwise row invariance, gradients."""
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator
-
 import pytest
 import torch
 
@@ -15,43 +12,10 @@ from zmrl.kernels_batch_invariant.logprob import (
     token_logprobs_ref,
 )
 
+from .invariance import BATCHES, assert_rows_invariant
+
 VOCABS = [7, 2048, 50257]
 TEMPS = [0.6, 1.0, 0.0]
-THREAD_BATCHES = [1, 2, 3, 15, 16, 17, 33, 64, 70]
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def assert_rows_invariant(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
-                          sizes: list[int], seed: int = 0, alone_stride: int = 9) -> None:
-    """Row i's output is the same bits alone and inside batches of other rows (every size in
-    ``sizes``, random rows in random order) with 1 thread, and on a subset of sizes with 2."""
-    g = torch.Generator().manual_seed(seed)
-    n = inputs[0].shape[0]
-
-    def check(batch_sizes: list[int], alone: list[torch.Tensor]) -> None:
-        for b in batch_sizes:
-            idx = torch.randperm(n, generator=g)[:b]
-            out = fn(*(t[idx] for t in inputs))
-            if not torch.equal(out, torch.stack([alone[i] for i in idx.tolist()])):
-                j = next(j for j, i in enumerate(idx.tolist()) if not torch.equal(out[j], alone[i]))
-                pytest.fail(f"row at position {j} of a batch of {b} differs from the row computed alone")
-
-    with num_threads(1):
-        alone = [fn(*(t[i:i + 1] for t in inputs))[0] for i in range(n)]
-        check(sizes, alone)
-    with num_threads(2):
-        for i in range(0, n, alone_stride):
-            assert torch.equal(fn(*(t[i:i + 1] for t in inputs))[0], alone[i]), "2 threads vs 1, alone"
-        check([b for b in THREAD_BATCHES if b <= max(sizes)], alone)
 
 
 def _logits(t: int, v: int, seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +117,7 @@ def test_row_invariance(v: int, temp: float) -> None:
     peaked = logits[::2].clone()
     peaked[torch.arange(len(peaked)), tok[::2]] = peaked.amax(-1) + 2
     logits[::2] = peaked - peaked.amax(-1, keepdim=True)
-    sizes = list(range(1, 71)) if v < 50257 else [1, 2, 3, 15, 16, 17, 24]
+    sizes = BATCHES if v < 50257 else [1, 2, 3, 15, 16, 17, 24]
     stride = 9 if v < 50257 else 1  # a lone long row is where a stock reduction splits across threads
     assert_rows_invariant(lambda lg, t: token_logprobs(lg, t, temp), (logits, tok), sizes, seed=v, alone_stride=stride)
     if v < 50257:

@@ -1,7 +1,6 @@
 """linear / bmm_fixed: accuracy against float64 and bitwise row/element invariance."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Iterator
 
@@ -10,20 +9,10 @@ import torch
 
 from zmrl.kernels_batch_invariant.matmul import bmm_fixed, linear, linear_ref
 
+from .invariance import BATCHES, THREAD_BATCHES, num_threads
+
 U32 = 2.0**-24
 SIZES = [1, 3, 16, 17, 64, 80, 100, 256, 576, 1000]
-BATCHES = list(range(1, 71))
-THREAD_BATCHES = [1, 2, 3, 15, 16, 17, 33, 64, 70]
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _gamma_bound(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:

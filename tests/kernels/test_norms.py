@@ -2,9 +2,6 @@
 gradients."""
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator
-
 import pytest
 import torch
 
@@ -17,44 +14,9 @@ from zmrl.kernels_batch_invariant.norms import (
     rms_norm_ref,
 )
 
+from .invariance import assert_rows_invariant
+
 DIMS = [1, 5, 64, 256, 1000]
-BATCHES = list(range(1, 71))
-THREAD_BATCHES = [1, 2, 3, 15, 16, 17, 33, 64, 70]
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def assert_rows_invariant(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
-                          sizes: list[int] = BATCHES, seed: int = 0) -> None:
-    """fn's output row for input row i is the same bits alone and inside batches of other rows
-    (every size in ``sizes``, random rows in random order, so every position is exercised) with 1
-    thread, and with 2 threads on a subset of sizes (2 threads on a loaded 2-core box is slow)."""
-    g = torch.Generator().manual_seed(seed)
-    n = inputs[0].shape[0]
-
-    def check(batch_sizes: list[int], alone: list[torch.Tensor]) -> None:
-        for b in batch_sizes:
-            idx = torch.randperm(n, generator=g)[:b]
-            out = fn(*(t[idx] for t in inputs))
-            if not torch.equal(out, torch.stack([alone[i] for i in idx.tolist()])):
-                j = next(j for j, i in enumerate(idx.tolist()) if not torch.equal(out[j], alone[i]))
-                pytest.fail(f"row at position {j} of a batch of {b} differs from the row computed alone")
-
-    with num_threads(1):
-        alone = [fn(*(t[i:i + 1] for t in inputs))[0] for i in range(n)]
-        check(sizes, alone)
-    with num_threads(2):
-        for i in range(0, n, 9):
-            assert torch.equal(fn(*(t[i:i + 1] for t in inputs))[0], alone[i]), "2 threads vs 1, alone"
-        check([b for b in THREAD_BATCHES if b <= max(sizes)], alone)
 
 
 def _x(t: int, d: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -7,8 +7,7 @@ the same bits for every op the batch-invariant kernels build on.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -16,17 +15,9 @@ import torch.nn.functional as F
 
 from zmrl.kernels_batch_invariant import pointwise as pw
 
+from .invariance import num_threads
+
 BIG = 100_003  # > 32768 (torch's pointwise grain size) and odd, so there is a SIMD tail too
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _inputs(seed: int = 0) -> torch.Tensor:

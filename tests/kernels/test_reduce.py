@@ -1,25 +1,14 @@
 """tree_sum / tree_mean: accuracy against float64, batch invariance, dim/keepdim handling."""
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import pytest
 import torch
 
 from zmrl.kernels_batch_invariant.reduce import tree_mean, tree_sum
 
+from .invariance import BATCHES, THREAD_BATCHES, num_threads
+
 U32 = 2.0**-24  # unit roundoff of fp32
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def _depth(n: int) -> int:
@@ -80,7 +69,7 @@ def test_batch_invariance(n: int) -> None:
     across threads when there are few rows)."""
     g = torch.Generator().manual_seed(n)
     pool = torch.randn(80, n, generator=g) * 4
-    sizes = list(range(1, 71)) if n <= 1000 else [1, 2, 3, 15, 16, 17, 33, 70]
+    sizes = BATCHES if n <= 1000 else [1, 2, 3, 15, 16, 17, 33, 70]
 
     def check(batch_sizes: list[int], alone: torch.Tensor) -> None:
         for b in batch_sizes:
@@ -93,7 +82,7 @@ def test_batch_invariance(n: int) -> None:
     with num_threads(2):  # fewer calls: 2 threads on a loaded 2-core box are slow
         stride = 1 if n > 1000 else 9  # a lone long row is what a stock sum splits across threads
         assert all(torch.equal(tree_sum(pool[i:i + 1])[0], alone[i]) for i in range(0, len(pool), stride))
-        check([1, 2, 3, 15, 16, 17, 33, 64, 70], alone)
+        check(THREAD_BATCHES, alone)
 
 
 def test_invariance_over_other_dims() -> None:

@@ -2,10 +2,8 @@
 filtered draws, their distribution, the recorded log-probs, and bitwise row invariance."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -15,18 +13,10 @@ from zmrl.kernels_batch_invariant.logprob import log_softmax, token_logprobs
 from zmrl.rollout import sampling as S
 from zmrl.rollout.sampling import SamplingParams, request_key, sample
 
+from tests.kernels.invariance import num_threads
+
 M64 = (1 << 64) - 1
 U32 = 2.0**-24  # unit roundoff of fp32
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, n: int, tag: str = "d") -> torch.Tensor:

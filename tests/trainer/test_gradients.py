@@ -12,12 +12,13 @@ active, MoE with group-limited routing and a shared expert, dense layer 0).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 from torch import nn
+
+from tests.kernels.invariance import num_threads
 
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters
 from zmrl.model import LinearAttnConfig, ModelConfig, build_model
@@ -171,16 +172,6 @@ def test_fp32_gradients_match_float64(model32, batch, grads64):
 
 
 # ----------------------------------------------------------------------------- 3. determinism
-@contextlib.contextmanager
-def num_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_backward_is_deterministic(model32, batch):
     """Two identical forward+backward passes give bitwise-equal LoRA gradients. Run with 2 threads (the CI
     machine's count): single-threaded, order-dependent accumulations cannot show up at all. Advanced
