@@ -254,8 +254,9 @@ def run_audit(num_requests: int = 16, seed: int = 0, dtype: str = "float32", sce
     budget = rng.choice([7, 13, 29, 37, 61]) if "chunked" in features else 2048
     fork = "fork" in features
     need = [-(-(len(p) + mt) // bs) for p, mt in zip(prompts, max_tokens)]
-    # the tiny cache holds the largest request plus one block, so requests must take turns
-    num_blocks = max(need) + 1 if "preemption" in features else sum(need) * 3 + 4
+    # "preemption": a cache of about a quarter of what the requests need together (and never less
+    # than the largest one needs), so running requests outgrow it and get preempted
+    num_blocks = max(max(need) + 1, sum(need) // 4) if "preemption" in features else sum(need) * 3 + 4
     engine = RolloutEngine(copy.deepcopy(model),
                            EngineConfig(block_size=bs, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                         enable_prefix_caching=True, latent_format=latent))

@@ -258,6 +258,7 @@ def bootstrap_model(cache_dir: str | os.PathLike, seed: int = 0, time_budget_s: 
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.tmp-", dir=cache.parent))
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache is an ordinary folder
         save_pretrained(model, tmp)
         write_byte_tokenizer_marker(tmp)
         (tmp / BOOTSTRAP_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

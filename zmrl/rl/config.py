@@ -37,7 +37,7 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_tokens: int = 24
+    max_tokens: int = 20
     block_size: int = 64
     num_blocks: int = 512
     max_num_seqs: int = 64
@@ -73,9 +73,9 @@ class TrainerSection:
 
 @dataclass
 class EvalSection:
-    every: int = 10  # steps; 0 = never
+    every: int = 15  # steps; 0 = never
     n: int = 8  # mean@n
-    max_tokens: int = 24
+    max_tokens: int = 20
     temperature: float = 1.0
     limit: int | None = None  # evaluate the first `limit` problems only
 
@@ -136,6 +136,7 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str) -> None:
 
 def load_recipe(path: str | None, overrides: list[str] | None = None) -> RecipeConfig:
     """YAML recipe (OmegaConf) + ``key=value`` overrides -> a typed RecipeConfig."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -146,7 +147,7 @@ def load_recipe(path: str | None, overrides: list[str] | None = None) -> RecipeC
             raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
         except FileNotFoundError:
             raise RecipeError(f"recipe file not found: {path}") from None
-        except (OmegaConfBaseException, ValueError) as e:  # YAML syntax errors and friends
+        except (OmegaConfBaseException, ValueError, yaml.YAMLError) as e:  # YAML syntax errors and friends
             raise RecipeError(f"{path}: malformed recipe: {e}") from None
         _check_keys(raw, RecipeConfig, "", path)
         layers.append(OmegaConf.create(raw))
