@@ -86,3 +86,24 @@ def test_fp8_latent_cache_parity(model, seqs):
 def test_bad_token_id(model):
     with pytest.raises(ValueError, match="token id 5000 is out of range"):
         packed_logits(model, [torch.tensor([1, 2, 5000])])
+
+
+def _k3_variant() -> ModelConfig:
+    """Every K3 flag on, plus rotary MLA/indexer and the Hadamard-rotated FP8 index keys."""
+    cfg = ModelConfig.preset("tiny")
+    cfg.gate_lower_bound, cfg.use_full_rank_gate, cfg.mla_use_output_gate = -5.0, True, True
+    cfg.moe_latent_size, cfg.moe_glu, cfg.attn_res_block_size = 96, "situ", 2
+    cfg.mla_use_nope, cfg.index_use_hadamard = False, True
+    return cfg.validate()
+
+
+def test_k3_flags_parity():
+    model = build_model(_k3_variant(), seed=2).eval()
+    seqs = make_sequences(model.config.vocab_size, [1, 70, 150], seed=5, shared_prefix=(2, 100, 20))
+    ref = packed_logits(model, seqs)
+    assert all(torch.isfinite(x).all() for x in ref)
+    assert_all_equal(packed_logits(model, seqs, order=[3, 1, 0, 2]), ref, "K3 flags: shuffled packing")
+    assert_all_equal(incremental_logits(model, seqs, chunk_sizes=random_chunks(11)), ref, "K3 flags: random chunks")
+    # the flags change the function (they are not silently ignored)
+    plain = build_model(ModelConfig.preset("tiny"), seed=2).eval()
+    assert not torch.equal(packed_logits(plain, seqs[:1])[0], ref[0])
