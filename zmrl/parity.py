@@ -340,6 +340,9 @@ def _positive_int(value: str) -> int:
 
 
 def _parity_main(args: argparse.Namespace) -> int:
+    # the tiny model's ops are too small to gain from intra-op threads, and on a busy few-core
+    # machine each op's thread rendezvous makes torch 10x slower; parity does not depend on it
+    torch.set_num_threads(args.threads)
     report = run_audit(num_requests=args.num_requests, seed=args.seed, dtype=args.dtype, scenario=args.scenario,
                        steps=args.steps)
     print(report.table())
@@ -361,5 +364,6 @@ def add_parity_subcommand(subparsers: "argparse._SubParsersAction") -> argparse.
                    help="random (seed-drawn mix), all, basic, or a comma-separated list of: " + ", ".join(FEATURES))
     p.add_argument("--steps", type=_nonneg_int, default=1,
                    help="optimiser steps, each followed by update_weights and a fresh generation (default 1)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
     p.set_defaults(func=_parity_main)
     return p
