@@ -23,6 +23,7 @@ class DataSection:
     train: str = "synthetic"  # "synthetic" (embedded arithmetic task) or a jsonl/parquet path
     eval: str = "aime25"  # "aime24" | "aime25" | a path | "synthetic" | "none"
     prompts_per_step: int = 8
+    synthetic_pool: int = 40  # data.train=synthetic: problems per epoch (40 = an epoch every 5 steps)
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import random
 import time
 from pathlib import Path
 
@@ -62,7 +61,7 @@ class RLRunner:
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.model_path = self._model_path()
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.train_source = load_train_source(cfg.data.train)
+        self.train_source = load_train_source(cfg.data.train, cfg.data.synthetic_pool, tc.seed)
         self.eval_problems = load_eval_problems(cfg.data.eval, cfg.eval.limit)
         lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha)
         rc = cfg.rollout
@@ -119,8 +118,7 @@ class RLRunner:
 
     # ------------------------------------------------------------------ one step
     def _prompts(self, step: int) -> list[dict]:
-        rng = random.Random(_step_seed(self.cfg.trainer.seed, step, "data"))
-        return self.train_source.sample(rng, self.cfg.data.prompts_per_step)
+        return self.train_source.batch(step, self.cfg.data.prompts_per_step)
 
     def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str) -> list[Sample]:
         from .reward import aime_reward

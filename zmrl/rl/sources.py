@@ -1,22 +1,24 @@
 """Where training and evaluation problems come from (recipe keys ``data.train`` / ``data.eval``)."""
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 
 @dataclass
 class ProblemSource:
-    """A fixed list of problems, or the synthetic generator when ``problems`` is None."""
+    """A fixed problem list read in epochs: step s takes the next ``n`` problems, wrapping around.
 
-    problems: list[dict] | None = None
+    Deterministic in the step alone, so a resumed run sees exactly the problems an uninterrupted
+    one would, and a step in a later epoch revisits the problems of the same step one epoch earlier.
+    """
 
-    def sample(self, rng: random.Random, n: int) -> list[dict]:
-        if self.problems is None:
-            from .synthetic import make_problem
+    problems: list[dict]
 
-            return [make_problem(rng) for _ in range(n)]
-        return [self.problems[rng.randrange(len(self.problems))] for _ in range(n)]
+    def batch(self, step: int, n: int) -> list[dict]:
+        if not self.problems:
+            raise ValueError("the training problem set is empty")
+        start = step * n
+        return [self.problems[(start + i) % len(self.problems)] for i in range(n)]
 
 
 def _problems(spec: str) -> list[dict]:
@@ -25,8 +27,13 @@ def _problems(spec: str) -> list[dict]:
     return load_problems(default_aime_path(spec) if spec in ("aime24", "aime25") else spec)
 
 
-def load_train_source(spec: str) -> ProblemSource:
-    return ProblemSource(None if spec == "synthetic" else _problems(spec))
+def load_train_source(spec: str, synthetic_pool: int = 40, seed: int = 0) -> ProblemSource:
+    """``synthetic``: a pool of generated problems (an epoch of ``synthetic_pool`` problems); else a file."""
+    if spec == "synthetic":
+        from .synthetic import make_dataset
+
+        return ProblemSource(make_dataset(synthetic_pool, seed=1000 + seed))
+    return ProblemSource(_problems(spec))
 
 
 def load_eval_problems(spec: str, limit: int | None = None) -> list[dict]:
