@@ -37,12 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_subcommand(sub)
     p = add_train_arguments(sub.add_parser("train", help="run an RL recipe (GRPO/PPO with LoRA)"))
     p.set_defaults(func=run_train)
-    for module, adder in (("zmrl.parity", "add_parity_subcommand"), ("zmrl.rl.dashboard", "add_dashboard_subcommand")):
-        try:
-            mod = __import__(module, fromlist=[adder])
-        except ImportError:  # optional pieces missing from a partial install
-            continue
-        getattr(mod, adder)(sub)
+    from zmrl.parity import add_parity_subcommand
+    from zmrl.rl.dashboard import add_dashboard_subcommand
+
+    add_parity_subcommand(sub)
+    add_dashboard_subcommand(sub)
     return parser
 
 
