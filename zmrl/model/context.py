@@ -7,6 +7,8 @@ reach the same layer code and the same ops.
 """
 from __future__ import annotations
 
+import abc
+
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,16 +57,16 @@ class SequenceState:
         self.pages = []
 
 
-class LatentStore:
+class LatentStore(abc.ABC):
     """Storage for the per-token caches of MLA layers: latent ``[c_kv | k_pe]`` and FP8 index keys."""
 
     page_size: int
 
+    @abc.abstractmethod
     def write(self, layer_idx: int, slots: torch.Tensor, latent: torch.Tensor,
               index_k8: torch.Tensor | None, index_scale: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Write the new tokens' entries at flat ``slots`` and return the page tensors to read."""
-        raise NotImplementedError  # abstract: see EphemeralLatentStore / PagedLatentStore
 
 
 class EphemeralLatentStore(LatentStore):
