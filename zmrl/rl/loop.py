@@ -165,8 +165,6 @@ class RLRunner:
         }
 
     def evaluate(self, step: int) -> dict[str, float]:
-        from .reward import aime_reward  # noqa: F401  (scored in _rollout)
-
         ec = self.cfg.eval
         sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
                                   seed=_step_seed(self.cfg.trainer.seed, 0, "eval"),
