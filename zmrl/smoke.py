@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from zmrl.kernels_batch_invariant.logprob import token_logprobs
-from zmrl.model import ModelCache, ModelConfig, SequenceState, build_model, cu_seqlens_from_lens, forward_incremental
-from zmrl.model import forward_packed
+from zmrl.model import ModelCache, ModelConfig, SequenceState, build_model, forward_incremental
+from zmrl.parity import compare_logprobs
+from zmrl.trainer import compute_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +52,10 @@ def run_smoke(preset: str = "tiny", dtype: str = "float32", num_prompts: int = 4
         step_inputs = [nxt[i : i + 1] for i in range(len(prompts))]
     elapsed = time.perf_counter() - t0
 
-    seqs_full = [torch.cat([p, torch.tensor(g[:-1], dtype=torch.int64)]) for p, g in zip(prompts, generated)]
+    # The trainer path: one packed forward through compute_logprobs, compared token by token.
     with torch.no_grad():
-        logits = forward_packed(model, torch.cat(seqs_full), cu_seqlens_from_lens([s.numel() for s in seqs_full]))
-    compared = equal = 0
-    max_diff = 0.0
-    offset = 0
-    for p, g, rec, s in zip(prompts, generated, recorded, seqs_full):
-        rows = logits[offset + p.numel() - 1 : offset + s.numel()]
-        lp_train = token_logprobs(rows, torch.tensor(g), temperature=0.0)
-        lp_roll = torch.cat(rec)
-        compared += lp_roll.numel()
-        equal += int((lp_train == lp_roll).sum())
-        max_diff = max(max_diff, float((lp_train - lp_roll).abs().max()))
-        offset += s.numel()
-    return SmokeResult(compared, equal, max_diff, len(prompts) * max_new_tokens / elapsed)
+        train = compute_logprobs(model, [torch.cat([p, torch.tensor(g)]) for p, g in zip(prompts, generated)],
+                                 [p.numel() for p in prompts], temperature=0.0)
+    report = compare_logprobs([torch.cat(rec) for rec in recorded], train)
+    return SmokeResult(report.tokens_compared, report.tokens_equal, report.max_abs_dlogp,
+                       len(prompts) * max_new_tokens / elapsed)
