@@ -8,3 +8,6 @@ __all__ = [
     "InvariantOp", "bmm_fixed", "get_mode", "grouped_linear", "invariant_op", "kernel_mode", "linear", "set_mode",
     "tree_mean", "tree_sum",
 ]
+
+# Register the Triton backend (a no-op without triton). Last: its modules import the ops above.
+from . import triton as _triton_backend  # noqa: E402,F401

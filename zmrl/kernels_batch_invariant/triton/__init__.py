@@ -1,0 +1,50 @@
+"""Triton backend of the batch-invariant ops (DESIGN §2), registered under "triton" for CUDA tensors.
+
+Rules every kernel here follows (the GPU form of the CPU rules):
+
+* Launch configurations (tile sizes, warps, stages) are fixed per kernel or chosen from model
+  dimensions only (head dims, hidden sizes), never from the number of tokens, rows or sequences, and
+  never autotuned: autotuning could pick different configs in the rollout and trainer processes.
+* No split-K and no atomics in any reduction; K loops run in ascending order in fixed blocks.
+* Reductions are one row per program with a fixed block order and fp32 accumulation.
+
+Each module registers its kernels on the op objects of the torch backend when imported; importing
+this package is a no-op where Triton is unavailable. Without a GPU the kernels still run under
+Triton's interpreter (``TRITON_INTERPRET=1``) when called through ``triton_impl(op)``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import pkgutil
+
+from .._dispatch import InvariantOp
+
+log = logging.getLogger(__name__)
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# Every public module of this package holds kernels and registers them on import.
+_MODULES: tuple[str, ...] = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+
+
+def triton_impl(op: InvariantOp):
+    """The op's Triton implementation (for tests and benchmarks that call it directly)."""
+    if "triton" not in op.impls:
+        raise LookupError(f"{op.name} has no triton implementation (is triton installed?)")
+    return op.impls["triton"]
+
+
+def load() -> list[str]:
+    """Import every kernel module; returns the names that loaded."""
+    loaded = []
+    if not HAS_TRITON:
+        return loaded
+    for name in _MODULES:
+        importlib.import_module(f"{__name__}.{name}")
+        loaded.append(name)
+    return loaded
+
+
+load()
