@@ -17,13 +17,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import pkgutil
 
 from .._dispatch import InvariantOp
 
 log = logging.getLogger(__name__)
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+# ZMRL_DISABLE_TRITON=1 keeps CUDA tensors on the torch backend (for debugging a kernel suspect).
+HAS_TRITON = importlib.util.find_spec("triton") is not None and os.environ.get("ZMRL_DISABLE_TRITON") != "1"
 
 # Every public module of this package holds kernels and registers them on import.
 _MODULES: tuple[str, ...] = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
