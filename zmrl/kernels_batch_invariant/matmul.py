@@ -116,3 +116,21 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     wt = w.transpose(1, 2).unsqueeze(1).expand(g, mp // ROW_TILE, kp, np_)
     y = torch.bmm(xp.reshape(-1, ROW_TILE, kp), wt.reshape(-1, kp, np_))
     return y.view(g, mp, np_)[:, :m, :n].to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- fast mode
+# Stock kernels (cuBLAS/MKL): not invariant, for measuring what bitwise mode costs. Same output
+# dtypes as the invariant ops.
+
+
+@bmm_fixed.register("fast")
+def _bmm_fixed_fast(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    cdt = _compute_dtype(a.dtype)
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.matmul(a, b).to(cdt)  # cuBLAS accumulates 16-bit GEMMs in fp32
+    return torch.matmul(a.to(cdt), b.to(cdt))
+
+
+@grouped_linear.register("fast")
+def _grouped_linear_fast(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.bmm(x, weight.to(x.dtype).transpose(1, 2)).to(out_dtype or x.dtype)

@@ -149,6 +149,7 @@ def dense_key_positions(query_pos: torch.Tensor, width: int | None = None) -> to
     return torch.where(cols <= qp.unsqueeze(-1), cols, torch.full_like(cols, -1))
 
 
+@invariant_op
 def mla_attention_dense(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_idx: torch.Tensor, query_pos: torch.Tensor,
                         softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
@@ -156,7 +157,9 @@ def mla_attention_dense(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
 
     Same key list and blocks as ``mla_attention`` with a full selection, hence bitwise equal to the
     sparse path whenever the selection is all positions. The key lists are materialised
-    ``DENSE_QUERY_CHUNK`` queries at a time (padding does not change results).
+    ``DENSE_QUERY_CHUNK`` queries at a time (padding does not change results). An op of its own so
+    that a GPU backend can walk the causal keys 0..query_pos directly instead of reading a key list
+    (same 64-key blocks aligned to absolute positions, hence the same bits as the sparse path).
     """
     outs = []
     for c0 in range(0, q_lat.shape[0], DENSE_QUERY_CHUNK):

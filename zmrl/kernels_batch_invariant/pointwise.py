@@ -6,6 +6,11 @@ last ulp, so an element's value depends on where it lands in the tensor, i.e. on
 exp, log, log1p, tanh, sqrt, rsqrt (fp32) and IEEE +,-,*,/ agree on both paths
 (tests/kernels/test_pointwise.py proves it on every path), so the nonlinearities are composed
 from those, in fp32.
+
+On CUDA these stay torch compositions (no Triton kernel): torch's CUDA elementwise kernels have no
+SIMD-bulk/scalar-tail split (an element's value is the same scalar function wherever it sits; the
+vectorised path only widens the loads), so they are row-invariant already. The Triton kernels inline
+their own sigmoid/SiLU/softplus (triton/_common.py) rather than calling these.
 """
 from __future__ import annotations
 

@@ -5,6 +5,11 @@ row can be summed in a different order inside a different batch. ``tree_sum`` in
 reduced dim to a power of two with zeros and halves it with elementwise adds: every element of the
 result is the same binary tree of IEEE additions, whatever the other rows or the batch size. Zero
 padding is exact (x + 0 == x).
+
+On CUDA no Triton kernel is needed: every step is an elementwise add of two halves (one torch
+elementwise kernel per level), so each output element is the same tree of adds whatever the batch;
+torch's CUDA elementwise kernels compute each element by the same scalar function on their
+vectorised and unrolled paths (only the memory access differs). No torch reduction is used.
 """
 from __future__ import annotations
 

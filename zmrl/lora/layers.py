@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from zmrl.kernels_batch_invariant import linear
+from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
 
 
 class LoraAdapter(nn.Module):
@@ -44,3 +45,13 @@ class ExpertLoRA(nn.Module):
         a = getattr(self, f"{proj}_lora_A")[expert]
         b = getattr(self, f"{proj}_lora_B")[expert]
         return self.scale * linear(linear(x, a, out_dtype=torch.float32), b, out_dtype=torch.float32)
+
+    def grouped_delta(self, proj: str, x: torch.Tensor, offsets: list[int]) -> torch.Tensor | None:
+        """``delta`` of every expert at once for expert-sorted rows (rows ``offsets[e]:offsets[e+1]``
+        belong to expert e): bitwise ``delta(proj, e, rows)`` per expert, via ``expert_linear``."""
+        if proj not in self.projs:
+            return None
+        a = getattr(self, f"{proj}_lora_A")
+        b = getattr(self, f"{proj}_lora_B")
+        t = expert_linear(x, a, offsets, out_dtype=torch.float32)
+        return self.scale * expert_linear(t, b, offsets, out_dtype=torch.float32)

@@ -1,10 +1,13 @@
 """Dense GLU MLP and the routed mixture of experts (optionally in a K3-style latent)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
+from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
 from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_route
 
 from .config import ModelConfig
@@ -71,12 +74,7 @@ class MoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // self.top_k
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
-        outs, start = [], 0
-        for e, c in enumerate(counts):
-            if c:
-                outs.append(self.experts[e](h[token_of[start:start + c]], self.experts_lora, e))
-            start += c
-        y_sorted = torch.cat(outs) if outs else h.new_zeros(0, h.shape[-1])
+        y_sorted = self._routed_experts(h[token_of], counts)
         y = y_sorted[torch.argsort(order)].view(T, self.top_k, -1)
         routed = moe_combine(y, route.weights, out_dtype=torch.float32)
         if self.latent:
@@ -84,3 +82,30 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x).float()
         return routed.to(x.dtype)
+
+    def _routed_experts(self, hs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Expert MLPs of the expert-sorted rows ``hs`` (``counts[e]`` rows for expert e, in order).
+
+        One grouped ``expert_linear`` per projection for all experts (one launch on the GPU), bitwise
+        equal to running ``self.experts[e]`` on its rows (which the torch backend literally does): a
+        row's result never depends on how many rows each expert received. The experts' weights stay
+        in their own Linear modules (per-expert checkpoint names); the op takes them as a list.
+        """
+        offsets = [0, *itertools.accumulate(counts)]
+        lora = self.experts_lora
+        if any(getattr(m, p).adapter is not None or getattr(m, p).bias is not None
+               for m in self.experts for p in ("gate_proj", "up_proj", "down_proj")):
+            # Outside the model's own layout (an adapter or bias on an expert's Linear): per expert.
+            outs = [self.experts[e](hs[a:b], lora, e) for e, (a, b) in enumerate(zip(offsets, offsets[1:])) if b > a]
+            return torch.cat(outs) if outs else hs.new_zeros(0, hs.shape[-1])
+
+        def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+            weights = [getattr(m, name).weight for m in self.experts]
+            delta = None if lora is None else lora.grouped_delta(name, x, offsets)
+            if delta is None:
+                return expert_linear(x, weights, offsets)
+            # Linear.forward with ``extra``: fp32 base + fp32 delta, one rounding to x's dtype.
+            return (expert_linear(x, weights, offsets, out_dtype=torch.float32) + delta).to(x.dtype)
+
+        act = self.experts[0].glu(proj("gate_proj", hs), proj("up_proj", hs))
+        return proj("down_proj", act)

@@ -1,0 +1,187 @@
+"""Benchmark: the Triton MLA attention (dense causal and sparse top-k) and DSA indexer kernels against
+the "fast" stock-kernel backends, at the bench preset's shapes (64 heads, kv_lora 512, rope 64, bf16
+latent cache, page 64; indexer 32 heads x 128 FP8, top-2048).
+
+    python benchmarks/mla_dsa_kernels.py [--out results.json] [--quick]
+    TRITON_INTERPRET=1 python benchmarks/mla_dsa_kernels.py --smoke   # CPU: tiny shapes, checks the script
+
+Times are medians in ms (``triton.testing.do_bench`` on CUDA). Each row also says whether the Triton
+output equals the row computed alone (a cheap invariance spot check on the first query).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from zmrl.kernels_batch_invariant import kernel_mode  # noqa: E402
+from zmrl.kernels_batch_invariant.dsa_indexer import dsa_index_scores, dsa_topk  # noqa: E402
+from zmrl.kernels_batch_invariant.fp8 import quantize_fp8  # noqa: E402
+from zmrl.kernels_batch_invariant.mla_attention import mla_attention, mla_attention_dense  # noqa: E402
+from zmrl.kernels_batch_invariant.triton import triton_impl  # noqa: E402
+
+log = logging.getLogger("mla_dsa_kernels")
+
+
+def bench(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=5, rep=30))
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def paged(lens: list[int], page: int, dim: int, dtype: torch.dtype, device: torch.device, seed: int):
+    """Contiguous pages per sequence in a shuffled order (layout does not matter to the kernels)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    n_pages = [math.ceil(n / page) for n in lens]
+    total = sum(n_pages)
+    perm = torch.randperm(total, generator=g)
+    bt = torch.zeros(len(lens), max(n_pages), dtype=torch.int64)
+    k = 0
+    for i, n in enumerate(n_pages):
+        bt[i, :n] = perm[k:k + n]
+        k += n
+    cache = torch.randn(total, page, dim, generator=g).to(dtype)
+    return cache.to(device), bt.to(device)
+
+
+def mla_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, Any]]:
+    h, dc, dr, page = (4, 64, 16, 64) if smoke else (64, 512, 64, 64)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    topk = 64 if smoke else 2048
+    scale = (128 + dr) ** -0.5
+    cases = [("decode", 1, 300 if smoke else 32768), ("decode", 4 if smoke else 64, 200 if smoke else 4096),
+             ("prefill", 1, 130 if smoke else 4096)]
+    if quick and not smoke:
+        cases = cases[:2]
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for kind, batch, ctx in cases:
+        lens = [ctx] * batch
+        cache, bt = paged(lens, page, dc + dr, dtype, device, seed=1)
+        if kind == "decode":
+            sidx = torch.arange(batch)
+            qpos = torch.full((batch,), ctx - 1)
+        else:
+            sidx = torch.zeros(ctx, dtype=torch.int64)
+            qpos = torch.arange(ctx)
+        nq = len(qpos)
+        q_lat = torch.randn(nq, h, dc, generator=g).to(device)
+        q_pe = torch.randn(nq, h, dr, generator=g).to(device)
+        sidx, qpos = sidx.to(device), qpos.to(device)
+        # a sparse selection: top-k random positions per query (all of them when t + 1 <= k)
+        kp = torch.full((nq, topk), -1, dtype=torch.int64)
+        for i, t in enumerate(qpos.tolist()):
+            n = min(topk, t + 1)
+            kp[i, :n] = torch.sort(torch.randperm(t + 1, generator=g)[:n]).values
+        kp = kp.to(device)
+        args_d = (q_lat, q_pe, cache, bt, sidx, qpos, scale, dc)
+        args_s = (q_lat, q_pe, cache, bt, sidx, kp, scale, dc)
+        row: dict[str, Any] = {"op": f"mla {kind}", "queries": nq, "context": ctx}
+        dense_t = triton_impl(mla_attention_dense)
+        sparse_t = triton_impl(mla_attention)
+        row["dense_triton_ms"] = bench(lambda: dense_t(*args_d), device)
+        row["sparse_triton_ms"] = bench(lambda: sparse_t(*args_s), device)
+        with kernel_mode("fast"):
+            row["dense_fast_ms"] = bench(lambda: mla_attention_dense(*args_d), device)
+            row["sparse_fast_ms"] = bench(lambda: mla_attention(*args_s), device)
+        full = dense_t(*args_d)
+        alone = dense_t(q_lat[:1], q_pe[:1], cache, bt, sidx[:1], qpos[:1], scale, dc)
+        row["alone_equal"] = bool(torch.equal(alone[0], full[0]))
+        if kind == "prefill":
+            ql = q_lat.clone().requires_grad_()
+            qr = q_pe.clone().requires_grad_()
+            kv = cache.clone().requires_grad_()
+            gout = torch.randn_like(full)
+
+            def fwd_bwd() -> None:
+                dense_t(ql, qr, kv, bt, sidx, qpos, scale, dc).backward(gout)
+
+            row["dense_triton_fwd_bwd_ms"] = bench(fwd_bwd, device)
+        rows.append(row)
+    return rows
+
+
+def dsa_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, Any]]:
+    hi, di, page = (4, 32, 64) if smoke else (32, 128, 64)
+    topk = 64 if smoke else 2048
+    cases = [("decode", 1, 300 if smoke else 32768), ("decode", 4 if smoke else 64, 200 if smoke else 4096),
+             ("prefill", 1, 130 if smoke else 4096)]
+    if quick and not smoke:
+        cases = cases[:2]
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    for kind, batch, ctx in cases:
+        lens = [ctx] * batch
+        keys, bt = paged(lens, page, di, torch.float32, device, seed=2)
+        k8, ks = quantize_fp8(keys, block=di)
+        if kind == "decode":
+            sidx = torch.arange(batch)
+            qpos = torch.full((batch,), ctx - 1)
+        else:
+            sidx = torch.zeros(ctx, dtype=torch.int64)
+            qpos = torch.arange(ctx)
+        nq = len(qpos)
+        q8, qs = quantize_fp8(torch.randn(nq, hi, di, generator=g).to(device), block=di)
+        w = (torch.randn(nq, hi, generator=g) * (hi * di) ** -0.5).to(device)
+        args = (q8, qs.squeeze(-1), w, k8, ks.squeeze(-1), bt, sidx.to(device), qpos.to(device))
+        row: dict[str, Any] = {"op": f"dsa {kind}", "queries": nq, "context": ctx}
+        scores_t = triton_impl(dsa_index_scores)
+        from zmrl.kernels_batch_invariant.triton.dsa_indexer import dsa_topk_kernel as topk_t
+        row["scores_triton_ms"] = bench(lambda: scores_t(*args), device)
+        sc = scores_t(*args)
+        row["topk_triton_ms"] = bench(lambda: topk_t(sc, args[7], topk), device)
+        row["topk_torch_sort_ms"] = bench(lambda: dsa_topk.impls["torch"](sc, args[7], topk), device)
+        with kernel_mode("fast"):
+            row["scores_fast_ms"] = bench(lambda: dsa_index_scores(*args), device)
+            row["topk_fast_ms"] = bench(lambda: dsa_topk(sc, args[7], topk), device)
+        row["topk_equal_torch"] = bool(torch.equal(topk_t(sc, args[7], topk),
+                                                   dsa_topk.impls["torch"](sc, args[7], topk)))
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
+    ap.add_argument("--quick", action="store_true", help="decode cases only")
+    a = ap.parse_args()
+    if a.smoke:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        sys.stderr.write("mla_dsa_kernels.py: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)\n")
+        raise SystemExit(2)
+    rows = mla_rows(device, a.smoke, a.quick) + dsa_rows(device, a.smoke, a.quick)
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys))
+    if a.out is not None:
+        env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        log.info("wrote %s", a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,426 @@
+"""Triton GEMMs (linear, grouped_linear, bmm_fixed, expert_linear): float64 accuracy, bitwise row
+invariance over M / batch composition / expert token counts, gradients.
+
+Runs on CUDA, or on CPU under TRITON_INTERPRET=1 with small shapes (the interpreter casts tiles to
+fp32 before the dot, so bf16 inputs are exercised there too, through the fp32 dot path).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear
+from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref
+from zmrl.kernels_batch_invariant.triton import triton_impl
+
+pytestmark = [pytest.mark.gpu, pytest.mark.triton]
+
+U32 = 2.0**-24
+
+# M values the GPU invariance sweep covers (the brief's list): around every tile boundary.
+GPU_MS = [1, 2, 3, 7, 8, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 4096]
+CPU_MS = [1, 2, 3, 7, 16, 17, 63, 65, 129]
+
+# Bench preset projection shapes (N, K) (see benchmarks/gemm_invariant_vs_cublas.py).
+BENCH_NK = [(2048, 2048), (768, 2048), (12288, 768), (576, 2048), (2048, 8192), (4096, 768), (256, 2048),
+            (2048, 256), (16384, 512), (128, 2048), (16, 2048), (64, 2048)]
+
+
+def _lin(*args, **kw):
+    return triton_impl(linear)(*args, **kw)
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Error bound for y = x @ w^T with fp32 accumulation then one rounding to out.dtype.
+
+    gamma_K * (|x| @ |w|^T) is the worst case of fp32 accumulation in any order. fp32 operands run
+    IEEE FMA dots (factor 2 of slack). 16-bit operands run tensor-core MMAs whose fp32 accumulation
+    need not round to nearest: factor 8 (a few bits), still ~1e-4 relative of sum|x||w| at K=1000,
+    while a wrong row/column/tile gives errors of the size of |y|. fp32 x against bf16 w runs three
+    bf16 MMAs on a 3-way split of x (3K accumulations of exact products): factor 8 as well. The final
+    rounding adds half an ulp of the output dtype (2^-24 fp32, 2^-8 bf16) of |y|.
+    """
+    k = x.shape[-1]
+    gamma = k * U32 / (1 - k * U32)
+    split = x.dtype == torch.float32 and w.dtype == torch.bfloat16
+    slack = 2.0 if (x.dtype == torch.float32 or w.dtype == torch.float32) and not split else 8.0
+    s = x.double().abs() @ w.double().abs().t()
+    ulp = 2.0**-8 if out.dtype == torch.bfloat16 else U32
+    return slack * gamma * s + ulp * ref.abs() + 1e-30
+
+
+def _dtypes() -> list[torch.dtype]:
+    return [torch.float32, torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------- linear
+LINEAR_SHAPES = [(1, 7, 33), (5, 33, 7), (17, 64, 80), (3, 576, 40), (9, 1000, 33), (70, 20, 130), (2, 1, 1)]
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_linear_matches_float64(device, interpret, dtype):
+    shapes = list(LINEAR_SHAPES)
+    if not interpret:
+        shapes += [(m, k, n) for (n, k) in BENCH_NK for m in (1, 200)] + [(4096, 2048, 2048), (300, 2048, 163840)]
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in shapes:
+        x = torch.randn(m, k, generator=g).to(device, dtype)
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+        b = torch.randn(n, generator=g).to(device, dtype)
+        for bias in (None, b):
+            ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+            y = _lin(x, w, bias)
+            assert y.shape == (m, n) and y.dtype == dtype
+            err = (y.double() - ref).abs()
+            bound = _bound(x, w, y, ref) + (0 if bias is None else 2 * U32 * ref.abs())
+            assert (err <= bound).all(), f"{(m, k, n, dtype)}: max err {err.max():.3g}"
+        y32 = _lin(x, w, out_dtype=torch.float32)
+        assert y32.dtype == torch.float32
+        assert torch.equal(y32.to(dtype), _lin(x, w)), "fp32 accumulator rounded once, at the end"
+
+
+def test_linear_mixed_dtypes_compute_in_fp32(device, interpret):
+    """bf16 activations x fp32 weights (LoRA factors, router) and fp32 activations x bf16 weights
+    (MLA's attention output through W_UV) are fp32-accurate, like the torch backend, and the latter
+    (a 3-way bf16 split of x on the GPU) is row-invariant."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 96, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(32, 96, generator=g).to(device)
+    y = _lin(x, w, out_dtype=torch.float32)
+    ref = x.double() @ w.double().t()
+    assert ((y.double() - ref).abs() <= _bound(x, w, y, ref)).all()
+    shapes = [(7, 33, 40), (70, 64, 20)] if interpret else [(7, 33, 40), (1000, 512, 128), (300, 2048, 16384)]
+    for m, k, n in shapes:
+        x = torch.randn(m, k, generator=g).to(device) * torch.logspace(-3, 3, k).to(device)  # wide range
+        w = torch.randn(n, k, generator=g).to(device, torch.bfloat16)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            y = _lin(x, w, out_dtype=out_dtype)
+            ref = x.double() @ w.double().t()
+            err = (y.double() - ref).abs()
+            assert (err <= _bound(x, w, y, ref)).all(), f"{(m, k, n, out_dtype)}: max err {err.max():.3g}"
+        pool = x[:16]
+        sizes = [1, 2, 7, 16, 17, 65] if interpret else GPU_MS
+        _assert_rows_invariant(lambda r: _lin(r, w, out_dtype=torch.float32), pool, sizes, seed=m)
+
+
+def test_linear_leading_dims_empty_and_errors(device):
+    x = torch.randn(2, 3, 5, 17, device=device)
+    w = torch.randn(9, 17, device=device)
+    y = _lin(x, w)
+    assert y.shape == (2, 3, 5, 9)
+    assert torch.equal(y.reshape(-1, 9), _lin(x.reshape(-1, 17), w))
+    assert _lin(torch.randn(0, 17, device=device), w).shape == (0, 9)
+    with pytest.raises(ValueError):
+        _lin(torch.randn(3, 16, device=device), w)
+    # fp64 (gradchecks) falls back to the torch backend
+    xd, wd = x.double(), w.double()
+    assert torch.equal(_lin(xd, wd), linear.impls["torch"](xd, wd))
+
+
+def _assert_rows_invariant(fn, pool: torch.Tensor, sizes: list[int], seed: int, unaligned: bool = True) -> None:
+    """fn(rows)[j] == fn(row alone) bitwise, for batches of every size in ``sizes`` drawn (with
+    replacement, random order) from ``pool``, some from storage at an unaligned offset."""
+    g = torch.Generator().manual_seed(seed)
+    p, k = pool.shape
+    alone = torch.stack([fn(pool[i:i + 1])[0] for i in range(p)])
+    for b in sizes:
+        idx = torch.randint(0, p, (b,), generator=g)
+        x = pool[idx.to(pool.device)]
+        if unaligned and b % 2:
+            # same values at a random element offset: the kernel sees another pointer alignment
+            off = int(torch.randint(1, 8, (1,), generator=g))
+            flat = torch.empty(b * k + off, dtype=pool.dtype, device=pool.device)
+            x = flat[off:].view(b, k)
+            x.copy_(pool[idx.to(pool.device)])
+        out = fn(x)
+        want = alone[idx.to(alone.device)]
+        if not torch.equal(out, want):
+            bad = (out != want).flatten(1).any(1).nonzero()[0].item()
+            pytest.fail(f"batch of {b}: row {bad} differs from the same row computed alone")
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_linear_row_invariance(device, interpret, dtype):
+    # interpreter: few, small calls (each tile costs milliseconds there)
+    sizes = CPU_MS if interpret else GPU_MS
+    shapes = [(33, 7), (20, 40)] if interpret else [(33, 7), (1000, 33)] + [(k, n) for n, k in BENCH_NK[:6]]
+    g = torch.Generator().manual_seed(2)
+    for k, n in shapes:
+        pool = torch.randn(16 if interpret else 48, k, generator=g).to(device, dtype)
+        w = torch.randn(n, k, generator=g).to(device, dtype)
+        b = torch.randn(n, generator=g).to(device, dtype)
+        _assert_rows_invariant(lambda x: _lin(x, w, b), pool, sizes, seed=k + n)
+        _assert_rows_invariant(lambda x: _lin(x, w, out_dtype=torch.float32), pool, sizes[:8], seed=n)
+
+
+def test_linear_lm_head_invariance(device, interpret):
+    """The widest bench GEMM (vocab 163840) at decode and prefill sizes."""
+    if interpret:
+        pytest.skip("GPU shape")
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(16, 2048, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(163840, 2048, generator=g) * 0.02).to(device, torch.bfloat16)
+    _assert_rows_invariant(lambda x: _lin(x, w, out_dtype=torch.float32), pool, [1, 3, 8, 64, 129, 1000], seed=3)
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_linear_grads_match_float64(device, dtype):
+    g = torch.Generator().manual_seed(4)
+    for m, k, n in [(5, 33, 7), (17, 64, 80), (2, 100, 16)]:
+        x = torch.randn(m, k, generator=g).to(device, dtype).requires_grad_(True)
+        w = torch.randn(n, k, generator=g).to(device, dtype).requires_grad_(True)
+        b = torch.randn(n, generator=g).to(device, dtype).requires_grad_(True)
+        gy = torch.randn(m, n, generator=g).to(device)
+        y = _lin(x, w, b, out_dtype=torch.float32)
+        (y * gy).sum().backward()
+        xd, wd, bd = (t.detach().double().requires_grad_(True) for t in (x, w, b))
+        ((xd @ wd.t() + bd) * gy.double()).sum().backward()
+        # fp32: fp32 GEMMs of K <= 100 terms (~1e-5 rel). bf16: dY rounded to bf16 for the 16-bit
+        # backward GEMMs and grads rounded to bf16 (2^-8 rel each): 2e-2 of the grad scale.
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for got, want in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+            assert got.dtype == dtype
+            scale = want.abs().max().item() + 1e-12
+            assert (got.double() - want).abs().max().item() <= tol * scale * 4, (m, k, n, dtype)
+        # frozen weight (LoRA training): only dX, and x is not kept for a dW
+        x.grad = None
+        (_lin(x, w.detach(), out_dtype=torch.float32) * gy).sum().backward()
+        want = gy.double() @ w.detach().double()
+        assert (x.grad.double() - want).abs().max().item() <= tol * 4 * (want.abs().max().item() + 1e-12)
+
+
+# ------------------------------------------------------------------------------ grouped_linear
+@pytest.mark.parametrize("dtype", [*_dtypes(), "f32_x_bf16_w"])
+def test_grouped_linear_rows_equal_linear(device, interpret, dtype):
+    """Row r of group g == Triton linear(row, weight[g]) bitwise, for any M (also transposed and
+    expanded weight views, as the MLA absorbed projections pass them), and close to float64."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3, 5, 33, 7), (2, 70, 16, 20)]
+    if not interpret:  # MLA absorbed shapes: 64 heads, nope 128 <-> kv_lora 512
+        shapes = [(64, 1, 128, 512), (64, 200, 512, 128), (3, 1000, 33, 7)]
+    # "f32_x_bf16_w": MLA's fp32 attention output through the bf16 W_UV (the split-x path)
+    x_dtype, w_dtype = (torch.float32, torch.bfloat16) if dtype == "f32_x_bf16_w" else (dtype, dtype)
+    for G, M, K, N in shapes:
+        x = torch.randn(G, M, K, generator=g).to(device, x_dtype)
+        w = torch.randn(G, N, K, generator=g).to(device, w_dtype)
+        for wv in (w, w.transpose(1, 2).contiguous().transpose(1, 2), w[:1].expand(G, N, K)):
+            y = triton_impl(grouped_linear)(x, wv)
+            assert y.shape == (G, M, N) and y.dtype == x_dtype
+            for gi in range(G):
+                assert torch.equal(y[gi], _lin(x[gi], wv[gi])), (G, M, K, N, gi)
+                assert torch.equal(y[gi, :1], _lin(x[gi, :1], wv[gi]))
+            ref = x.double() @ wv.double().transpose(1, 2)
+            err = (y.double() - ref).abs()
+            bound = torch.stack([_bound(x[i], wv[i], y, ref[i]) for i in range(G)])
+            assert (err <= bound).all()
+    # out_dtype, empty, fp64 fallback
+    x = torch.randn(2, 3, 16, device=device)
+    w = torch.randn(2, 5, 16, device=device)
+    assert triton_impl(grouped_linear)(x.bfloat16(), w.bfloat16(), out_dtype=torch.float32).dtype == torch.float32
+    assert triton_impl(grouped_linear)(x[:, :0], w).shape == (2, 0, 5)
+    xd, wd = x.double(), w.double()
+    assert torch.equal(triton_impl(grouped_linear)(xd, wd), grouped_linear.impls["torch"](xd, wd))
+
+
+def test_grouped_linear_grads(device):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 9, 40, generator=g).to(device).requires_grad_(True)
+    w = torch.randn(3, 24, 40, generator=g).to(device).requires_grad_(True)
+    gy = torch.randn(3, 9, 24, generator=g).to(device)
+    (triton_impl(grouped_linear)(x, w) * gy).sum().backward()
+    xd, wd = (t.detach().double().requires_grad_(True) for t in (x, w))
+    ((xd @ wd.transpose(1, 2)) * gy.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- bmm_fixed
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_bmm_fixed_matches_float64_and_is_element_invariant(device, interpret, dtype):
+    shapes = [(3, 4, 5), (16, 17, 64), (1, 5, 3), (7, 13, 1), (2, 0, 4)]
+    if not interpret:
+        shapes += [(64, 64, 64), (64, 128, 128), (64, 576, 64), (16, 128, 64), (32, 128, 2048)]
+    g = torch.Generator().manual_seed(7)
+    for m, k, n in shapes:
+        a = torch.randn(12, m, k, generator=g).to(device, dtype)
+        b = torch.randn(12, k, n, generator=g).to(device, dtype)
+        y = triton_impl(bmm_fixed)(a, b)
+        assert y.shape == (12, m, n) and y.dtype == torch.float32
+        ref = a.double() @ b.double()
+        gamma = k * U32 / (1 - k * U32)
+        slack = 2.0 if dtype == torch.float32 else 8.0
+        assert ((y.double() - ref).abs() <= slack * gamma * (a.double().abs() @ b.double().abs()) + 1e-30).all()
+        alone = [triton_impl(bmm_fixed)(a[i:i + 1], b[i:i + 1])[0] for i in range(12)]
+        for count in (1, 2, 5, 12):
+            idx = torch.randperm(12, generator=g)[:count].to(device)
+            out = triton_impl(bmm_fixed)(a[idx], b[idx])
+            for j, i in enumerate(idx.tolist()):
+                assert torch.equal(out[j], alone[i]), ((m, k, n), count, j)
+    # broadcast leading dims (a shared b), 2-D operands
+    a = torch.randn(2, 3, 8, 16, device=device)
+    b = torch.randn(16, 4, device=device)
+    y = triton_impl(bmm_fixed)(a, b)
+    assert y.shape == (2, 3, 8, 4)
+    torch.testing.assert_close(y, a @ b, rtol=1e-5, atol=1e-5)
+    assert triton_impl(bmm_fixed)(a[0, 0], b).shape == (8, 4)
+
+
+def test_bmm_fixed_grads(device):
+    g = torch.Generator().manual_seed(8)
+    a = torch.randn(2, 3, 8, 16, generator=g).to(device).requires_grad_(True)
+    b = torch.randn(3, 16, 5, generator=g).to(device).requires_grad_(True)  # broadcast over dim 0
+    gy = torch.randn(2, 3, 8, 5, generator=g).to(device)
+    (triton_impl(bmm_fixed)(a, b) * gy).sum().backward()
+    ad, bd = (t.detach().double().requires_grad_(True) for t in (a, b))
+    ((ad @ bd) * gy.double()).sum().backward()
+    torch.testing.assert_close(a.grad.double(), ad.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad.double(), bd.grad, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- expert_linear
+def _offsets(counts: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(counts)]
+
+
+def _expert_case(device, dtype, e: int, n: int, k: int, seed: int, w_dtype: torch.dtype | None = None):
+    g = torch.Generator().manual_seed(seed)
+    ws = [(torch.randn(n, k, generator=g) / k**0.5).to(device, w_dtype or dtype) for _ in range(e)]
+    return g, ws
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_expert_linear_equals_per_expert_linear(device, interpret, dtype):
+    """Each expert's rows == Triton linear(rows, W_e) bitwise (list and stacked weights), incl.
+    experts with no rows; close to float64."""
+    cases = [(4, 24, 40, [3, 0, 70, 1]), (3, 7, 33, [0, 5, 0])]
+    if not interpret:
+        cases += [(64, 256, 2048, None), (64, 2048, 256, None)]
+    for E, N, K, counts in cases:
+        g, ws = _expert_case(device, dtype, E, N, K, seed=E + N)
+        if counts is None:  # bench MoE: 4096 tokens x top-8 over 64 experts, uneven, some empty
+            p = torch.rand(E, generator=g) ** 3
+            p[::9] = 0
+            counts = torch.bincount(torch.multinomial(p, 4096 * 8, replacement=True, generator=g), minlength=E).tolist()
+        off = _offsets(counts)
+        x = torch.randn(off[-1], K, generator=g).to(device, dtype)
+        stacked = torch.stack(ws)
+        for weights in (ws, stacked):
+            y = triton_impl(expert_linear)(x, weights, off)
+            assert y.shape == (off[-1], N) and y.dtype == dtype
+            for e in range(E):
+                a, b = off[e], off[e + 1]
+                if b > a:
+                    assert torch.equal(y[a:b], _lin(x[a:b], weights[e])), (E, N, K, e)
+            ref = expert_linear_ref(x, weights, off)
+            for e in range(E):
+                a, b = off[e], off[e + 1]
+                if b > a:
+                    be = _bound(x[a:b], ws[e], y[a:b], ref[a:b])
+                    assert ((y[a:b].double() - ref[a:b]).abs() <= be).all()
+        y32 = triton_impl(expert_linear)(x, ws, off, out_dtype=torch.float32)
+        assert y32.dtype == torch.float32 and torch.equal(y32.to(dtype), triton_impl(expert_linear)(x, ws, off))
+
+
+def test_expert_linear_lora_factors(device):
+    """bf16 activations through fp32 stacked factors (batched expert LoRA: A [E, r, in], B [E, out, r])."""
+    g = torch.Generator().manual_seed(9)
+    a_f = torch.randn(5, 8, 48, generator=g).to(device)
+    x = torch.randn(13, 48, generator=g).to(device, torch.bfloat16)
+    off = _offsets([4, 0, 6, 2, 1])
+    t = triton_impl(expert_linear)(x, a_f, off, out_dtype=torch.float32)
+    for e in range(5):
+        assert torch.equal(t[off[e]:off[e + 1]], _lin(x[off[e]:off[e + 1]], a_f[e], out_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_expert_linear_invariant_to_token_counts(device, interpret, dtype):
+    """A (row, expert) pair gives the same bits whatever the other experts' and its own expert's
+    token counts are, and wherever the row sits in its expert's segment."""
+    E, N, K = (4, 24, 40) if interpret else (64, 256, 2048)
+    g, ws = _expert_case(device, dtype, E, N, K, seed=11)
+    pool = torch.randn(32, K, generator=g).to(device, dtype)
+    # alone[e][i]: row i as the only row of the call, routed to expert e
+    alone = {}
+    for e in range(E):
+        for i in range(pool.shape[0]):
+            if (i + e) % 3 == 0 or not interpret:
+                counts = [0] * E
+                counts[e] = 1
+                alone[e, i] = triton_impl(expert_linear)(pool[i:i + 1], ws, _offsets(counts))[0]
+    totals = [1, 7, 64, 65, 130] if interpret else [1, 8, 64, 129, 1000, 4096]
+    for total in totals:
+        # random routing: expert per row from a skewed distribution (many empty experts at small totals)
+        pairs = [(e, i) for (e, i) in alone]
+        pick = torch.randint(0, len(pairs), (total,), generator=g).tolist()
+        chosen = sorted((pairs[p] for p in pick), key=lambda t: t[0])
+        counts = [0] * E
+        for e, _ in chosen:
+            counts[e] += 1
+        x = pool[torch.tensor([i for _, i in chosen], device=pool.device)]
+        y = triton_impl(expert_linear)(x, ws, _offsets(counts))
+        want = torch.stack([alone[p] for p in chosen])
+        if not torch.equal(y, want):
+            bad = (y != want).any(1).nonzero()[0].item()
+            pytest.fail(f"{total} routed rows: row {bad} (expert {chosen[bad][0]}) differs from the row alone")
+
+
+def test_expert_linear_grads(device):
+    g = torch.Generator().manual_seed(12)
+    off = _offsets([3, 0, 5, 2])
+    x = torch.randn(10, 24, generator=g).to(device).requires_grad_(True)
+    ws = [torch.randn(16, 24, generator=g).to(device).requires_grad_(True) for _ in range(4)]
+    stacked = torch.randn(4, 16, 24, generator=g).to(device).requires_grad_(True)
+    gy = torch.randn(10, 16, generator=g).to(device)
+    for weights in (ws, stacked):
+        x.grad = None
+        (triton_impl(expert_linear)(x, weights, off) * gy).sum().backward()
+        xd = x.detach().double().requires_grad_(True)
+        wd = ([w.detach().double().requires_grad_(True) for w in ws] if isinstance(weights, list)
+              else stacked.detach().double().requires_grad_(True))
+        (expert_linear_ref(xd, wd, off) * gy.double()).sum().backward()
+        torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+        if isinstance(weights, list):
+            for w, w_d in zip(ws, wd):
+                want = w_d.grad if w_d.grad is not None else torch.zeros_like(w_d)  # expert without rows
+                torch.testing.assert_close(w.grad.double(), want, rtol=1e-5, atol=1e-5)
+                w.grad = None
+        else:
+            torch.testing.assert_close(stacked.grad.double(), wd.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_linear_empty_and_errors(device):
+    ws = [torch.randn(6, 8, device=device) for _ in range(3)]
+    assert triton_impl(expert_linear)(torch.randn(0, 8, device=device), ws, [0, 0, 0, 0]).shape == (0, 6)
+    with pytest.raises(ValueError):
+        triton_impl(expert_linear)(torch.randn(4, 8, device=device), ws, [0, 1, 2])  # E+1 offsets
+    with pytest.raises(ValueError):
+        triton_impl(expert_linear)(torch.randn(4, 8, device=device), ws, [0, 3, 2, 4])  # not rising
+
+
+def test_moe_layer_uses_grouped_gemm_bitwise(device, interpret):
+    """On CUDA the MoE layer (all its ops dispatched to Triton) gives each routed expert's rows the
+    bits of the per-expert module path, with and without expert LoRA."""
+    if interpret:
+        pytest.skip("the model dispatches to Triton only for CUDA tensors")
+    from zmrl.lora import apply_lora
+    from zmrl.lora.config import LoraConfig
+    from zmrl.model import ModelConfig, build_model
+    from zmrl.model.moe import MoE
+
+    model = build_model(ModelConfig.preset("tiny"), seed=0, dtype="bfloat16").to(device)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    g = torch.Generator().manual_seed(13)
+    hs = torch.randn(50, moe.experts[0].gate_proj.in_features, generator=g).to(device, torch.bfloat16)
+    counts = torch.bincount(torch.randint(0, len(moe.experts), (50,), generator=g), minlength=len(moe.experts)).tolist()
+    off = _offsets(counts)
+    for with_lora in (False, True):
+        if with_lora:
+            apply_lora(model, LoraConfig(r=8, alpha=16.0, init_b_std=0.05, init_seed=5))
+        with torch.no_grad():
+            y = moe._routed_experts(hs, counts)
+            for e in range(len(moe.experts)):
+                a, b = off[e], off[e + 1]
+                if b > a:
+                    assert torch.equal(y[a:b], moe.experts[e](hs[a:b], moe.experts_lora, e)), (with_lora, e)

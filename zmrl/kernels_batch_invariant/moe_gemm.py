@@ -1,0 +1,107 @@
+"""Grouped expert GEMM for the MoE: ``expert_linear``.
+
+The routed tokens are sorted by expert; rows ``offsets[e]:offsets[e+1]`` of ``x`` go through expert
+``e``'s weight. The contract is per expert and deliberately small (an expert-parallel caller passes
+its local experts and local offsets):
+
+    y[offsets[e]:offsets[e+1]] == linear(x[offsets[e]:offsets[e+1]], weights[e], out_dtype=out_dtype)
+
+bitwise, on every backend that is invariant. The torch backend *is* that loop, so CPU numerics are
+those of the per-expert ``linear`` calls the MoE made before this op existed. The Triton backend
+(``triton/matmul.py``) runs all experts in one launch with the tiles and K loop of Triton ``linear``,
+so a row's result again equals ``linear(row, weights[e])`` and does not depend on how many tokens
+each expert received.
+
+``weights`` is either a sequence of per-expert ``[N, K]`` tensors (the model's expert Linear
+modules, whose checkpoint names are per expert) or one stacked ``[E, N, K]`` tensor (batched expert
+LoRA factors).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import invariant_op
+from .matmul import linear
+
+Weights = torch.Tensor | Sequence[torch.Tensor]
+
+
+def as_offsets(offsets: Sequence[int] | torch.Tensor) -> list[int]:
+    """Host list of E+1 row offsets (a tensor is read back once)."""
+    return [int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
+
+
+def check_expert_args(x: torch.Tensor, weights: Weights, offsets: list[int]) -> tuple[int, int, int]:
+    """Validate shapes; returns (E, N, K)."""
+    if x.dim() != 2:
+        raise ValueError(f"expert_linear: x must be [M, K], got {tuple(x.shape)}")
+    e = len(weights)
+    if len(offsets) != e + 1:
+        raise ValueError(f"expert_linear: {e} experts need {e + 1} offsets, got {len(offsets)}")
+    if offsets[0] != 0 or offsets[-1] != x.shape[0] or any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"expert_linear: offsets must rise from 0 to {x.shape[0]}, got {offsets}")
+    if e == 0:
+        raise ValueError("expert_linear: no experts")
+    n, k = weights[0].shape[-2:]
+    if isinstance(weights, torch.Tensor):
+        if weights.dim() != 3:
+            raise ValueError(f"expert_linear: stacked weights must be [E, N, K], got {tuple(weights.shape)}")
+    elif any(w.dim() != 2 or w.shape != (n, k) for w in weights):
+        raise ValueError("expert_linear: every expert weight must be [N, K] with the same N, K")
+    if x.shape[1] != k:
+        raise ValueError(f"expert_linear: x has {x.shape[1]} features but the weights are [{n}, {k}]")
+    return e, n, k
+
+
+@invariant_op
+def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``y[rows of e] = x[rows of e] @ weights[e].T`` for expert-sorted rows.
+
+    x: [M, K] (rows sorted by expert); weights: E x [N, K] or [E, N, K]; offsets: E+1 ints (host list
+    or tensor), ``offsets[0] == 0``, ``offsets[E] == M``. Returns [M, N] in ``out_dtype`` (default
+    x.dtype). Experts with no rows are skipped.
+    """
+    offs = as_offsets(offsets)
+    _, n, _ = check_expert_args(x, weights, offs)
+    out_dtype = out_dtype or x.dtype
+    parts = [linear(x[a:b], weights[e], out_dtype=out_dtype)
+             for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]
+    if not parts:
+        return x.new_zeros(0, n, dtype=out_dtype)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def expert_linear_ref(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """float64 reference."""
+    offs = as_offsets(offsets)
+    _, n, _ = check_expert_args(x, weights, offs)
+    y = x.new_zeros(x.shape[0], n, dtype=torch.float64)
+    for e, (a, b) in enumerate(zip(offs, offs[1:])):
+        if b > a:
+            y[a:b] = x[a:b].double() @ weights[e].double().t()
+    return y
+
+
+@expert_linear.register("fast")
+def _expert_linear_fast(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stock kernels, not invariant: one ``torch._grouped_mm`` launch for stacked bf16 weights on CUDA
+    (where this torch has it), else one cuBLAS/MKL ``F.linear`` per expert."""
+    offs = as_offsets(offsets)
+    _, n, k = check_expert_args(x, weights, offs)
+    out_dtype = out_dtype or x.dtype
+    if (isinstance(weights, torch.Tensor) and x.is_cuda and hasattr(torch, "_grouped_mm")
+            and x.dtype == weights.dtype == torch.bfloat16 and n % 8 == 0 and k % 8 == 0 and x.shape[0] > 0):
+        # _grouped_mm wants the cumulative row ends (int32, on the device) and B as [E, K, N].
+        ends = torch.tensor(offs[1:], dtype=torch.int32, device=x.device)
+        return torch._grouped_mm(x.contiguous(), weights.transpose(-2, -1), offs=ends).to(out_dtype)
+    y = x.new_empty(x.shape[0], n, dtype=out_dtype)
+    for e, (a, b) in enumerate(zip(offs, offs[1:])):
+        if b > a:
+            w = weights[e]
+            y[a:b] = F.linear(x[a:b], w.to(x.dtype)).to(out_dtype)
+    return y

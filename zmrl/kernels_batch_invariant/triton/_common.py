@@ -1,0 +1,119 @@
+"""Shared pieces of the row-wise Triton kernels (norms, GLUs, gates, log-probs, short conv, FP8, MoE).
+
+Elementwise nonlinearities are composed from ``tl.exp``/``tl.log`` and IEEE ``+ - * /``, so an
+element's bits depend on its value alone (never on where it sits in a tile). They are written for
+accuracy against float64 where a naive formula cancels (tanh and log1p near 0, softplus far below 0).
+
+Launch configurations are derived from model widths only (``row_block``), never from the number of
+rows, so every row of every call runs the same instruction sequence (DESIGN §2).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Elementwise kernels: a fixed tile of the flattened tensor per program.
+ELEMENTWISE_BLOCK = 1024
+ELEMENTWISE_WARPS = 4
+# Row kernels read a row in column blocks of at most this many elements (fixed order, ascending).
+MAX_ROW_BLOCK = 4096
+
+
+# Read once: the interpreter is chosen per process, and os.environ lookups cost microseconds per call.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division in plain Python (``triton.cdiv`` costs ~5 us per host call in Triton 3.9)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1), in plain Python, for host-side launch configs."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter."""
+    return INTERPRET
+
+
+def row_block(width: int, cap: int = MAX_ROW_BLOCK) -> int:
+    """Column block of a row kernel: the row width rounded up to a power of two, capped. A function
+    of the (model) width only."""
+    return min(next_pow2(width), cap)
+
+
+def row_warps(block: int) -> int:
+    """Warps for a row kernel with column block ``block`` (a function of the model width only)."""
+    return 8 if block >= 2048 else 4
+
+
+def compute_in_fp64(*tensors: torch.Tensor | None) -> bool:
+    """fp64 inputs only come from gradchecks; the Triton wrappers then run the torch backend,
+    which computes in fp64 (the kernels here are fp32)."""
+    return any(t is not None and t.dtype == torch.float64 for t in tensors)
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> contiguous [R, D] (a view when already contiguous)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+@triton.jit
+def sigmoid(x):
+    # 1 / (1 + exp(-x)): exp overflows to inf for x << 0 and the quotient is then exactly 0.
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def silu(x):
+    return x * sigmoid(x)
+
+
+@triton.jit
+def log1p_unit(u):
+    """log(1 + u) for 0 <= u <= 1 without a log: 2 atanh(s) with s = u / (2 + u) in [0, 1/3], summed as
+    the odd series 2 (s + s^3/3 + ... + s^17/17) (truncation < 3e-10 relative). Accurate to a few ulp
+    near u = 0, where log(1 + u) would lose the low bits of u (and would depend on how precise the
+    GPU's log is near 1)."""
+    s = u / (2.0 + u)
+    s2 = s * s
+    p = 1.0 / 17.0
+    p = p * s2 + 1.0 / 15.0
+    p = p * s2 + 1.0 / 13.0
+    p = p * s2 + 1.0 / 11.0
+    p = p * s2 + 1.0 / 9.0
+    p = p * s2 + 1.0 / 7.0
+    p = p * s2 + 1.0 / 5.0
+    p = p * s2 + 1.0 / 3.0
+    return 2.0 * (s + s * (s2 * p))
+
+
+@triton.jit
+def softplus(x, threshold):
+    """``torch.nn.functional.softplus`` semantics (identity above ``threshold``), computed as
+    max(x, 0) + log1p(exp(-|x|)) so it keeps its relative accuracy far below 0."""
+    sp = tl.maximum(x, 0.0) + log1p_unit(tl.exp(-tl.abs(x)))
+    return tl.where(x > threshold, x, sp)
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp: (1 - e) / (1 + e) with e = exp(-2|x|), and an odd Taylor polynomial for
+    |x| < 1/4 where 1 - e would cancel (terms to x^9: truncation < 1e-8 relative there)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = a * a
+    p = 62.0 / 2835.0
+    p = p * x2 - 17.0 / 315.0
+    p = p * x2 + 2.0 / 15.0
+    p = p * x2 - 1.0 / 3.0
+    p = p * x2
+    small = a + a * p
+    r = tl.where(a < 0.25, small, big)
+    return tl.where(x < 0.0, -r, r)

@@ -1,0 +1,276 @@
+"""Triton backend of the DSA lightning indexer: FP8 index scores and the exact top-k selection.
+
+Semantics are those of ``zmrl.kernels_batch_invariant.dsa_indexer`` (read its docstring).
+
+``dsa_index_scores``: one program per (query, ``KEYS_PER_PROGRAM`` keys), walking blocks of 64 key
+positions aligned to absolute positions. Per block the FP8 dot ``k8 [64, Di] @ q8^T [Di, Hi]`` runs on
+the tensor cores with fp32 accumulation (e4m3 x e4m3 products are exact in fp32), then
+``ReLU``, ``* (w * s_q)`` (one fp32 rounding per (token, head), as in the torch backend), the head sum
+(``tl.sum`` over the Hi axis of a tile whose shape and layout are fixed per model, hence a fixed order),
+``* s_k`` and -inf past ``query_pos``. Each score depends only on its query row and its key: no
+program sees another query. Under the Triton interpreter the FP8 tiles are upcast to fp32 (exactly)
+before the dot. If this Triton build cannot compile the FP8 dot, the kernel falls back, once per
+process and with a warning, to an fp32 tf32 dot over the same exact values (the products are exact
+either way; the choice is deterministic for a given GPU and Triton, hence the same in the rollout and
+trainer processes).
+
+``dsa_topk``: batches of at least ``TOPK_MIN_ROWS`` rows run the kernel below, smaller ones torch's
+stable sort (both exact, hence identical). Kernel: one program per row. The fp32 scores are mapped to order-preserving int32 keys
+(``-0.0`` folded onto ``+0.0`` first, because torch's sort treats them as equal); a 32-step bitwise
+binary search over the row (each step one ascending pass counting ``key >= candidate``) finds the exact
+k-th largest key T. The row is then scanned in ascending position order keeping every key > T and the
+first ``k - count(key > T)`` keys == T (lowest positions first: the (score desc, position asc) tie
+rule), written in ascending order through a running prefix sum, -1 padded. Rows with at most k
+candidates keep all of them. Exact by construction; speed is secondary (32 + 2 passes over the row).
+
+Fast mode: a plain fp32 matmul for the scores and ``torch.topk`` (not tie-stable) for the selection.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dsa_indexer import dsa_index_scores, dsa_topk
+from ..mla_attention import KEY_BLOCK, cache_slots
+from ._common import INTERPRET, cdiv
+from ._autograd import with_reference_backward
+
+log = logging.getLogger(__name__)
+
+_INTERPRET = INTERPRET
+KEYS_PER_PROGRAM = 256  # score kernel: keys per program (4 blocks of 64); q is loaded once per program
+TOPK_BLOCK = 1024  # top-k kernel: row elements per scan step
+# Fewer rows than this: torch's stable sort (same result, exact either way); see dsa_topk_triton.
+TOPK_MIN_ROWS = 128
+# Whether the score kernel uses the FP8 tensor-core dot; set to False on the first compile failure.
+_fp8_dot_ok: bool = not _INTERPRET
+
+assert KEYS_PER_PROGRAM % KEY_BLOCK == 0
+
+
+# Batch- and layout-dependent integers are not specialised: one compiled kernel per model shape.
+@triton.jit(do_not_specialize=["page_size", "bt_stride", "width"])
+def _index_scores_kernel(
+    q8_ptr, qs_ptr, w_ptr, k8_ptr, ks_ptr, bt_ptr, seq_ptr, qpos_ptr, out_ptr,
+    page_size, bt_stride, width,
+    HI: tl.constexpr, DI: tl.constexpr, HI_P: tl.constexpr, DI_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, PER_PROG: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    qi = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1)
+    offs_h = tl.arange(0, HI_P)
+    hmask = offs_h < HI
+    offs_d = tl.arange(0, DI_P)
+    dmask = offs_d < DI
+    offs_n = tl.arange(0, BLOCK_N)
+
+    qpos = tl.load(qpos_ptr + qi)
+    seq = tl.load(seq_ptr + qi)
+    # (w * s_q): one fp32 rounding per (token, head), exactly as the torch backend.
+    wq = tl.load(w_ptr + qi * HI + offs_h, mask=hmask, other=0.0) * tl.load(qs_ptr + qi * HI + offs_h, mask=hmask, other=0.0)
+    q8 = tl.load(q8_ptr + (qi * HI + offs_h)[:, None] * DI + offs_d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if FP8_DOT:
+        q8t = tl.trans(q8)
+    else:
+        q8t = tl.trans(q8.to(tl.float32))
+    for blk in range(0, PER_PROG // BLOCK_N):
+        pos = kb * PER_PROG + blk * BLOCK_N + offs_n  # int32: positions < 2^31
+        in_out = pos < width
+        valid = (pos <= qpos) & in_out
+        score = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            pos_c = tl.where(valid, pos, 0)
+            page = tl.load(bt_ptr + seq * bt_stride + pos_c // page_size, mask=valid, other=0)
+            slot = page.to(tl.int64) * page_size + pos_c % page_size
+            k8 = tl.load(k8_ptr + slot[:, None] * DI + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            ks = tl.load(ks_ptr + slot, mask=valid, other=0.0)
+            if FP8_DOT:
+                dot = tl.dot(k8, q8t)  # [BLOCK_N, HI_P] fp32 accumulate
+            else:
+                dot = tl.dot(k8.to(tl.float32), q8t, input_precision="tf32")  # fp8 values are exact in tf32
+            per_head = tl.maximum(dot, 0.0) * wq[None, :]
+            s = ks * tl.sum(per_head, axis=1)
+            score = tl.where(valid, s, float("-inf"))
+        tl.store(out_ptr + qi * width + pos, score, mask=in_out)
+
+
+@triton.jit(do_not_specialize=["width", "score_stride", "K"])
+def _topk_kernel(scores_ptr, qpos_ptr, out_ptr, width, score_stride, K, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    qpos = tl.load(qpos_ptr + row)
+    n = tl.minimum(qpos + 1, width)  # candidates are positions 0..n-1
+    offs = tl.arange(0, BLOCK)
+    base = scores_ptr + row * score_stride
+    out_row = out_ptr + row * K
+    if n <= K:
+        # At most k candidates: all of them, already ascending.
+        for j0 in range(0, n, BLOCK):
+            pos = j0 + offs
+            tl.store(out_row + pos, pos.to(tl.int64), mask=pos < n)
+    else:
+        one = tl.full([], 1, tl.int64)
+        t = tl.full([], -2147483648, tl.int64)
+        # Bitwise binary search for the largest T with count(key >= T) >= K: the K-th largest key.
+        for b in range(0, 32):
+            cand = t + (one << (31 - b))
+            cnt = tl.zeros([], tl.int32)
+            for j0 in range(0, n, BLOCK):
+                pos = j0 + offs
+                m = pos < n
+                x = tl.load(base + pos, mask=m, other=0.0)
+                x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0 for the tie rule
+                bits = x.to(tl.int32, bitcast=True)
+                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+                cnt += tl.sum(((key >= cand) & m).to(tl.int32), axis=0)
+            if cnt >= K:
+                t = cand
+        n_gt = tl.zeros([], tl.int32)
+        for j0 in range(0, n, BLOCK):
+            pos = j0 + offs
+            m = pos < n
+            x = tl.load(base + pos, mask=m, other=0.0)
+            x = tl.where(x == 0.0, 0.0, x)
+            bits = x.to(tl.int32, bitcast=True)
+            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+            n_gt += tl.sum(((key > t) & m).to(tl.int32), axis=0)
+        need = K - n_gt  # ties at T to keep, lowest positions first
+        eq_seen = tl.zeros([], tl.int32)
+        sel_seen = tl.zeros([], tl.int32)
+        for j0 in range(0, n, BLOCK):
+            pos = j0 + offs
+            m = pos < n
+            x = tl.load(base + pos, mask=m, other=0.0)
+            x = tl.where(x == 0.0, 0.0, x)
+            bits = x.to(tl.int32, bitcast=True)
+            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+            eq = (key == t) & m
+            gt = (key > t) & m
+            eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) + eq_seen  # 1-based among ties so far
+            sel = gt | (eq & (eq_rank <= need))
+            sel_i = sel.to(tl.int32)
+            idx = tl.cumsum(sel_i, axis=0) - 1 + sel_seen
+            tl.store(out_row + idx, pos.to(tl.int64), mask=sel)
+            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
+            sel_seen += tl.sum(sel_i, axis=0)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dsa_index_scores.register("triton")
+@with_reference_backward(dsa_index_scores.impls["torch"])
+def dsa_index_scores_triton(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor,
+                            k8_cache: torch.Tensor, k_scale_cache: torch.Tensor, block_table: torch.Tensor,
+                            seq_idx: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """Causal FP8 index scores ``[Q, max(query_pos) + 1]`` fp32 (see the module docstring)."""
+    global _fp8_dot_ok
+    nq, hi, di = q8.shape
+    num_pages, page_size, dk = k8_cache.shape
+    if dk != di:
+        raise ValueError(f"dsa_index_scores: q8 head dim {di} != key cache dim {dk}")
+    qp = query_pos.to(torch.int64).contiguous()
+    width = int(qp.max().item()) + 1 if nq else 0
+    out = torch.empty((nq, width), dtype=torch.float32, device=q8.device)
+    if nq == 0 or width == 0:
+        return out
+    args = (q8.contiguous(), q_scale.to(torch.float32).contiguous(), weights.to(torch.float32).contiguous(),
+            k8_cache.contiguous(), k_scale_cache.to(torch.float32).contiguous(),
+            block_table.to(torch.int64).contiguous(), seq_idx.to(torch.int64).contiguous(), qp, out)
+    grid = (nq, cdiv(width, KEYS_PER_PROGRAM))
+    consts = dict(HI=hi, DI=di, HI_P=max(16, _next_pow2(hi)), DI_P=max(16, _next_pow2(di)),
+                  BLOCK_N=KEY_BLOCK, PER_PROG=KEYS_PER_PROGRAM, num_warps=4)
+    bt_stride = args[5].stride(0)
+    if _fp8_dot_ok:
+        try:
+            _index_scores_kernel[grid](*args, page_size, bt_stride, width, FP8_DOT=True, **consts)
+            return out
+        except Exception as e:  # noqa: BLE001 - a compile failure of the fp8 dot: use the tf32 path
+            log.warning("dsa_index_scores: FP8 tl.dot unavailable (%s: %s); using exact tf32 dots",
+                        type(e).__name__, e)
+            _fp8_dot_ok = False
+    _index_scores_kernel[grid](*args, page_size, bt_stride, width, FP8_DOT=False, **consts)
+    return out
+
+
+@dsa_topk.register("triton")
+def dsa_topk_triton(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """Exact top-k per row (score desc, position asc), ascending, -1 padded: ``[Q, topk]`` int64.
+
+    Both implementations are exact, so their outputs are identical (the selection is a function of
+    the row alone): the choice may depend on the batch without breaking invariance. Batches of fewer
+    than ``TOPK_MIN_ROWS`` rows (decode) use the torch backend's stable sort, which spreads one long
+    row over the whole GPU; larger batches use the one-program-per-row kernel."""
+    if scores.shape[0] < TOPK_MIN_ROWS:
+        return dsa_topk.impls["torch"](scores, query_pos, topk)
+    return dsa_topk_kernel(scores, query_pos, topk)
+
+
+def dsa_topk_kernel(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """The Triton top-k kernel itself (see ``dsa_topk_triton``)."""
+    nq, width = scores.shape
+    out = torch.full((nq, topk), -1, dtype=torch.int64, device=scores.device)
+    if nq == 0 or topk == 0:
+        return out
+    s = scores.detach().to(torch.float32)
+    if s.stride(-1) != 1:
+        s = s.contiguous()
+    _topk_kernel[(nq,)](s, query_pos.to(torch.int64).contiguous(), out, width, s.stride(0), topk,
+                        BLOCK=TOPK_BLOCK, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- fast (stock) kernels
+FAST_QUERY_CHUNK = 256
+
+
+@dsa_index_scores.register("fast")
+def dsa_index_scores_fast(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor,
+                          k8_cache: torch.Tensor, k_scale_cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_idx: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """Plain fp32 matmuls per sequence over its gathered keys (not invariant)."""
+    nq, hi, di = q8.shape
+    num_pages, page_size, _ = k8_cache.shape
+    qp = query_pos.to(torch.int64)
+    width = int(qp.max().item()) + 1 if nq else 0
+    out = torch.full((nq, width), float("-inf"), dtype=torch.float32, device=q8.device)
+    flat_k = k8_cache.reshape(num_pages * page_size, di)
+    flat_s = k_scale_cache.reshape(num_pages * page_size)
+    wq = weights.to(torch.float32) * q_scale.to(torch.float32)
+    for n in torch.unique(seq_idx).tolist():
+        idx = (seq_idx == n).nonzero().flatten()
+        w_n = int(qp[idx].max().item()) + 1
+        pos = torch.arange(w_n, dtype=torch.int64, device=q8.device).unsqueeze(0)
+        slots, _ = cache_slots(block_table, seq_idx[idx[:1]], pos, page_size)
+        k = flat_k[slots[0]].to(torch.float32)  # [L, Di]
+        ks = flat_s[slots[0]].to(torch.float32)
+        for c0 in range(0, idx.numel(), FAST_QUERY_CHUNK):
+            ci = idx[c0:c0 + FAST_QUERY_CHUNK]
+            dots = (q8[ci].to(torch.float32).reshape(-1, di) @ k.t()).view(ci.numel(), hi, w_n)
+            sc = (wq[ci].unsqueeze(-1) * dots.clamp_min(0.0)).sum(dim=1) * ks
+            sc = torch.where(pos <= qp[ci].unsqueeze(-1), sc, float("-inf"))
+            out[ci, :w_n] = sc
+    return out
+
+
+@dsa_topk.register("fast")
+def dsa_topk_fast(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """``torch.topk`` (ties broken arbitrarily), then ascending, -1 padded."""
+    nq, width = scores.shape
+    qp = query_pos.to(torch.int64).unsqueeze(-1)
+    cols = torch.arange(width, dtype=torch.int64, device=scores.device).unsqueeze(0)
+    masked = torch.where(cols <= qp, scores.detach(), float("-inf"))
+    if width < topk:
+        masked = torch.cat([masked, masked.new_full((nq, topk - width), float("-inf"))], dim=-1)
+    idx = torch.topk(masked, topk, dim=-1).indices
+    n_cand = torch.clamp(qp + 1, max=width)
+    # Which of the k slots hold a real candidate: the first min(k, n) of the descending order, which
+    # may be any in-range positions (an in-range -inf could tie with out-of-range ones); keep those
+    # in range, up to n of them.
+    valid = idx < n_cand
+    sentinel = torch.iinfo(torch.int64).max
+    asc = torch.sort(torch.where(valid, idx, torch.full_like(idx, sentinel)), dim=-1).values
+    return torch.where(asc == sentinel, torch.full_like(asc, -1), asc)

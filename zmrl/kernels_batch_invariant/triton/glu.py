@@ -1,0 +1,80 @@
+"""Triton SwiGLU / SiTU-GLU (elementwise), plus fast-mode backends (``F.silu`` / ``torch.tanh``).
+
+Elementwise: every element runs the same instruction sequence wherever it sits, so the result is
+row-invariant by construction; tiles are fixed (``ELEMENTWISE_BLOCK``) over the flattened tensor.
+Order as the torch op: ``(g * sigmoid(g)) * u`` and ``((4 * tanh(g / 4)) * sigmoid(g)) * (25 * tanh(u / 25))``.
+Backward: the torch composition under autograd (``with_reference_backward``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .. import glu as _ops
+from ._autograd import with_reference_backward
+from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, cdiv, compute_in_fp64, sigmoid, tanh
+
+swiglu = _ops.swiglu
+situ_glu = _ops.situ_glu
+
+
+@triton.jit
+def _glu_kernel(g_ptr, u_ptr, y_ptr, n, SITU: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if SITU:
+        y = ((4.0 * tanh(g / 4.0)) * sigmoid(g)) * (25.0 * tanh(u / 25.0))
+    else:
+        y = (g * sigmoid(g)) * u
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _launch(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None, situ: bool) -> torch.Tensor:
+    g, u = gate.contiguous(), up.contiguous()
+    y = torch.empty(gate.shape, dtype=out_dtype or gate.dtype, device=gate.device)
+    n = g.numel()
+    if n:
+        _glu_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](g, u, y, n, SITU=situ, BLOCK=ELEMENTWISE_BLOCK,
+                                                          num_warps=ELEMENTWISE_WARPS)
+    return y
+
+
+@swiglu.register("triton")
+@with_reference_backward(swiglu.impls["torch"])
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    _ops._check(gate, up, "swiglu")
+    if compute_in_fp64(gate, up):
+        return swiglu.impls["torch"](gate, up, out_dtype)
+    return _launch(gate, up, out_dtype, situ=False)
+
+
+@situ_glu.register("triton")
+@with_reference_backward(situ_glu.impls["torch"])
+def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    _ops._check(gate, up, "situ_glu")
+    if compute_in_fp64(gate, up):
+        return situ_glu.impls["torch"](gate, up, out_dtype)
+    return _launch(gate, up, out_dtype, situ=True)
+
+
+def _cdt(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@swiglu.register("fast")
+def swiglu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    _ops._check(gate, up, "swiglu")
+    cdt = _cdt(gate.dtype)
+    return (F.silu(gate.to(cdt)) * up.to(cdt)).to(out_dtype or gate.dtype)
+
+
+@situ_glu.register("fast")
+def situ_glu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    _ops._check(gate, up, "situ_glu")
+    cdt = _cdt(gate.dtype)
+    g, u = gate.to(cdt), up.to(cdt)
+    return (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))).to(out_dtype or gate.dtype)

@@ -1,0 +1,55 @@
+"""Triton L2 normalisation over the last dim (KDA's q/k per-head norm), plus its fast-mode backend.
+
+One program per row, column blocks of a fixed width (from the head dim only) in ascending order, an
+fp32 vector accumulator and one ``tl.sum``: a row's bits depend on the row alone. Order as the torch
+op: ``x / sqrt(sum(x^2) + eps)`` (a true division, not a multiply by rsqrt).
+Backward: the torch composition under autograd (``with_reference_backward``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import l2norm as _ops
+from ._autograd import with_reference_backward
+from ._common import as_rows, compute_in_fp64, row_block, row_warps
+
+l2_norm = _ops.l2_norm
+
+
+@triton.jit
+def _l2_norm_kernel(x_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        c = start + cols
+        x = tl.load(x_ptr + row * D + c, mask=c < D, other=0.0).to(tl.float32)
+        acc += x * x
+    den = tl.sqrt(tl.sum(acc, axis=0) + eps)
+    for start in range(0, D, BLOCK):
+        c = start + cols
+        m = c < D
+        x = tl.load(x_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * D + c, (x / den).to(y_ptr.dtype.element_ty), mask=m)
+
+
+@l2_norm.register("triton")
+@with_reference_backward(l2_norm.impls["torch"])
+def l2_norm_triton(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if compute_in_fp64(x):
+        return l2_norm.impls["torch"](x, eps, out_dtype)
+    d = x.shape[-1]
+    x2 = as_rows(x)
+    y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if x2.shape[0] and d:
+        block = row_block(d)
+        _l2_norm_kernel[(x2.shape[0],)](x2, y, d, float(eps), BLOCK=block, num_warps=row_warps(block))
+    return y.reshape(x.shape)
+
+
+@l2_norm.register("fast")
+def l2_norm_fast(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(out_dtype or x.dtype)

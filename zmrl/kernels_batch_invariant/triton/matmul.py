@@ -1,0 +1,609 @@
+"""Triton GEMMs: ``linear``, ``grouped_linear``, ``bmm_fixed`` and the MoE ``expert_linear``.
+
+One kernel (``_gemm_kernel``) computes every product here. A program owns one [BLOCK_M, BLOCK_N]
+output tile, walks K in ascending BLOCK_K steps with an fp32 accumulator (no split-K, no atomics),
+adds the bias in fp32 and rounds once to the output dtype. Why a row's bits do not depend on M:
+
+* Every output element is one fp32 accumulator fed by the 16-wide MMA steps over K in ascending order;
+  the tile shape only decides which program computes it. Measured on the H200 (benchmarks/probes/
+  h200_probe.py, results/2026-11-29_probe_h200.json): bf16 products gave the same bits for every
+  BLOCK_M in {16..128}, BLOCK_N in {32..256}, BLOCK_K in {32, 64, 128} and 4 or 8 warps (mma.sync and
+  wgmma alike). ``linear_config`` therefore may pick a small-tile config for decode-sized M and a
+  large-tile one for prefill/training M; the GPU tests sweep M across the bucket boundary and assert
+  ``torch.equal`` row by row, which is what guards this. Rows beyond M (and K/N beyond the edge) are
+  loaded as exact zeros, which add nothing.
+* M (and the per-tile row bounds of the grouped mode) are runtime values that Triton must not
+  specialise on (``do_not_specialize``), so M=1 does not compile a different kernel.
+* ``expert_linear`` runs the same kernel body over a host-built tile table (each tile's expert and
+  row range; tiles never straddle two experts) with the config of ``linear`` for the expert's
+  (N, K): a row's result equals Triton ``linear(row, weights[e])`` bitwise.
+
+Operand precision: bf16/fp16 x bf16/fp16 (same dtype) uses tensor-core dots with fp32 accumulation
+(the products are exact in fp32). fp32 activations against bf16 weights (MLA's fp32 attention output
+through W_UV) split each activation into three bf16 pieces and run three bf16 MMAs: exact products,
+fp32 accuracy, tensor-core speed. Anything else with an fp32 operand (fp32 models, fp32 LoRA factors,
+the fp32 router) computes in fp32 with IEEE dots (``input_precision="ieee"``: no TF32), so fp32
+models stay fp32-accurate. fp64 inputs only come from gradchecks: they run the torch backend.
+Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) the dot is an explicit fp32 product
+and sum over each K block: the interpreter computes bf16 dots wrongly, and its fp32 dot (numpy/BLAS)
+is not row-invariant within a tile; the compiled GPU kernel always uses ``tl.dot``.
+
+Decode (M = 1..8) is memory-bound: the time is the weight read, so that read must be spread over
+many SMs although split-K is not allowed. ``linear_config`` therefore picks BLOCK_N per N so that
+even one M tile gives at least ``MIN_DECODE_PROGRAMS`` programs where N allows it (BLOCK_N 128 ->
+64 -> 32), and uses the large 128x128 tile only for wide outputs (lm_head, q_b, kv_b, the dense MLP)
+where it still leaves >= 64 programs. Narrow outputs (N <= 2048, e.g. 2048 -> 2048 projections) get
+64x32 tiles: more programs at decode, at the cost of some prefill efficiency (A is re-read N/32
+times, from L2). ``benchmarks/gemm_invariant_vs_cublas.py --sweep`` measures alternatives.
+
+Autograd: hand-written backwards with stock torch matmuls (the backward need not be invariant, only
+correct): dX = dY @ W, dW = dY^T X, dbias = sum dY. 16-bit operands use 16-bit cuBLAS GEMMs (fp32
+accumulation inside) so the backward never materialises an fp32 copy of a large weight; anything
+with an fp32 operand runs in fp32.
+
+Weights of ``expert_linear``: the experts' ``[N, K]`` weights stay where the model holds them (one
+Linear per expert, per-expert checkpoint names). Instead of re-stacking them every forward (a copy of
+all expert weights per call) or caching a stacked copy (doubles expert memory and must be invalidated
+on every optimizer step), the kernel gets the element offset of each expert's weight from the
+lowest-addressed one: an int64 table of E entries, cached keyed on the weights' addresses (the table
+is a function of the addresses alone, so the cache can never be stale). Expert parallelism can pass
+its local experts' weights and offsets unchanged.
+
+``bmm_fixed`` uses the same kernel with tiles chosen from its per-matrix shape (m, n, k), which the
+op's contract fixes by the model; the batch count never enters.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import matmul as _ops
+from .. import moe_gemm as _moe
+from ._common import INTERPRET, cdiv, compute_in_fp64, next_pow2
+
+log = logging.getLogger(__name__)
+
+linear = _ops.linear
+bmm_fixed = _ops.bmm_fixed
+grouped_linear = _ops.grouped_linear
+expert_linear = _moe.expert_linear
+
+_HALF = (torch.bfloat16, torch.float16)
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+# A decode step (one M tile) should still occupy at least this many SMs (H100/H200 have 132).
+MIN_DECODE_PROGRAMS = 64
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch configuration of one GEMM; a function of (N, K, operand dtype) only."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}/s{self.num_stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> "GemmConfig":
+        """``"64x32x64/w4/s4"`` -> GemmConfig (for benchmark command lines)."""
+        tile, w, s = text.split("/")
+        bm, bn, bk = (int(v) for v in tile.split("x"))
+        return cls(bm, bn, bk, int(w.lstrip("w")), int(s.lstrip("s")))
+
+
+# Row-count buckets: up to DECODE_M the decode configs (parallelism over N); up to LARGE_M 128x128
+# tiles; above it 256x128 (best for nearly every bench shape at M=4096 in the 2026-11-29 H200 sweep).
+DECODE_M = 64
+LARGE_M = 1024
+
+
+def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
+    """Tiles for ``y[m, n] = x[m, k] @ W[n, k]^T`` with operands of ``dtype`` (the compute dtype:
+    bf16/fp16 for tensor-core dots, fp32 for IEEE dots). ``m`` only selects a bucket (decode-sized or
+    not), which changes which program computes an element, not its bits (module doc).
+
+    Benchmarks may replace this module-level function to try other configs; it is looked up at
+    every call.
+    """
+    return _linear_config(n, dtype, 0 if m <= DECODE_M else (1 if m < LARGE_M else 2))
+
+
+@functools.lru_cache(maxsize=1024)
+def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
+    if dtype in _HALF:
+        if bucket == 2:
+            return GemmConfig(256, 128, 64, 8, 3)
+        if bucket == 1:
+            return GemmConfig(128, 128, 64, 4, 4)
+        if cdiv(n, 128) >= MIN_DECODE_PROGRAMS:
+            return GemmConfig(128, 128, 64, 8, 4)
+        if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
+            return GemmConfig(64, 64, 64, 4, 4)
+        return GemmConfig(64, 32, 64, 4, 4)
+    # fp32 IEEE dots run on the CUDA cores (FMA): smaller K steps keep the tiles in registers.
+    if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
+        return GemmConfig(64, 64, 32, 4, 3)
+    return GemmConfig(64, 32, 32, 4, 3)
+
+
+def bmm_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """Tiles for ``bmm_fixed`` ([m, k] @ [k, n] per batch element). Its per-matrix shape is fixed by
+    the model (the op's contract), so the config may follow m as well; the batch count never enters.
+    Tile dims are powers of two >= 16 (tl.dot's minimum), capped at 64."""
+    def fit(v: int, cap: int) -> int:
+        return max(16, min(cap, next_pow2(max(v, 1))))
+
+    return GemmConfig(fit(m, 64), fit(n, 64), fit(k, 64 if dtype in _HALF else 32), 4, 2)
+
+
+def _interpreting() -> bool:
+    return INTERPRET
+
+
+# --------------------------------------------------------------------------------------- kernel
+@triton.jit(do_not_specialize=["M", "M_TILES"])
+def _gemm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    tiles_ptr, woff_ptr,
+    M, M_TILES, N, K,
+    stride_xg, stride_xm, stride_xk,
+    stride_wg, stride_wn, stride_wk,
+    stride_yg, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, EXPERTS: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr,
+    SPLIT_X: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[g, m, n] = sum_k x[g, m, k] * w[g, n, k] (+ b[n]) for one [BLOCK_M, BLOCK_N] tile.
+
+    Plain/batched mode (EXPERTS=False): program (g * M_TILES + pid_m, pid_n) owns rows
+    pid_m*BLOCK_M.. of batch element g (linear: one element; grouped_linear/bmm_fixed: G elements;
+    the batch shares grid dim 0 with the M tiles because dims 1 and 2 are limited to 65535).
+    Expert mode: program pid_m reads its tile (expert e, first row, end row) from ``tiles_ptr``
+    (int32 [T, 3]); expert e's weight starts ``woff_ptr[e]`` elements after ``w_ptr``.
+    """
+    pid_0 = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if EXPERTS:
+        pid_m = pid_0
+        expert = tl.load(tiles_ptr + pid_m * 3)
+        row0 = tl.load(tiles_ptr + pid_m * 3 + 1)
+        row_end = tl.load(tiles_ptr + pid_m * 3 + 2)
+        woff = tl.load(woff_ptr + expert)
+        if W_ALIGN > 1:
+            # Every expert's weight starts on a 16-byte boundary (W_ALIGN elements from the base):
+            # telling the compiler lets it vectorise the weight loads.
+            woff = tl.multiple_of(woff, W_ALIGN)
+        w_base = w_ptr + woff
+        x_base = x_ptr
+        y_base = y_ptr
+    else:
+        pid_g = (pid_0 // M_TILES).to(tl.int64)
+        pid_m = pid_0 % M_TILES
+        row0 = pid_m * BLOCK_M
+        row_end = M
+        w_base = w_ptr + pid_g * stride_wg
+        x_base = x_ptr + pid_g * stride_xg
+        y_base = y_ptr + pid_g * stride_yg
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < row_end
+    n_mask = offs_n < N
+    # int64 row/column offsets: lm_head-sized outputs and weights exceed 2^31 elements at long M.
+    x_ptrs = x_base + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_base + offs_k[:, None] * stride_wk + offs_n.to(tl.int64)[None, :] * stride_wn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Ascending K in fixed BLOCK_K steps: every output element sees the same accumulation order.
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if SPLIT_X:
+            # fp32 x, bf16 W: x = hi + mid + lo, each bf16 (the two residuals are exact in fp32; the
+            # three pieces hold >= 24 significant bits, all of fp32). Products with the bf16 W are
+            # exact in fp32, so three bf16 MMAs give an fp32-accurate product on the tensor cores
+            # instead of the ~10x slower fp32 FMA dot. A row's pieces depend on the row alone.
+            a32 = a.to(tl.float32)
+            hi = a32.to(tl.bfloat16)
+            r = a32 - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            if INTERPRET:
+                bb = b.to(tl.float32)[None, :, :]
+                acc += tl.sum(hi.to(tl.float32)[:, :, None] * bb, axis=1)
+                acc += tl.sum(mid.to(tl.float32)[:, :, None] * bb, axis=1)
+                acc += tl.sum(lo.to(tl.float32)[:, :, None] * bb, axis=1)
+            else:
+                acc = tl.dot(hi, b, acc)
+                acc = tl.dot(mid, b, acc)
+                acc = tl.dot(lo, b, acc)
+        elif INTERPRET:
+            # numpy's matmul (the interpreter's tl.dot) computes tile rows with different BLAS
+            # micro-kernels depending on their position in the tile; an explicit product + sum over
+            # K gives every element the same order, so the invariance tests are meaningful on CPU.
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif F32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_base + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _split_x(x: torch.dtype, w: torch.dtype) -> bool:
+    """fp32 activations against bf16 weights run as three bf16 MMAs (see the kernel)."""
+    return x == torch.float32 and w == torch.bfloat16
+
+
+def _config_dtype(x: torch.dtype, w: torch.dtype) -> torch.dtype:
+    """The dtype class ``linear_config`` is asked for: the tensor-core class (bf16) for split fp32 x
+    bf16 products, else the dot's operand dtype."""
+    return torch.bfloat16 if _split_x(x, w) else _dot_dtype(x, w)
+
+
+def _dot_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """Compute class of a product: 16-bit tensor-core dots only when both operands share a 16-bit
+    dtype; otherwise fp32 (the torch backend computes such mixes in fp32 too)."""
+    return a if (a == b and a in _HALF) else torch.float32
+
+
+def _check_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in _TL_DTYPE:
+        raise TypeError(f"triton GEMM: {what} has unsupported dtype {t.dtype}")
+
+
+def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: torch.Tensor, cfg: GemmConfig,
+            m: int, n: int, k: int, *, experts: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+    """Launch ``_gemm_kernel``. x3 [G, M, K], w3 [G, N, K] (any strides), y3 [G, M, N].
+    ``experts``: (tiles int32 [T, 3], weight offsets int64 [E], offset alignment in elements) for
+    expert mode, with x3/y3 of G=1 and w3 the lowest-address expert weight as [1, N, K]."""
+    _check_dtype(x3, "x")
+    _check_dtype(w3, "weight")
+    split = _split_x(x3.dtype, w3.dtype)
+    f32 = not split and (_dot_dtype(x3.dtype, w3.dtype) == torch.float32 or _interpreting())
+    if split and cfg.num_stages > 3 and cfg.block_m * cfg.block_k * 4 * cfg.num_stages > 96 * 1024:
+        # the fp32 A tile doubles the stage size: keep the pipeline inside the SM's shared memory
+        cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, 3)
+    if _interpreting() and y3.dtype != torch.float32:
+        # The interpreter's fp32 -> 16-bit conversion truncates (the GPU rounds to nearest even):
+        # store fp32 and let torch round, which is what the compiled kernel's store does.
+        y32 = torch.empty(y3.shape, dtype=torch.float32, device=y3.device)
+        _launch(x3, w3, bias, y32, cfg, m, n, k, experts=experts)
+        y3.copy_(y32)
+        return
+    g = x3.shape[0]
+    if experts is None:
+        tiles, woff, align = x3, x3, 1  # unused pointers (constexpr-disabled branch)
+        m_tiles = cdiv(m, cfg.block_m)
+        grid = (g * m_tiles, cdiv(n, cfg.block_n))
+    else:
+        tiles, woff, align = experts
+        m_tiles = tiles.shape[0]
+        grid = (m_tiles, cdiv(n, cfg.block_n))
+    _gemm_kernel[grid](
+        x3, w3, bias if bias is not None else x3, y3, tiles, woff,
+        m, m_tiles, n, k,
+        x3.stride(0), x3.stride(1), x3.stride(2),
+        w3.stride(0), w3.stride(1), w3.stride(2),
+        y3.stride(0), y3.stride(1), y3.stride(2),
+        HAS_BIAS=bias is not None, EXPERTS=experts is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split,
+        INTERPRET=_interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., K] -> contiguous, 16-byte aligned [M, K] rows.
+
+    Triton compiles a kernel variant per pointer alignment and per stride divisibility. Token rows
+    reach a linear from many storages (engine decode batches, packed trainer batches, views at odd
+    offsets); canonicalising them means every call with the same (N, K, dtypes) runs the one variant,
+    so row invariance never rests on the compiler emitting the same MMA sequence for two variants.
+    Free for the usual contiguous, aligned activations."""
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()  # fresh allocations are aligned
+    return x2
+
+
+# --------------------------------------------------------------------------------------- linear
+def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m and n:
+        cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
+        bias = None if bias is None else bias.contiguous()  # the kernel reads it with unit stride
+        _launch(x2.unsqueeze(0), weight.unsqueeze(0), bias, y.unsqueeze(0), cfg, m, n, k)
+    return y.reshape(*lead, n)
+
+
+def _bwd_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    return _dot_dtype(x.dtype, w.dtype)
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        # Keep only what the backward reads: x for dW, W for dX (frozen base weights: no x kept).
+        need_x, need_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        ctx.x_meta, ctx.w_meta = (x.shape, x.dtype), (weight.shape, weight.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _linear_forward(x, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        (x_shape, x_dtype), (w_shape, w_dtype) = ctx.x_meta, ctx.w_meta
+        cdt = _dot_dtype(x_dtype, w_dtype)
+        k, n = x_shape[-1], w_shape[0]
+        g2 = gy.reshape(-1, n).to(cdt)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (g2 @ w.to(cdt)).reshape(x_shape).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (g2.t() @ x.reshape(-1, k).to(cdt)).to(w_dtype)
+        if ctx.needs_input_grad[2]:
+            db = gy.reshape(-1, n).float().sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+@linear.register("triton")
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Triton ``linear``: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in out_dtype (default x.dtype)."""
+    if compute_in_fp64(x, weight, bias):
+        return linear.impls["torch"](x, weight, bias, out_dtype)  # gradchecks only
+    out_dtype = out_dtype or x.dtype
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
+    if _needs_grad(x, weight, bias):
+        return _LinearFn.apply(x, weight, bias, out_dtype)
+    return _linear_forward(x, weight, bias, out_dtype)
+
+
+# ------------------------------------------------------------------------------- grouped_linear
+def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    g, m, k = x.shape
+    n = weight.shape[1]
+    y = torch.empty(g, m, n, dtype=out_dtype, device=x.device)
+    if g and m and n:
+        # linear's config: a row of group g equals Triton linear(row, weight[g]) bitwise.
+        cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
+        xs = x if (x.stride(-1) == 1 or k <= 1) else x.contiguous()
+        _launch(xs, weight, None, y, cfg, m, n, k)
+    return y
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return _grouped_forward(x, weight, out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        cdt = _bwd_dtype(x, w)
+        g = gy.to(cdt)
+        dx = torch.bmm(g, w.to(cdt)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = torch.bmm(g.transpose(1, 2), x.to(cdt)).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+@grouped_linear.register("triton")
+def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Triton ``grouped_linear``: y[g] = x[g] @ weight[g]^T for x [G, M, K], weight [G, N, K]
+    (any strides, e.g. expanded or transposed views)."""
+    if compute_in_fp64(x, weight):
+        return grouped_linear.impls["torch"](x, weight, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    g, m, k = x.shape
+    if weight.shape[0] != g or weight.shape[2] != k:
+        raise ValueError(f"grouped_linear: x {tuple(x.shape)} vs weight {tuple(weight.shape)}")
+    if _needs_grad(x, weight):
+        return _GroupedLinearFn.apply(x, weight, out_dtype)
+    return _grouped_forward(x, weight, out_dtype)
+
+
+# ------------------------------------------------------------------------------------ bmm_fixed
+def _bmm_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Size]:
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    bsz = math.prod(lead)  # explicit: reshape(-1, ...) is ambiguous when a matrix dim is 0
+    a3 = a.expand(*lead, *a.shape[-2:]).reshape(bsz, *a.shape[-2:])
+    b3 = b.expand(*lead, *b.shape[-2:]).reshape(bsz, *b.shape[-2:])
+    return a3, b3, lead
+
+
+def _bmm_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a3, b3, lead = _bmm_operands(a, b)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    y = torch.empty(a3.shape[0], m, n, dtype=torch.float32, device=a.device)
+    if y.numel():
+        cfg = bmm_config(m, n, k, _config_dtype(a.dtype, b.dtype))
+        # b [G, k, n] as the kernel's weight [G, n, k]: a transposed view (strides swapped).
+        _launch(a3, b3.transpose(1, 2), None, y, cfg, m, n, k)
+    return y.reshape(*lead, m, n)
+
+
+class _BmmFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return _bmm_forward(a, b)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        cdt = torch.float32
+        g = gy.to(cdt)
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = (g @ b.to(cdt).transpose(-1, -2)).sum_to_size(a.shape).to(a.dtype)
+        if ctx.needs_input_grad[1]:
+            db = (a.to(cdt).transpose(-1, -2) @ g).sum_to_size(b.shape).to(b.dtype)
+        return da, db
+
+
+@bmm_fixed.register("triton")
+def bmm_fixed_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Triton ``bmm_fixed``: batched a [..., m, k] @ b [..., k, n] (broadcast leading dims), fp32 out."""
+    if compute_in_fp64(a, b):
+        return bmm_fixed.impls["torch"](a, b)
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"bmm_fixed: a {tuple(a.shape)} and b {tuple(b.shape)} do not chain")
+    if _needs_grad(a, b):
+        return _BmmFn.apply(a, b)
+    return _bmm_forward(a, b)
+
+
+# -------------------------------------------------------------------------------- expert_linear
+_WOFF_CACHE: "collections.OrderedDict[tuple, tuple[torch.Tensor, bool, int]]" = collections.OrderedDict()
+_WOFF_CACHE_SIZE = 1024
+
+
+def _expert_weight_table(weights: _moe.Weights, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(base weight view [1, N, K], int64 element offsets [E] of every expert from the base, the
+    offsets' guaranteed alignment in elements).
+
+    The base is the expert weight at the lowest address, so all offsets are >= 0. All experts must
+    share dtype and strides (true for the model's experts and for a stacked tensor)."""
+    if isinstance(weights, torch.Tensor):
+        views = list(weights.unbind(0))
+    else:
+        views = list(weights)
+    w0 = views[0]
+    es = w0.element_size()
+    for w in views:
+        if w.dtype != w0.dtype or w.stride() != w0.stride() or w.device != w0.device:
+            raise ValueError("expert_linear: expert weights must share dtype, strides and device")
+    ptrs = tuple(w.data_ptr() for w in views)
+    key = (ptrs, w0.dtype, w0.stride(), str(device))
+    hit = _WOFF_CACHE.get(key)
+    if hit is None:
+        base_i = min(range(len(ptrs)), key=ptrs.__getitem__)
+        deltas = [p - ptrs[base_i] for p in ptrs]
+        if any(d % es for d in deltas):
+            raise ValueError("expert_linear: expert weights are not element-aligned to each other")
+        elems = [d // es for d in deltas]
+        # Weight loads vectorise when every expert starts on a 16-byte boundary: then every offset
+        # is a multiple of 16 bytes' worth of elements.
+        align = 16 // es if all(p % 16 == 0 for p in ptrs) and 16 % es == 0 else 1
+        table = torch.tensor(elems, dtype=torch.int64, device=device)
+        hit = (table, align, base_i)
+        _WOFF_CACHE[key] = hit
+        if len(_WOFF_CACHE) > _WOFF_CACHE_SIZE:
+            _WOFF_CACHE.popitem(last=False)
+    else:
+        _WOFF_CACHE.move_to_end(key)
+    table, align, base_i = hit
+    return views[base_i].unsqueeze(0), table, align
+
+
+def _expert_tiles(offsets: list[int], block_m: int, device: torch.device) -> torch.Tensor:
+    """int32 [T, 3] rows (expert, first row, end row): each expert's rows cut into BLOCK_M tiles from
+    its first row; a tile never holds rows of two experts."""
+    rows: list[int] = []
+    for e, (a, b) in enumerate(zip(offsets, offsets[1:])):
+        for r in range(a, b, block_m):
+            rows += (e, r, b)
+    return torch.tensor(rows, dtype=torch.int32).view(-1, 3).to(device)
+
+
+def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int], out_dtype: torch.dtype) -> torch.Tensor:
+    _, n, k = _moe.check_expert_args(x, weights, offsets)
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    w_dtype = weights.dtype if isinstance(weights, torch.Tensor) else weights[0].dtype
+    cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), m)
+    base, table, align = _expert_weight_table(weights, x.device)
+    tiles = _expert_tiles(offsets, cfg.block_m, x.device)
+    xs = _rows(x, k)
+    _launch(xs.unsqueeze(0), base, None, y.unsqueeze(0), cfg, m, n, k, experts=(tiles, table, align))
+    return y
+
+
+class _ExpertLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, offsets: list[int], out_dtype: torch.dtype, stacked: bool,
+                *weights: torch.Tensor) -> torch.Tensor:
+        ws: _moe.Weights = weights[0] if stacked else list(weights)
+        ctx.offsets, ctx.stacked, ctx.x_dtype = offsets, stacked, x.dtype
+        # x only feeds dW: with frozen expert weights (LoRA training) it is not kept.
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[4:]) else None, *weights)
+        return _expert_forward(x, ws, offsets, out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        ws = weights[0] if ctx.stacked else weights
+        cdt = _dot_dtype(ctx.x_dtype, ws[0].dtype)
+        need_x = ctx.needs_input_grad[0]
+        need_w = list(ctx.needs_input_grad[4:])
+        dx = gy.new_zeros(gy.shape[0], ws[0].shape[-1], dtype=ctx.x_dtype) if need_x else None
+        dws: list[torch.Tensor | None]
+        if ctx.stacked:
+            dws = [torch.zeros_like(weights[0]) if need_w[0] else None]
+        else:
+            dws = [torch.zeros_like(w) if nw else None for w, nw in zip(weights, need_w)]
+        for e, (a, b) in enumerate(zip(ctx.offsets, ctx.offsets[1:])):
+            if b == a:
+                continue
+            g = gy[a:b].to(cdt)
+            w = ws[e]
+            if dx is not None:
+                dx[a:b] = (g @ w.to(cdt)).to(ctx.x_dtype)
+            if ctx.stacked and dws[0] is not None:
+                dws[0][e] = (g.t() @ x[a:b].to(cdt)).to(w.dtype)
+            elif not ctx.stacked and dws[e] is not None:
+                dws[e] = (g.t() @ x[a:b].to(cdt)).to(w.dtype)
+        return (dx, None, None, None, *dws)
+
+
+@expert_linear.register("triton")
+def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequence[int] | torch.Tensor,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Triton ``expert_linear``: all experts in one launch; a row's result equals Triton
+    ``linear(row, weights[e])`` bitwise."""
+    offs = _moe.as_offsets(offsets)
+    ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    if compute_in_fp64(x, *ws):
+        return expert_linear.impls["torch"](x, weights, offs, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    if _needs_grad(x, *ws):
+        return _ExpertLinearFn.apply(x, offs, out_dtype, isinstance(weights, torch.Tensor), *ws)
+    return _expert_forward(x, weights, offs, out_dtype)

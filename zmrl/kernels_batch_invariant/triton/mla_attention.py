@@ -1,0 +1,549 @@
+"""Triton backend of absorbed MLA attention (sparse key lists and the dense causal path).
+
+Layout and semantics are those of ``zmrl.kernels_batch_invariant.mla_attention`` (read its docstring):
+MQA over the paged latent cache ``[c_kv | k_pe]``, every head of a query sharing its keys.
+
+Arithmetic (the GPU form of the contract; it need not equal the CPU backend bitwise, but every query's
+bits depend on nothing but its q, its key list and the key values):
+
+* One program per (query, head group of ``BLOCK_H`` heads, split). The key LIST (sparse) or the causal
+  positions 0..t (dense) is cut into splits of ``SPLIT_KEYS`` entries, a fixed number of keys that is
+  the same for prefill and decode, every batch and every context length. Inside a split, blocks of
+  ``KEY_BLOCK`` (64) list entries / positions are merged by an online softmax in ascending order.
+  Block j of a dense query covers positions [64j, 64j + 64), which is exactly block j of the sparse
+  list 0..t, so both paths see the same blocks and run the same instructions (one kernel, a
+  constexpr picks where positions come from).
+* Per block: ``s = (q . [c_kv | k_pe]) * scale`` (masked -> -inf), ``m_new = max(m, max s)``,
+  ``p = exp(s - m_new)`` (masked -> exactly 0), ``l = l * alpha + sum(p)``,
+  ``acc = acc * alpha + p @ c_kv``. A block without a valid entry is skipped (it would be an exact
+  no-op), so trailing -1 padding never changes a bit. The score dot runs over the latent in fixed
+  column chunks (Dc = 512: 4 x 128, ascending) and then the rope columns, accumulating into one fp32
+  tile; ``p @ c_kv`` keeps one fp32 accumulator per column chunk (``kernel_config``).
+* Splits are combined by a second kernel in ascending split order: ``M = max_j m_j``, then
+  ``l = sum_j l_j exp(m_j - M)``, ``acc = sum_j acc_j exp(m_j - M)`` (sequential, ascending), and
+  ``o = acc / l``. With a single non-empty split this is the identity (``exp(0) = 1``, ``0 + x = x``),
+  so a query whose keys fit one split gets the same bits whether the launch had one split (output
+  written directly by the first kernel) or several (because another query of the batch is longer).
+* Precision: scores and ``p @ c_kv`` accumulate in fp32. With a bf16 cache the fp32 operands (q, p)
+  are split into ``hi + lo`` bf16 pairs (q on the host, p in the kernel; elementwise roundings) and multiplied by the exact bf16 keys with two tensor-core
+  MMAs (about 16 significant bits for q and p, errors ~1e-5 relative, at bf16 MMA speed). Other cache
+  dtypes use fp32 ``tf32x3`` dots (three tf32 MMAs, about fp32 accuracy; ``ieee`` fp32 dots of these
+  tile sizes spill tens of KB of registers). Under the Triton interpreter every dot runs on fp32 tiles
+  (its bf16 dot is wrong).
+
+Launch configuration (BLOCK_H, num_warps, num_stages) depends only on the head count and the latent
+dims, never on the number of queries or keys; there is no autotuning.
+
+Autograd: a hand-written backward in stock torch ops (``_mla_backward``): it recomputes the softmax of
+each query chunk over its gathered keys in fp32 and applies the usual attention gradient; the torch
+reference composition would keep every block's gathered keys alive and needs tens of GB for 4K-token
+training sequences. The cache gradient is summed per slot deterministically (sort + segment sums, not
+atomics), so the backward is run-to-run deterministic; it is not batch-invariant (DESIGN §2 asks
+correctness of the backward, and determinism where cheap).
+
+Fast mode: stock ``F.scaled_dot_product_attention`` over gathered keys (not invariant).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ..mla_attention import KEY_BLOCK, _check_shapes, cache_slots, mla_attention, mla_attention_dense
+from ._common import INTERPRET, cdiv
+
+log = logging.getLogger(__name__)
+
+# Keys per split: fixed for every query (prefill and decode alike), a multiple of KEY_BLOCK. Decode at
+# 32K context gets 32 splits x (heads / BLOCK_H) programs per query.
+SPLIT_KEYS = 1024
+# Bound on the fp32 partial (acc) buffer of one launch; queries are launched in chunks below it.
+# Chunking never changes a query's arithmetic.
+PARTIAL_BYTES = 512 * 1024 * 1024
+# Queries per chunk in the torch backward (bounds the gathered keys and the [G, H, L] probabilities).
+BACKWARD_ELEMS = 1 << 26
+
+_INTERPRET = INTERPRET
+
+assert SPLIT_KEYS % KEY_BLOCK == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class MLAKernelConfig:
+    """Launch configuration, a function of the model dims only."""
+
+    block_h: int
+    n_chunks: int  # the latent is processed in n_chunks column chunks of chunk width
+    chunk: int
+    num_warps: int
+    num_stages: int
+
+
+def kernel_config(num_heads: int, dc: int, dr: int) -> MLAKernelConfig:
+    """BLOCK_H = 16 heads per program (the MMA M dim; H = 64 gives 4 head groups that read the same
+    keys, mostly from L2). The latent columns are processed in 4 chunks (Dc = 512: 128 columns) for the
+    score dot and for ``p @ c_kv``, with one [BLOCK_H, chunk] fp32 accumulator per chunk, so that no
+    [64, Dc] tile is ever live (a whole 64 x 512 tile plus a 16 x 512 accumulator spills registers)."""
+    del num_heads, dr  # fixed per latent width; heads beyond 16 add head groups
+    dc_p = max(16, _next_pow2(dc))
+    if dc_p <= 128:
+        return MLAKernelConfig(block_h=16, n_chunks=1, chunk=dc_p, num_warps=4, num_stages=1)
+    # 8 warps: at Dc = 512 the bf16 kernel needs 176 registers/thread and no spills (4 warps spill).
+    return MLAKernelConfig(block_h=16, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=1)
+
+
+@triton.jit
+def _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid,
+             COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    """s += q[:, COL:COL+W] @ k[:, COL:COL+W]^T (columns >= LIM are padding: exact zeros)."""
+    offs = COL + tl.arange(0, W)
+    cm = offs < LIM
+    qm = hmask[:, None] & cm[None, :]
+    # Masked keys load as exact zeros: uninitialised slots (inf/NaN) never reach a product.
+    k = tl.load(row[:, None] + offs[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
+    if SPLIT_BF16:
+        kt = tl.trans(k)
+        s = tl.dot(tl.load(qh_ptr + q_off[:, None] + offs[None, :], mask=qm, other=0.0), kt, s)
+        s = tl.dot(tl.load(ql_ptr + q_off[:, None] + offs[None, :], mask=qm, other=0.0), kt, s)
+    else:
+        q = tl.load(q_ptr + q_off[:, None] + offs[None, :], mask=qm, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), s, input_precision="tf32x3")
+    return s
+
+
+@triton.jit
+def _pv_part(acc, p, p_hi, p_lo, row, valid, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
+             SPLIT_BF16: tl.constexpr):
+    """acc += p @ c_kv[:, COL:COL+W]."""
+    offs = COL + tl.arange(0, W)
+    cm = offs < LIM
+    c = tl.load(row[:, None] + offs[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
+    if SPLIT_BF16:
+        acc = tl.dot(p_hi, c, acc)
+        acc = tl.dot(p_lo, c, acc)
+    else:
+        acc = tl.dot(p, c.to(tl.float32), acc, input_precision="tf32x3")
+    return acc
+
+
+@triton.jit
+def _store_part(ptr, rows, rmask, x, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr):
+    offs = COL + tl.arange(0, W)
+    tl.store(ptr + rows[:, None] * LIM + offs[None, :], x, mask=rmask[:, None] & (offs < LIM)[None, :])
+
+
+# Integers that vary with the batch or the cache layout are not specialised (Triton would otherwise
+# compile a variant per "divisible by 16" / "== 1" value): one compiled kernel per model shape.
+@triton.jit(do_not_specialize=["H", "page_size", "bt_stride", "kp_stride", "L", "num_splits"])
+def _mla_split_kernel(
+    q_ptr, qh_ptr, ql_ptr, kv_ptr, bt_ptr, seq_ptr, kp_ptr, qpos_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr,
+    scale, H, page_size, bt_stride, kp_stride, L, num_splits,
+    DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr,
+):
+    qi = tl.program_id(0).to(tl.int64)
+    hg = tl.program_id(1)
+    sp = tl.program_id(2)
+    D: tl.constexpr = DC + DR
+
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = qi * H + offs_h
+    q_off = q_rows * D  # q = [q_lat | q_pe] rows of D values (fp32, or its bf16 hi/lo halves)
+
+    seq = tl.load(seq_ptr + qi)
+    start = sp * SPLIT
+    if DENSE:
+        qpos = tl.load(qpos_ptr + qi)
+        n_keys = tl.minimum(qpos + 1 - start, SPLIT)
+    else:
+        n_keys = tl.minimum(L - start, SPLIT)
+    n_blocks = tl.cdiv(n_keys, BLOCK_N)  # <= 0: an empty split
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, KC], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, KC], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, KC], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, KC], tl.float32)
+    for blk in range(0, n_blocks):
+        j = start + blk * BLOCK_N + offs_n  # list index (sparse) == absolute position (dense)
+        if DENSE:
+            pos = j.to(tl.int64)
+            valid = pos <= qpos
+        else:
+            pos = tl.load(kp_ptr + qi * kp_stride + j, mask=(j < L) & (j < start + SPLIT), other=-1)
+            valid = pos >= 0
+        # A block without a valid entry is an exact no-op (alpha == 1, p == 0): skip it.
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            # Positions fit int32; a 32-bit division is far cheaper than a 64-bit one.
+            pos_c = tl.where(valid, pos, 0).to(tl.int32)
+            page = tl.load(bt_ptr + seq * bt_stride + pos_c // page_size, mask=valid, other=0)
+            slot = page.to(tl.int64) * page_size + pos_c % page_size
+            row = kv_ptr + slot * D
+            # Scores: latent chunks in ascending column order, then the rope columns.
+            s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 0, KC, DC, SPLIT_BF16)
+            if NCH > 1:
+                s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, KC, KC, DC, SPLIT_BF16)
+                s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
+                s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+            if DR > 0:
+                s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16)
+            s = s * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the block has a valid key
+            alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 before the first valid block
+            p = tl.exp(s - m_new[:, None])  # masked lanes: exp(-inf) = exactly 0
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if SPLIT_BF16:
+                p_hi = p.to(tl.bfloat16)
+                p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+            else:
+                p_hi = p
+                p_lo = p
+            acc0 = _pv_part(acc0 * alpha[:, None], p, p_hi, p_lo, row, valid, 0, KC, DC, SPLIT_BF16)
+            if NCH > 1:
+                acc1 = _pv_part(acc1 * alpha[:, None], p, p_hi, p_lo, row, valid, KC, KC, DC, SPLIT_BF16)
+                acc2 = _pv_part(acc2 * alpha[:, None], p, p_hi, p_lo, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
+                acc3 = _pv_part(acc3 * alpha[:, None], p, p_hi, p_lo, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+            m_i = m_new
+
+    if DIRECT:
+        # A query without a valid key returns zeros (acc == 0, l == 0 -> 0 / 1).
+        l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]
+        _store_part(out_ptr, q_rows, hmask, acc0 / l_safe, 0, KC, DC)
+        if NCH > 1:
+            _store_part(out_ptr, q_rows, hmask, acc1 / l_safe, KC, KC, DC)
+            _store_part(out_ptr, q_rows, hmask, acc2 / l_safe, 2 * KC, KC, DC)
+            _store_part(out_ptr, q_rows, hmask, acc3 / l_safe, 3 * KC, KC, DC)
+    else:
+        part = (qi * num_splits + sp) * H + offs_h
+        tl.store(m_ptr + part, m_i, mask=hmask)
+        tl.store(l_ptr + part, l_i, mask=hmask)
+        # An empty split's acc is never read (the combine skips m == -inf): do not write it.
+        amask = hmask & (m_i > float("-inf"))
+        _store_part(acc_ptr, part, amask, acc0, 0, KC, DC)
+        if NCH > 1:
+            _store_part(acc_ptr, part, amask, acc1, KC, KC, DC)
+            _store_part(acc_ptr, part, amask, acc2, 2 * KC, KC, DC)
+            _store_part(acc_ptr, part, amask, acc3, 3 * KC, KC, DC)
+
+
+@triton.jit(do_not_specialize=["H", "num_splits"])
+def _mla_combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, H, num_splits,
+    DC: tl.constexpr, DC_P: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    qi = tl.program_id(0).to(tl.int64)
+    hg = tl.program_id(1)
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_c = tl.arange(0, DC_P)
+    cmask = offs_c < DC
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for sp in range(0, num_splits):
+        m = tl.maximum(m, tl.load(m_ptr + (qi * num_splits + sp) * H + offs_h, mask=hmask, other=float("-inf")))
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DC_P], tl.float32)
+    for sp in range(0, num_splits):  # ascending split order
+        part = (qi * num_splits + sp) * H + offs_h
+        m_j = tl.load(m_ptr + part, mask=hmask, other=float("-inf"))
+        l_j = tl.load(l_ptr + part, mask=hmask, other=0.0)
+        has = m_j > float("-inf")
+        # The split holding the maximum gets weight exactly 1 (not whatever the approximate exp gives
+        # at 0): a single non-empty split then passes through bit for bit, as the direct path.
+        w = tl.where(m_j == m, 1.0, tl.where(has, tl.exp(m_j - tl.where(has, m, 0.0)), 0.0))
+        a_j = tl.load(acc_ptr + part[:, None] * DC + offs_c[None, :], mask=has[:, None] & cmask[None, :], other=0.0)
+        l = l + l_j * w
+        acc = acc + a_j * w[:, None]
+    l_safe = tl.where(l > 0, l, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + (qi * H + offs_h)[:, None] * DC + offs_c[None, :], o, mask=hmask[:, None] & cmask[None, :])
+
+
+def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_idx: torch.Tensor, key_positions: torch.Tensor | None, query_pos: torch.Tensor | None,
+                 softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Launch the split kernel (+ combine). Exactly one of key_positions (sparse) / query_pos (dense)."""
+    _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
+    dense = key_positions is None
+    nq, h, dc = q_lat.shape
+    dr = q_pe.shape[-1]
+    num_pages, page_size, d = kv_cache.shape
+    dev = q_lat.device
+    out = torch.zeros((nq, h, dc), dtype=torch.float32, device=dev)
+    if nq == 0:
+        return out
+    kv = kv_cache.detach().contiguous().reshape(num_pages * page_size, d)
+    if kv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"mla_attention (triton): unsupported cache dtype {kv.dtype}")
+    split_bf16 = kv.dtype == torch.bfloat16 and not _INTERPRET
+    # q = [q_lat | q_pe] in fp32 rows of D values; for bf16 caches also its bf16 hi + lo halves
+    # (elementwise roundings: each query's halves depend on that query alone).
+    q = torch.cat([q_lat.detach().to(torch.float32), q_pe.detach().to(torch.float32)], dim=-1).contiguous()
+    if split_bf16:
+        q_hi = q.to(torch.bfloat16)
+        q_lo = (q - q_hi.to(torch.float32)).to(torch.bfloat16)
+    else:
+        q_hi = q_lo = q  # unused
+    bt = block_table.to(torch.int64).contiguous()
+    sidx = seq_idx.to(torch.int64).contiguous()
+    if dense:
+        qpos = query_pos.to(torch.int64).contiguous()
+        width = int(qpos.max().item()) + 1
+        kp = qpos  # unused by the dense kernel; any int64 pointer
+        kp_stride = 0
+    else:
+        kp = key_positions.to(torch.int64).contiguous()
+        qpos = sidx  # unused by the sparse kernel
+        width = kp.shape[1]
+        kp_stride = kp.stride(0) if kp.dim() == 2 and kp.shape[0] else 0
+    num_splits = max(1, cdiv(width, SPLIT_KEYS))
+    cfg = kernel_config(h, dc, dr)
+    n_hg = cdiv(h, cfg.block_h)
+    consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, _next_pow2(dr)),
+                  BLOCK_H=cfg.block_h, BLOCK_N=KEY_BLOCK, SPLIT=SPLIT_KEYS, DENSE=dense,
+                  SPLIT_BF16=split_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    scale = float(softmax_scale)
+    if num_splits == 1:
+        # The one split is the whole list: write o directly (bitwise what the combine would give).
+        _mla_split_kernel[(nq, n_hg, 1)](
+            q, q_hi, q_lo, kv, bt, sidx, kp, qpos, out, out, out, out,
+            scale, h, page_size, bt.stride(0), kp_stride, width, 1, DIRECT=True, **consts)
+        return out
+    # Chunk the queries so the fp32 partials stay below PARTIAL_BYTES (never changes a query's bits).
+    per_query = num_splits * h * dc * 4
+    chunk = max(1, PARTIAL_BYTES // per_query)
+    m_buf = torch.empty((min(chunk, nq), num_splits, h), dtype=torch.float32, device=dev)
+    l_buf = torch.empty_like(m_buf)
+    acc_buf = torch.empty((min(chunk, nq), num_splits, h, dc), dtype=torch.float32, device=dev)
+    for c0 in range(0, nq, chunk):
+        c1 = min(nq, c0 + chunk)
+        n = c1 - c0
+        qpos_c = qpos[c0:c1] if dense else qpos
+        kp_c = kp[c0:c1] if not dense else kp
+        _mla_split_kernel[(n, n_hg, num_splits)](
+            q[c0:c1], q_hi[c0:c1], q_lo[c0:c1], kv, bt, sidx[c0:c1], kp_c, qpos_c, out, m_buf, l_buf, acc_buf,
+            scale, h, page_size, bt.stride(0), kp_stride, width, num_splits, DIRECT=False, **consts)
+        _mla_combine_kernel[(n, n_hg)](
+            m_buf, l_buf, acc_buf, out[c0:c1], h, num_splits,
+            DC=dc, DC_P=cfg.chunk * cfg.n_chunks, BLOCK_H=cfg.block_h,
+            num_warps=8 if cfg.chunk * cfg.n_chunks >= 512 else 4)
+    return out
+
+
+# ----------------------------------------------------------------------------- backward
+# CUDA index_add_ with repeated indices sums with atomics (run-to-run nondeterministic). The
+# deterministic form sorts the entries by slot (stable), sums each slot's run with segment_reduce
+# (one sequential loop per slot) and adds the per-slot sums, whose indices are then unique.
+DETERMINISTIC_CACHE_GRAD: bool | None = None  # None: on CUDA only (CPU index_add_ is sequential)
+
+
+def _index_add_deterministic(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    use = DETERMINISTIC_CACHE_GRAD if DETERMINISTIC_CACHE_GRAD is not None else target.device.type == "cuda"
+    if not use:
+        target.index_add_(0, index, values)
+        return
+    order = torch.argsort(index, stable=True)
+    uniq, counts = torch.unique_consecutive(index[order], return_counts=True)
+    sums = torch.segment_reduce(values[order], "sum", lengths=counts, axis=0)
+    target.index_add_(0, uniq, sums.to(target.dtype))
+
+
+def _mla_backward(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                  block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
+                  softmax_scale: float, kv_lora_rank: int, need: tuple[bool, bool, bool]
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of o = softmax(scale * q.k) @ c w.r.t. q_lat, q_pe and kv_cache, in fp32 torch ops.
+
+    Per query chunk: gather the keys [G, L, D], recompute p [G, H, L] (exact softmax, fp32),
+    dp = dO . c, ds = p * (dp - rowsum(dO * o)), dq = scale * ds @ k, dk = scale * ds^T q, dc += p^T dO.
+    The cache gradient is scattered into its slots with ``index_add_``.
+    """
+    nq, h, dc = q_lat.shape
+    num_pages, page_size, d = kv_cache.shape
+    dev = q_lat.device
+    flat = kv_cache.detach().reshape(num_pages * page_size, d)
+    kp = key_positions.to(torch.int64)
+    g_ql = torch.zeros((nq, h, dc), dtype=torch.float32, device=dev) if need[0] else None
+    g_qr = torch.zeros((nq, h, d - dc), dtype=torch.float32, device=dev) if need[1] else None
+    g_kv = torch.zeros((num_pages * page_size, d), dtype=torch.float32, device=dev) if need[2] else None
+    width = kp.shape[1]
+    chunk = max(1, BACKWARD_ELEMS // max(1, width * max(h, d)))
+    for c0 in range(0, nq, chunk):
+        sl = slice(c0, c0 + chunk)
+        slots, valid = cache_slots(block_table, seq_idx[sl], kp[sl], page_size)
+        k = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, d).to(torch.float32)
+        k = torch.where(valid.unsqueeze(-1), k, 0.0)  # [G, L, D]
+        q = torch.cat([q_lat[sl].detach(), q_pe[sl].detach()], dim=-1).to(torch.float32)  # [G, H, D]
+        s = torch.einsum("ghd,gld->ghl", q, k) * softmax_scale
+        vm = valid.unsqueeze(1)
+        s = s.masked_fill(~vm, float("-inf"))
+        has = vm.any(dim=-1, keepdim=True)
+        p = torch.softmax(torch.where(has, s, torch.zeros_like(s)), dim=-1)
+        p = torch.where(vm, p, torch.zeros_like(p))
+        c = k[..., :dc]
+        go = grad_out[sl].to(torch.float32)  # [G, H, Dc]
+        o = torch.einsum("ghl,glc->ghc", p, c)
+        dp = torch.einsum("ghc,glc->ghl", go, c)
+        delta = (go * o).sum(dim=-1, keepdim=True)
+        ds = p * (dp - delta) * softmax_scale  # [G, H, L]
+        if g_ql is not None or g_qr is not None:
+            dq = torch.einsum("ghl,gld->ghd", ds, k)
+            if g_ql is not None:
+                g_ql[sl] = dq[..., :dc]
+            if g_qr is not None:
+                g_qr[sl] = dq[..., dc:]
+        if g_kv is not None:
+            dk = torch.einsum("ghl,ghd->gld", ds, q)
+            dk[..., :dc] += torch.einsum("ghl,ghc->glc", p, go)
+            dk = torch.where(valid.unsqueeze(-1), dk, 0.0)
+            _index_add_deterministic(g_kv, slots.reshape(-1), dk.reshape(-1, d))
+    return (None if g_ql is None else g_ql.to(q_lat.dtype),
+            None if g_qr is None else g_qr.to(q_pe.dtype),
+            None if g_kv is None else g_kv.view(num_pages, page_size, d).to(kv_cache.dtype))
+
+
+class _MLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, query_pos,  # type: ignore[override]
+                softmax_scale, kv_lora_rank):
+        out = _mla_forward(q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, query_pos,
+                           softmax_scale, kv_lora_rank)
+        ctx.save_for_backward(q_lat, q_pe, kv_cache, block_table, seq_idx,
+                              key_positions if key_positions is not None else query_pos)
+        ctx.dense = key_positions is None
+        ctx.softmax_scale, ctx.kv_lora_rank = softmax_scale, kv_lora_rank
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q_lat, q_pe, kv_cache, block_table, seq_idx, kp = ctx.saved_tensors
+        if ctx.dense:
+            kp = _dense_list(kp)
+        need = tuple(ctx.needs_input_grad[:3])
+        g = _mla_backward(grad_out, q_lat, q_pe, kv_cache, block_table, seq_idx, kp,
+                          ctx.softmax_scale, ctx.kv_lora_rank, need)  # type: ignore[arg-type]
+        return (*g, None, None, None, None, None, None)
+
+
+def _dense_list(query_pos: torch.Tensor) -> torch.Tensor:
+    qp = query_pos.to(torch.int64)
+    width = int(qp.max().item()) + 1 if qp.numel() else 0
+    cols = torch.arange(width, dtype=torch.int64, device=qp.device).unsqueeze(0)
+    return torch.where(cols <= qp.unsqueeze(-1), cols, torch.full_like(cols, -1))
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+@mla_attention.register("triton")
+def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
+                         softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Sparse absorbed MLA over explicit key lists (see the module docstring)."""
+    if q_lat.dtype == torch.float64:  # float64 (gradchecks) keeps the torch backend's fp64 contract
+        return mla_attention.impls["torch"](q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions,
+                                            softmax_scale, kv_lora_rank)
+    if _needs_grad(q_lat, q_pe, kv_cache):
+        return _MLAFunction.apply(q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, None,
+                                  softmax_scale, kv_lora_rank)
+    return _mla_forward(q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, None,
+                        softmax_scale, kv_lora_rank)
+
+
+@mla_attention_dense.register("triton")
+def mla_attention_dense_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                               block_table: torch.Tensor, seq_idx: torch.Tensor, query_pos: torch.Tensor,
+                               softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Causal absorbed MLA walking positions 0..query_pos directly; bitwise the sparse kernel with the
+    key list 0..query_pos."""
+    if q_lat.dtype == torch.float64:
+        return mla_attention_dense.impls["torch"](q_lat, q_pe, kv_cache, block_table, seq_idx, query_pos,
+                                                  softmax_scale, kv_lora_rank)
+    if _needs_grad(q_lat, q_pe, kv_cache):
+        return _MLAFunction.apply(q_lat, q_pe, kv_cache, block_table, seq_idx, None, query_pos,
+                                  softmax_scale, kv_lora_rank)
+    return _mla_forward(q_lat, q_pe, kv_cache, block_table, seq_idx, None, query_pos,
+                        softmax_scale, kv_lora_rank)
+
+
+# ----------------------------------------------------------------------------- fast (stock) kernels
+FAST_QUERY_CHUNK = 256
+
+
+def _sdpa_dtype(kv: torch.Tensor) -> torch.dtype:
+    return kv.dtype if kv.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, M, D], k [B, L, D], v [B, L, Dc], mask [B, M, L] bool -> fp32 [B, M, Dc]; rows without keys -> 0."""
+    o = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
+                                       attn_mask=mask.unsqueeze(1), scale=scale).squeeze(1)
+    return torch.where(mask.any(dim=-1, keepdim=True), o.float(), 0.0)
+
+
+@mla_attention.register("fast")
+def mla_attention_fast(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                       block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
+                       softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Masked SDPA over each query's gathered key list (heads as the SDPA query rows: MQA)."""
+    _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
+    num_pages, page_size, d = kv_cache.shape
+    flat = kv_cache.reshape(num_pages * page_size, d)
+    dt = _sdpa_dtype(kv_cache)
+    outs = []
+    for c0 in range(0, q_lat.shape[0], FAST_QUERY_CHUNK):
+        sl = slice(c0, c0 + FAST_QUERY_CHUNK)
+        slots, valid = cache_slots(block_table, seq_idx[sl], key_positions[sl].to(torch.int64), page_size)
+        k = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, d).to(dt)
+        k = torch.where(valid.unsqueeze(-1), k, torch.zeros((), dtype=dt, device=k.device))
+        q = torch.cat([q_lat[sl], q_pe[sl]], dim=-1).to(dt)
+        mask = valid.unsqueeze(1).expand(-1, q.shape[1], -1)
+        outs.append(_sdpa(q, k, k[..., :kv_lora_rank], mask, softmax_scale))
+    if not outs:
+        return q_lat.new_zeros(q_lat.shape, dtype=torch.float32)
+    return torch.cat(outs, dim=0)
+
+
+@mla_attention_dense.register("fast")
+def mla_attention_dense_fast(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                             block_table: torch.Tensor, seq_idx: torch.Tensor, query_pos: torch.Tensor,
+                             softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Per sequence: gather its latents 0..max(query_pos) once and run causal-masked SDPA with the
+    (query, head) pairs as query rows."""
+    _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
+    nq, h, dc = q_lat.shape
+    num_pages, page_size, d = kv_cache.shape
+    flat = kv_cache.reshape(num_pages * page_size, d)
+    dt = _sdpa_dtype(kv_cache)
+    out = torch.zeros((nq, h, dc), dtype=torch.float32, device=q_lat.device)
+    qp = query_pos.to(torch.int64)
+    for n in torch.unique(seq_idx).tolist():
+        idx = (seq_idx == n).nonzero().flatten()
+        qpn = qp[idx]
+        width = int(qpn.max().item()) + 1
+        pos = torch.arange(width, dtype=torch.int64, device=q_lat.device).unsqueeze(0)
+        slots, _ = cache_slots(block_table, seq_idx[idx[:1]], pos, page_size)
+        k = flat.index_select(0, slots.reshape(-1)).to(dt).unsqueeze(0)  # [1, L, D]
+        for c0 in range(0, idx.numel(), FAST_QUERY_CHUNK):
+            ci = idx[c0:c0 + FAST_QUERY_CHUNK]
+            q = torch.cat([q_lat[ci], q_pe[ci]], dim=-1).to(dt).reshape(1, -1, d)  # [1, G*H, D]
+            mask = (pos <= qp[ci].unsqueeze(-1)).repeat_interleave(h, dim=0).unsqueeze(0)  # [1, G*H, L]
+            o = _sdpa(q, k, k[..., :dc], mask, softmax_scale)
+            out[ci] = o.view(-1, h, dc)
+    return out

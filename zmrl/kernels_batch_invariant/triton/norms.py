@@ -1,0 +1,177 @@
+"""Triton RMSNorm / LayerNorm / gated RMSNorm (KDA output norm), plus their fast-mode backends.
+
+One program per row; the row is read in column blocks of a fixed width (``row_block(D)``, a function of
+the model width only) in ascending order, squares/deviations are accumulated elementwise into an fp32
+vector, and one ``tl.sum`` of that vector (a fixed tree for a fixed block) gives the statistic. So a
+row's bits depend on the row alone, not on the number or order of rows in the call. Evaluation order
+follows the torch op (``zmrl/kernels_batch_invariant/norms.py``): ``y = ((x * r) * w) [+ b | * sigmoid(g)]``.
+The GPU result need not equal the CPU torch backend bitwise (different summation tree).
+
+Backward: the torch composition, differentiated under autograd (``with_reference_backward``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .. import norms as _ops
+from ._autograd import with_reference_backward
+from ._common import as_rows, compute_in_fp64, row_block, row_warps, sigmoid
+
+rms_norm = _ops.rms_norm
+layer_norm = _ops.layer_norm
+rms_norm_gated = _ops.rms_norm_gated
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, D, eps,
+                     HAS_W: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    y_row = y_ptr + row * D
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        c = start + cols
+        x = tl.load(x_row + c, mask=c < D, other=0.0).to(tl.float32)
+        acc += x * x
+    r = tl.math.rsqrt(tl.sum(acc, axis=0) / D + eps)
+    for start in range(0, D, BLOCK):
+        c = start + cols
+        m = c < D
+        x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
+        y = x * r
+        if HAS_W:
+            y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        if GATED:
+            y = y * sigmoid(tl.load(g_ptr + row * D + c, mask=m, other=0.0).to(tl.float32))
+        tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, D, eps,
+                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    y_row = y_ptr + row * D
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        c = start + cols
+        acc += tl.load(x_row + c, mask=c < D, other=0.0).to(tl.float32)
+    mu = tl.sum(acc, axis=0) / D
+    # Two-pass variance, mean((x - mu)^2), as the torch op (E[x^2] - mu^2 would cancel).
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        c = start + cols
+        m = c < D
+        d = tl.where(m, tl.load(x_row + c, mask=m, other=0.0).to(tl.float32) - mu, 0.0)
+        acc += d * d
+    r = tl.math.rsqrt(tl.sum(acc, axis=0) / D + eps)
+    for start in range(0, D, BLOCK):
+        c = start + cols
+        m = c < D
+        y = (tl.load(x_row + c, mask=m, other=0.0).to(tl.float32) - mu) * r
+        if HAS_W:
+            y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _check_param(p: torch.Tensor | None, d: int, what: str, op: str) -> torch.Tensor | None:
+    if p is None:
+        return None
+    if p.numel() != d:
+        raise ValueError(f"{op}: {what} has {p.numel()} elements, expected {d} (the last dim of x)")
+    return p.reshape(d).contiguous()
+
+
+def _rms_launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                out_dtype: torch.dtype | None, op: str) -> torch.Tensor:
+    d = x.shape[-1]
+    x2 = as_rows(x)
+    w = _check_param(weight, d, "weight", op)
+    g2 = None
+    if gate is not None:
+        if gate.shape != x.shape:
+            raise ValueError(f"{op}: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ in shape")
+        g2 = as_rows(gate)
+    y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if x2.shape[0] and d:
+        block = row_block(d)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, g2 if g2 is not None else x2, w if w is not None else x2, y, d, float(eps),
+            HAS_W=w is not None, GATED=g2 is not None, BLOCK=block, num_warps=row_warps(block))
+    return y.reshape(x.shape)
+
+
+@rms_norm.register("triton")
+@with_reference_backward(rms_norm.impls["torch"])
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if compute_in_fp64(x, weight):
+        return rms_norm.impls["torch"](x, weight, eps, out_dtype)
+    return _rms_launch(x, None, weight, eps, out_dtype, "rms_norm")
+
+
+@rms_norm_gated.register("triton")
+@with_reference_backward(rms_norm_gated.impls["torch"])
+def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if compute_in_fp64(x, gate, weight):
+        return rms_norm_gated.impls["torch"](x, gate, weight, eps, out_dtype)
+    return _rms_launch(x, gate, weight, eps, out_dtype, "rms_norm_gated")
+
+
+@layer_norm.register("triton")
+@with_reference_backward(layer_norm.impls["torch"])
+def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if compute_in_fp64(x, weight, bias):
+        return layer_norm.impls["torch"](x, weight, bias, eps, out_dtype)
+    d = x.shape[-1]
+    x2 = as_rows(x)
+    w = _check_param(weight, d, "weight", "layer_norm")
+    b = _check_param(bias, d, "bias", "layer_norm")
+    y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if x2.shape[0] and d:
+        block = row_block(d)
+        _layer_norm_kernel[(x2.shape[0],)](
+            x2, w if w is not None else x2, b if b is not None else x2, y, d, float(eps),
+            HAS_W=w is not None, HAS_B=b is not None, BLOCK=block, num_warps=row_warps(block))
+    return y.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- fast mode (stock kernels)
+
+
+def _cdt(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@rms_norm.register("fast")
+def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    cdt = _cdt(x.dtype)
+    w = None if weight is None else weight.to(cdt)
+    return F.rms_norm(x.to(cdt), (x.shape[-1],), w, eps).to(out_dtype or x.dtype)
+
+
+@layer_norm.register("fast")
+def layer_norm_fast(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    cdt = _cdt(x.dtype)
+    w = None if weight is None else weight.to(cdt)
+    b = None if bias is None else bias.to(cdt)
+    return F.layer_norm(x.to(cdt), (x.shape[-1],), w, b, eps).to(out_dtype or x.dtype)
+
+
+@rms_norm_gated.register("fast")
+def rms_norm_gated_fast(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    cdt = _cdt(x.dtype)
+    y = F.rms_norm(x.to(cdt), (x.shape[-1],), weight.to(cdt), eps)
+    return (y * torch.sigmoid(gate.to(cdt))).to(out_dtype or x.dtype)
