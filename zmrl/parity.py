@@ -23,6 +23,7 @@ import argparse
 import copy
 import math
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -203,8 +204,13 @@ def _drive(engine, prompts: list[list[int]], params: list, ids: list[str], arriv
 
 
 def run_audit(num_requests: int = 16, seed: int = 0, dtype: str = "float32", scenario: str = "random",
-              steps: int = 1, lr: float = 1e-2) -> ParityReport:
+              steps: int = 1, lr: float = 1e-2, kernel_mode: str = "bitwise",
+              device: str | torch.device = "cpu") -> ParityReport:
     """Generate with a live engine, recompute with the trainer, compare bitwise; repeat after updates.
+
+    ``kernel_mode`` ("bitwise" or "fast") is used by both the engine and the trainer; in "fast" mode
+    parity is not expected and the report shows how far off the stock kernels are. ``device`` is
+    where the model, the engine's cache and the trainer run ("cuda" on a GPU machine).
 
     The tiny model gets LoRA with a non-zero B; the engine runs on a deepcopy of it (engine and
     trainer are separate objects, as in a real deployment). ``steps`` RL rounds follow the first
@@ -212,6 +218,20 @@ def run_audit(num_requests: int = 16, seed: int = 0, dtype: str = "float32", sce
     through the trainer's log-probs, pushes the LoRA weights with ``update_weights`` and generates
     again. The report covers every generated token of every round.
     """
+    from zmrl.kernels_batch_invariant import kernel_mode as kernel_mode_ctx
+    from zmrl.rollout.engine import KERNEL_MODES
+
+    if kernel_mode not in KERNEL_MODES:
+        raise ValueError(f"kernel_mode must be one of {KERNEL_MODES}, got {kernel_mode!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    with kernel_mode_ctx(kernel_mode):  # the trainer's ops read the process-wide mode
+        return _run_audit(num_requests, seed, dtype, scenario, steps, lr, kernel_mode, device)
+
+
+def _run_audit(num_requests: int, seed: int, dtype: str, scenario: str, steps: int, lr: float, kernel_mode: str,
+               device: torch.device) -> ParityReport:
     from zmrl.lora import LoraConfig, apply_lora, lora_state_dict
     from zmrl.model import ModelConfig, build_model
     from zmrl.rollout import EngineConfig, RolloutEngine
@@ -226,7 +246,7 @@ def run_audit(num_requests: int = 16, seed: int = 0, dtype: str = "float32", sce
     rng = random.Random(seed)
     features = _parse_scenario(scenario, rng)
     cfg = ModelConfig.preset("tiny")
-    model = build_model(cfg, seed=seed, dtype=dtype)
+    model = build_model(cfg, seed=seed, dtype=dtype, device=device)
     apply_lora(model, LoraConfig(r=32, init_b_std=0.02, init_seed=seed))
     bs = 64
     topk = cfg.index_topk or 64
@@ -259,10 +279,11 @@ def run_audit(num_requests: int = 16, seed: int = 0, dtype: str = "float32", sce
     num_blocks = max(max(need) + 1, sum(need) // 4) if "preemption" in features else sum(need) * 3 + 4
     engine = RolloutEngine(copy.deepcopy(model),
                            EngineConfig(block_size=bs, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                                        enable_prefix_caching=True, latent_format=latent))
+                                        enable_prefix_caching=True, latent_format=latent,
+                                        kernel_mode=kernel_mode))
     opt = make_optimizer(model, lr=lr) if steps else None
 
-    desc = [f"seed {seed}", dtype, f"{num_requests} requests",
+    desc = [f"seed {seed}", dtype] + ([] if device.type == "cpu" else [str(device)]) + [f"{num_requests} requests",
             "+".join(features) if features else "basic", f"{steps} update(s)"]
     if "chunked" in features:
         desc.append(f"max_num_batched_tokens={budget}")
@@ -308,7 +329,8 @@ def run_audit(num_requests: int = 16, seed: int = 0, dtype: str = "float32", sce
                 opt.zero_grad(set_to_none=True)
         if rnd < steps:
             engine.update_weights(lora_state_dict(model))
-    details = {"micro batch/order": ", ".join(micro_desc), "latent format": latent,
+    details = {"kernel mode": kernel_mode if kernel_mode == "bitwise" else f"{kernel_mode} (parity not expected)",
+               "micro batch/order": ", ".join(micro_desc), "latent format": latent,
                "engine steps": engine.num_steps, "preemptions": engine.num_preemptions,
                "prefix cache hits": engine.blocks.hits, "weights version": engine.weights_version}
     return compare_logprobs(all_roll, all_train, scenario=", ".join(desc), details=details)
@@ -339,12 +361,26 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _device_arg(value: str) -> str:
+    try:
+        dev = torch.device(value)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"not a torch device: {value!r} ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device must be cpu or cuda[:N], got {value!r}")
+    return value
+
+
 def _parity_main(args: argparse.Namespace) -> int:
     # the tiny model's ops are too small to gain from intra-op threads, and on a busy few-core
     # machine each op's thread rendezvous makes torch 10x slower; parity does not depend on it
     torch.set_num_threads(args.threads)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"zmrl parity: --device {args.device} but torch.cuda.is_available() is False "
+              f"(torch {torch.__version__})", file=sys.stderr)
+        return 2
     report = run_audit(num_requests=args.num_requests, seed=args.seed, dtype=args.dtype, scenario=args.scenario,
-                       steps=args.steps)
+                       steps=args.steps, kernel_mode=args.kernel_mode, device=args.device)
     print(report.table())
     return 0 if report.ok else 1
 
@@ -365,5 +401,9 @@ def add_parity_subcommand(subparsers: "argparse._SubParsersAction") -> argparse.
     p.add_argument("--steps", type=_nonneg_int, default=1,
                    help="optimiser steps, each followed by update_weights and a fresh generation (default 1)")
     p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--kernel-mode", default="bitwise", choices=["bitwise", "fast"],
+                   help="kernels of both the engine and the trainer: bitwise (batch-invariant, the default) or "
+                        "fast (stock kernels: parity is not expected, the exit code is then usually 1)")
+    p.add_argument("--device", type=_device_arg, default="cpu", help="cpu (default) or cuda[:N]")
     p.set_defaults(func=_parity_main)
     return p

@@ -10,6 +10,8 @@ import torch
 import zmrl.parity as parity
 from zmrl.parity import FEATURES, ParityReport, add_parity_subcommand, compare_logprobs, run_audit
 
+from tests.device import TEST_DEVICE
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
@@ -79,7 +81,7 @@ def test_compare_never_raises_on_structure_mismatch():
     (2, "bfloat16", "random", 0),
 ])
 def test_run_audit_is_bitwise(seed, dtype, scenario, steps):
-    r = run_audit(num_requests=4, seed=seed, dtype=dtype, scenario=scenario, steps=steps)
+    r = run_audit(num_requests=4, seed=seed, dtype=dtype, scenario=scenario, steps=steps, device=TEST_DEVICE)
     assert isinstance(r, ParityReport)
     assert r.ok, r.table()
     assert r.bitwise_equal_frac == 1.0 and r.kl_k1 == 0.0 and r.kl_k3 == 0.0 and r.max_abs_dlogp == 0.0
@@ -112,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def test_cli_pass_prints_table(capsys):
     args = _parser().parse_args(["parity", "--num-requests", "3", "--seed", "5", "--dtype", "float32",
-                                 "--scenario", "chunked,long", "--steps", "0"])
+                                 "--scenario", "chunked,long", "--steps", "0", "--device", str(TEST_DEVICE)])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     for row in ("tokens compared", "bitwise equal", "(1.000000)", "max |dlogp|", "kl k1", "kl k3", "PASS"):
@@ -126,6 +128,10 @@ def test_cli_rejects_bad_arguments(capsys):
         _parser().parse_args(["parity", "--dtype", "float16"])
     with pytest.raises(SystemExit):
         _parser().parse_args(["parity", "--num-requests", "0"])
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["parity", "--kernel-mode", "turbo"])
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["parity", "--device", "tpu"])
 
 
 def test_cli_mismatch_exits_1(monkeypatch, capsys):
@@ -133,14 +139,15 @@ def test_cli_mismatch_exits_1(monkeypatch, capsys):
 
     def off_by_one_ulp(*args, **kwargs):
         lps = [lp.detach().clone() for lp in real(*args, **kwargs)]
-        lps[0][0] = torch.nextafter(lps[0][0], torch.tensor(0.0))
+        lps[0][0] = torch.nextafter(lps[0][0], torch.zeros((), device=lps[0].device))
         return lps
 
     monkeypatch.setattr(parity, "trainer_logprobs", off_by_one_ulp)
-    r = run_audit(num_requests=2, seed=3, scenario="basic", steps=0)
+    r = run_audit(num_requests=2, seed=3, scenario="basic", steps=0, device=TEST_DEVICE)
     assert not r.ok and r.bitwise_equal_frac < 1.0 and r.first_mismatch == (0, 0)
     assert r.tokens_equal == r.tokens_compared - 1 and r.max_abs_dlogp > 0
-    args = _parser().parse_args(["parity", "--num-requests", "2", "--seed", "3", "--scenario", "basic", "--steps", "0"])
+    args = _parser().parse_args(["parity", "--num-requests", "2", "--seed", "3", "--scenario", "basic", "--steps", "0",
+                                 "--device", str(TEST_DEVICE)])
     assert args.func(args) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "(1.000000)" not in out and "first mismatch" in out

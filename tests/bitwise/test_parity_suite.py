@@ -11,6 +11,10 @@ micro-batch neighbours). Each scenario's test then checks its own sequences in e
 
 The mixed-sampling, greedy and long-prompt checks are per-request properties, so they ride on the
 16-request batch (which mixes them) rather than paying for separate engine runs.
+
+The device comes from ``ZMRL_TEST_DEVICE`` (tests/device.py; default cpu): with ``cuda`` the whole
+suite runs on the GPU, through the Triton backend wherever an op has one. The thread-count test is
+CPU-only.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from zmrl.model import ModelConfig, build_model
 from zmrl.parity import compare_logprobs
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from zmrl.trainer import compute_logprobs, make_optimizer
+
+from tests.device import TEST_DEVICE, cpu_only
 
 MAX_TOKENS = 8
 BLOCK = 64
@@ -282,7 +288,7 @@ def _pool_variants(model, runs: dict[str, Run], latent_format: str) -> dict:
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def world(request) -> World:
-    model = build_model(CFG, seed=0, dtype=request.param)
+    model = build_model(CFG, seed=0, dtype=request.param, device=TEST_DEVICE)
     apply_lora(model, LoraConfig(r=32, alpha=32.0, init_b_std=0.02))
     runs = _run_all(model, NATIVE_SCENARIOS)
     fp8_runs = _run_all(model, FP8_SCENARIOS)
@@ -384,6 +390,7 @@ def test_fp8_latent_cache(world):
     assert not report.ok and report.sequences_mismatched == len(outs), report.table()
 
 
+@cpu_only
 def test_other_thread_count(world):
     """The trainer on two threads reproduces rollouts the engine made on one."""
     outs = [o for n in ("single", "fork") for o in world.runs[n].outs]
@@ -404,7 +411,7 @@ def test_assert_parity_detects_one_ulp(world):
     """The equality check itself can fail: one token moved by one ulp is caught and named."""
     outs = world.runs["single"].outs
     lps = [o.logprobs.clone() for o in outs]
-    lps[0][3] = torch.nextafter(lps[0][3], torch.tensor(0.0))
+    lps[0][3] = torch.nextafter(lps[0][3], torch.zeros((), device=lps[0].device))
     with pytest.raises(pytest.fail.Exception, match="request 0 .*1/8 tokens differ, first token 3"):
         assert_parity(outs, lps, "one-ulp control")
 

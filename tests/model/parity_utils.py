@@ -1,5 +1,8 @@
 """Shared drivers for model-level parity tests: run the same sequences through the trainer path
-and through the engine path under different batchings, and collect per-token logits."""
+and through the engine path under different batchings, and collect per-token logits.
+
+Device-agnostic: inputs may live on the CPU; everything runs on ``model.device`` (the caches too),
+so a model built on ``tests.device.TEST_DEVICE`` runs these drivers on the GPU."""
 from __future__ import annotations
 
 import random
@@ -24,7 +27,8 @@ def packed_logits(model, seqs: list[torch.Tensor], order: list[int] | None = Non
     """Logits of every token of every sequence from one packed trainer forward (in ``order``)."""
     order = list(range(len(seqs))) if order is None else order
     lens = [seqs[i].numel() for i in order]
-    logits = forward_packed(model, torch.cat([seqs[i] for i in order]), cu_seqlens_from_lens(lens), **kw)
+    ids = torch.cat([seqs[i] for i in order]).to(model.device)
+    logits = forward_packed(model, ids, cu_seqlens_from_lens(lens, model.device), **kw)
     out: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
     for j, part in zip(order, logits.split(lens)):
         out[j] = part
@@ -37,7 +41,8 @@ def incremental_logits(model, seqs: list[torch.Tensor], chunk_sizes, arrivals: l
     sequence i joins at step ``arrivals[i]``. Returns the logits of every token of every sequence."""
     cfg = model.config
     pages = sum(-(-s.numel() // page_size) for s in seqs) + 1
-    cache = ModelCache(cfg, num_pages=pages, page_size=page_size, dtype=model.dtype, latent_format=latent_format)
+    cache = ModelCache(cfg, num_pages=pages, page_size=page_size, dtype=model.dtype, device=model.device,
+                       latent_format=latent_format)
     states = [SequenceState() for _ in seqs]
     done = [0] * len(seqs)
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]

@@ -131,7 +131,7 @@ class KimiDeltaAttention(nn.Module):
                 offsets.append(r)
                 lens.append(r + b - a)
             seg_q, seg_k, seg_v, seg_g, seg_b = (torch.cat(p) for p in parts)
-            seg_cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+            seg_cu = torch.tensor([0] + lens, dtype=torch.int64, device=ctx.cu_seqlens.device).cumsum(0)
         init = None
         if any(s.state is not None for s in states):
             init = torch.stack([s.state if s.state is not None else q.new_zeros(H, K, K, dtype=torch.float32)

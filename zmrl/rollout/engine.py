@@ -10,18 +10,24 @@ position), so a request's tokens and log-probs do not depend on what else ran wi
 from __future__ import annotations
 
 import logging
+import typing
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from zmrl.kernels_batch_invariant import get_mode, kernel_mode, set_mode
+from zmrl.kernels_batch_invariant._dispatch import Mode
 from zmrl.model import ModelCache
 from zmrl.model.context import KDASeqState, SequenceState
+from zmrl.model.kda import KimiDeltaAttention
 
 from .block_manager import BlockManager, block_hash
 from .sampling import SamplingParams, request_key, sample
 
 log = logging.getLogger(__name__)
+
+KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)  # ("bitwise", "fast")
 
 
 def _as_token_list(tokens) -> list:
@@ -37,6 +43,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     latent_format: str = "native"  # "native" (model dtype) or "fp8"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # Kernel mode of the engine's ops: "bitwise" (the batch-invariant kernels: rollout log-probs equal
+    # the trainer's bit for bit) or "fast" (stock kernels where an op has them: faster, parity NOT
+    # expected). A value is applied process-wide when the engine is built (set_mode, so a trainer in
+    # this process follows) and every engine step runs under it. None (default) follows the process
+    # mode, which is "bitwise" unless set_mode changed it. The trainer must use the same mode (the
+    # recipe's model.kernel_mode sets both).
+    kernel_mode: str | None = None
 
     def validate(self) -> "EngineConfig":
         for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -44,6 +57,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.latent_format not in ("native", "fp8"):
             raise ValueError(f"EngineConfig.latent_format must be 'native' or 'fp8', got {self.latent_format!r}")
+        if self.kernel_mode is not None and self.kernel_mode not in KERNEL_MODES:
+            raise ValueError(f"EngineConfig.kernel_mode must be None (follow the process mode) or one of "
+                             f"{', '.join(map(repr, KERNEL_MODES))} ('bitwise' = rollout/trainer log-prob parity), "
+                             f"got {self.kernel_mode!r}")
         return self
 
 
@@ -52,7 +69,8 @@ class RolloutOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    logprobs: torch.Tensor  # [len(token_ids)] float32: log_softmax(logits / T)[token] (raw logits at T = 0)
+    # [len(token_ids)] float32, on the model's device: log_softmax(logits / T)[token] (raw logits at T = 0)
+    logprobs: torch.Tensor
     finish_reason: str  # "stop" | "length" | "error"
     temperature: float = 1.0
     seed: int = 0
@@ -98,13 +116,21 @@ class RolloutEngine:
         self.blocks = BlockManager(self.config.num_blocks, self.block_size, self.config.enable_prefix_caching)
         self.cache = ModelCache(mcfg, num_pages=self.config.num_blocks, page_size=self.block_size,
                                 dtype=model.dtype, device=model.device, latent_format=self.config.latent_format)
-        self.kda_layers = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_kda_layer(i)]
+        # Keys of the per-request KDA states: the layer index, or (layer, virtual shard) for a model
+        # sharded by zmrl.parallel (each shard of heads keeps its own state).
+        self.kda_layers = [m.layer_idx for m in model.modules() if isinstance(m, KimiDeltaAttention)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished: list[RolloutOutput] = []
         self._ids: set[str] = set()
         self.weights_version = 0
         self.num_steps = self.num_preemptions = 0
+        if self.config.kernel_mode is not None:
+            set_mode(self.config.kernel_mode)  # type: ignore[arg-type]
+        if get_mode() != "bitwise":
+            log.warning("rollout engine in %r kernel mode: rollout/trainer log-probs are not expected to be "
+                        "bitwise equal", get_mode())
+        self._mode_warned = False
 
     # ------------------------------------------------------------------ requests
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -277,8 +303,22 @@ class RolloutEngine:
         out, self._finished = self._finished, []
         return out
 
-    @torch.no_grad()
     def _run(self, batch: list[tuple[Request, int]]) -> None:
+        mode = self.config.kernel_mode
+        if mode is None:  # follow the process mode
+            with torch.no_grad():
+                self._run_batch(batch)
+            return
+        if get_mode() != mode and not self._mode_warned:
+            # someone changed the process mode after the engine was built: the engine keeps its own,
+            # a trainer in this process now runs another one
+            log.warning("process kernel mode is %r but this engine was configured with %r; the engine keeps %r, "
+                        "a trainer in this process will not match it", get_mode(), mode, mode)
+            self._mode_warned = True
+        with torch.no_grad(), kernel_mode(mode):  # type: ignore[arg-type]
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[tuple[Request, int]]) -> None:
         reqs = [r for r, _ in batch]
         lens = [n for _, n in batch]
         ctx = self.cache.context([r.seq for r in reqs], lens, record_snapshots=self.config.enable_prefix_caching,
@@ -292,7 +332,7 @@ class RolloutEngine:
         rows = [j for j, r in enumerate(reqs) if r.num_computed == len(r.tokens)]
         if not rows:
             return
-        last = ctx.cu_seqlens[1:][torch.tensor(rows)] - 1
+        last = ctx.cu_seqlens[1:][torch.tensor(rows, device=ctx.cu_seqlens.device)] - 1
         logits = self.model.compute_logits(hidden[last])
         samplers: list[tuple[Request, int]] = []  # (request, row of logits)
         for row, j in enumerate(rows):
@@ -371,7 +411,8 @@ class RolloutEngine:
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         self._ids.discard(r.request_id)
-        lp = torch.cat(r.logprobs) if r.logprobs else torch.zeros(0, dtype=torch.float32)
+        # on the model's device, like the trainer's log-probs (torch.equal needs one device)
+        lp = torch.cat(r.logprobs) if r.logprobs else torch.zeros(0, dtype=torch.float32, device=self.model.device)
         self._finished.append(RolloutOutput(
             request_id=r.request_id, prompt_token_ids=list(r.prompt), token_ids=list(r.output), logprobs=lp,
             finish_reason=reason, temperature=r.params.temperature, seed=r.params.seed,

@@ -1,0 +1,246 @@
+"""Shared pieces of the GPU benchmarks: environment record, result files, the bench model built
+directly on the GPU, CUDA-event timing and plain-text tables.
+
+Every benchmark writes one JSON file (``--out``; default
+``benchmarks/results/<date>_<name>_h200.json``) holding ``env()`` (date, git commit, GPU, torch /
+triton / CUDA versions) plus its own results, and prints a table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python benchmarks/x.py` from anywhere without installing
+    sys.path.insert(0, str(REPO))
+
+from zmrl.model import HybridForCausalLM, ModelConfig  # noqa: E402
+from zmrl.model.model import FP32_PARAMS  # noqa: E402
+
+log = logging.getLogger("benchmarks")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def require_cuda(script: str) -> torch.device:
+    """Exit with a clear message (status 2) when there is no GPU: these numbers mean nothing on CPU."""
+    if not torch.cuda.is_available():
+        sys.stderr.write(f"{script}: needs a CUDA GPU (torch.cuda.is_available() is False; torch {torch.__version__}). "
+                         "Run it on the GPU machine, e.g. via benchmarks/run_gpu.sh.\n")
+        raise SystemExit(2)
+    return torch.device("cuda")
+
+
+def pick_device(script: str, smoke: bool) -> torch.device:
+    """``--smoke``: the CPU (with the tiny preset and tiny shapes: checks the script end to end, the
+    numbers mean nothing); otherwise CUDA or a clear exit."""
+    if smoke:
+        torch.set_num_threads(1)
+        return torch.device("cpu")
+    return require_cuda(script)
+
+
+def model_config(layers: int | None, smoke: bool) -> ModelConfig:
+    return ModelConfig.preset("tiny") if smoke else bench_config(layers)
+
+
+def git_commit() -> str | None:
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                           timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO, timeout=10).stdout.strip()
+        return (r.stdout.strip() + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("ZMRL_COMMIT")
+
+
+def env() -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": git_commit(), "torch": torch.__version__, "triton": triton_version,
+        "cuda": torch.version.cuda, "argv": sys.argv,
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out.update(gpu=torch.cuda.get_device_name(0), gpu_memory_gib=round(p.total_memory / 2**30, 1),
+                   sm_count=p.multi_processor_count)
+    return out
+
+
+def default_out(name: str) -> Path:
+    return REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d')}_{name}_h200.json"
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    log.info("wrote %s", path)
+    return path
+
+
+# ----------------------------------------------------------------------------- the bench model
+
+
+def bench_config(num_layers: int | None = None) -> ModelConfig:
+    """``ModelConfig.preset("bench")``, optionally with fewer layers: every 4th (1-based) layer is
+    MLA+DSA and the rest KDA, the preset's own pattern (fewer than 4 layers: the last is MLA+DSA)."""
+    cfg = ModelConfig.preset("bench")
+    if num_layers is None or num_layers == cfg.num_hidden_layers:
+        return cfg
+    if num_layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {num_layers}")
+    full = [i for i in range(1, num_layers + 1) if i % 4 == 0] or [num_layers]
+    kda = [i for i in range(1, num_layers + 1) if i not in full]
+    la = dataclasses.replace(cfg.linear_attn_config, kda_layers=kda, full_attn_layers=full)
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers, linear_attn_config=la).validate()
+
+
+@torch.no_grad()
+def build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> HybridForCausalLM:
+    """The model allocated and initialised on the GPU (``build_model`` draws every weight on the CPU
+    in fp32, which takes a while for 2.6 B parameters). Same distributions as ``reset_parameters``
+    (values differ: they come from a CUDA generator), so activations and routing look alike."""
+    with torch.device(device):
+        model = HybridForCausalLM(cfg, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    std = cfg.initializer_range
+    out_std = std / (2 * cfg.num_hidden_layers) ** 0.5
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias") or name.endswith("_res_proj.weight"):
+            p.zero_()
+        elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            p.normal_(0.0, out_std, generator=gen)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    from zmrl.model.kda import KimiDeltaAttention
+    from zmrl.model.moe import MoE
+
+    for layer in model.model.layers:
+        if isinstance(layer.self_attn, KimiDeltaAttention):
+            layer.self_attn.reset_parameters(cpu_gen)  # conv, decay and dt (small, drawn on CPU)
+        if isinstance(layer.mlp, MoE):
+            bias = layer.mlp.gate.e_score_correction_bias
+            bias.copy_(torch.randn(bias.shape, generator=cpu_gen) * 0.01)
+    for name, p in model.named_parameters():
+        want = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+        assert p.dtype == want, f"{name}: {p.dtype} != {want}"
+    return model.eval()
+
+
+def weight_bytes_per_decode_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of weights one decode token must read at batch 1: every weight except the routed
+    experts it does not pick (top-k of each MoE layer are read) and the embedding table (one row)."""
+    from zmrl.model.sizing import _is_active, weight_shapes
+
+    total = 0
+    for name, shape in weight_shapes(cfg).items():
+        if not _is_active(name, cfg.num_experts_per_tok):
+            continue
+        n = math.prod(shape)
+        if name == "model.embed_tokens.weight":
+            n = shape[1]
+        total += n * (4 if name.endswith(FP32_PARAMS) else dtype_bytes)
+    return total
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def cuda_time_ms(fn: Callable[[], Any], warmup: int = 2, iters: int = 5,
+                 setup: Callable[[], Any] | None = None) -> dict[str, float]:
+    """Median / min / mean milliseconds of ``fn`` (CUDA events around each call; ``setup`` runs
+    untimed before every call, warm-up included). Without CUDA (``--smoke``): wall-clock time."""
+    cuda = torch.cuda.is_available()
+    times = []
+    for i in range(warmup + iters):
+        if setup is not None:
+            setup()
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "mean_ms": statistics.fmean(times),
+            "iters": iters}
+
+
+def copy_bandwidth_tb_s(device: torch.device, gib: float = 2.0, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth (bytes read + bytes written per second), in TB/s."""
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = cuda_time_ms(lambda: dst.copy_(src), warmup=3, iters=iters)["median_ms"]
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * n / (t * 1e-3) / 1e12
+
+
+def free_gib() -> float:
+    if not torch.cuda.is_available():
+        return float("inf")
+    free, _ = torch.cuda.mem_get_info()
+    return free / 2**30
+
+
+def empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+OOM_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) -> str:
+    """Plain-text table; ``cols`` = (key, header, format spec) triples (missing values print '-')."""
+    def cell(row: dict[str, Any], key: str, fmt: str) -> str:
+        v = row.get(key)
+        if v is None:
+            return "-"
+        try:
+            return format(v, fmt)
+        except (TypeError, ValueError):
+            return str(v)
+
+    cells = [[cell(r, k, f) for k, _, f in cols] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h, _) in enumerate(cols)]
+    lines = ["  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

@@ -1,0 +1,291 @@
+"""Decode throughput of the bench preset (bf16, H200): bitwise vs fast kernels, side by side.
+
+    python benchmarks/decode_throughput.py [--batches 1,16,64,256] [--contexts 1024,8192,32768]
+        [--layers 16] [--modes bitwise,fast] [--iters 5] [--profile-ctx 8192] [--out FILE.json]
+
+What is timed: one decode step of the model as the engine runs it (``forward_incremental``: the
+batch context with block tables, the forward over one new token per sequence, the fp32 logits of
+those tokens), CUDA events, median of ``--iters`` steps after ``--warmup`` steps. Sampling is not
+included.
+
+The context is built cheaply instead of prefilling millions of tokens: each sequence gets
+``context`` cache slots whose MLA latents, FP8 index keys and scales are random values written
+straight into the paged store, and KDA states cloned from a 32-token template prefill (so every
+sequence sits 32 rows into a 64-token KDA chunk, which bitwise decode re-runs each step: the
+average case). ``context`` is the nominal length; the cache holds ``context - 32`` tokens.
+
+At batch 1 the script also reports the HBM-bandwidth bound: bytes one decode step must read (the
+active weights: one embedding row, attention, router, shared expert, the top-k routed experts and
+lm_head; plus the DSA index keys of the whole context, the latents of the top-k selected keys and
+the KDA states) divided by a device-to-device copy bandwidth measured in the same run, and a
+torch.profiler breakdown of where the time goes (top 15 kernels by device time).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+import torch
+
+from _common import (OOM_ERRORS, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, default_out, empty_cache, env,
+                     free_gib, model_config, pick_device, setup_logging, table, weight_bytes_per_decode_token,
+                     write_json)
+from zmrl.kernels_batch_invariant import kernel_mode
+from zmrl.lora import LoraConfig, apply_lora
+from zmrl.model import ModelCache, SequenceState, forward_incremental
+from zmrl.model.context import KDASeqState
+
+log = logging.getLogger("benchmarks.decode")
+
+PAGE = 64
+PENDING = 32  # KDA rows already in the current chunk (of 64) at every timed step's start
+
+
+def note(row: dict[str, Any], key: str, msg: str) -> None:
+    row[key] = f"{row[key]}; {msg}" if row.get(key) else msg
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def kda_template(model, device: torch.device) -> dict[int, KDASeqState]:
+    """KDA states of one sequence after a real ``PENDING``-token prefill: the exact structure
+    (conv tails, fp32 state, pending chunk rows) a decoding sequence carries."""
+    cfg = model.config
+    cache = ModelCache(cfg, num_pages=1, page_size=PAGE, dtype=model.dtype, device=device)
+    seq = SequenceState()
+    ids = torch.randint(0, cfg.vocab_size, (PENDING,), device=device)
+    forward_incremental(model, cache, [seq], [ids], logits_rows="last")
+    assert all(s.num_pending == PENDING for s in seq.kda.values()), "template: unexpected KDA pending rows"
+    return seq.kda
+
+
+def fill_store(cache: ModelCache, gen: torch.Generator) -> None:
+    """Random latents, FP8 index keys (never the NaN codes 0x7F/0xFF) and positive key scales."""
+    st = cache.store
+    for layer, kv in st.kv.items():
+        kv.normal_(0.0, 1.0, generator=gen)
+        if layer in st.k8:
+            u = st.k8[layer].view(torch.uint8)
+            u.copy_(torch.randint(0, 255, u.shape, dtype=torch.uint8, device=u.device, generator=gen))
+            u[u == 0x7F] = 0
+            st.kscale[layer].uniform_(1e-3, 1e-2, generator=gen)
+
+
+def make_seqs(cache: ModelCache, template: dict[int, KDASeqState], batch: int, ctx_tokens: int,
+              extra: int) -> list[SequenceState]:
+    seqs = []
+    for _ in range(batch):
+        s = SequenceState(kda={k: v.clone() for k, v in template.items()}, num_tokens=0)
+        cache.allocate(s, ctx_tokens + extra)  # room for every timed step: no allocation inside the timing
+        s.num_tokens = ctx_tokens
+        seqs.append(s)
+    return seqs
+
+
+def reset_seqs(seqs: list[SequenceState], template: dict[int, KDASeqState], ctx_tokens: int) -> None:
+    for s in seqs:
+        s.kda = {k: v.clone() for k, v in template.items()}
+        s.num_tokens = ctx_tokens
+
+
+def cache_bytes(cfg, pages: int) -> int:
+    n_mla = sum(1 for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i))
+    per_token = 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.index_head_dim + 4
+    return pages * PAGE * per_token * n_mla
+
+
+def kv_state_bytes_per_seq(cfg, ctx: int) -> int:
+    """Cache/state bytes one sequence's decode step reads: per MLA layer the index keys (+scales)
+    of every position and the latents of the selected top-k; per KDA layer the fp32 state, the conv
+    tail and the pending chunk rows (k, g fp32; v bf16; beta fp32)."""
+    la = cfg.linear_attn_config
+    n_kda = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
+    n_mla = cfg.num_hidden_layers - n_kda
+    sel = min(ctx, cfg.index_topk or ctx)
+    mla = ctx * (cfg.index_head_dim + 4) + sel * 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    h, dk = la.num_heads, la.head_dim
+    kda = h * dk * dk * 4 + 3 * 3 * h * dk * 2 + PENDING * h * (dk * (4 + 2 + 4) + 4)
+    return n_mla * mla + n_kda * kda
+
+
+def profile_step(step, cuda: bool, steps: int = 3, top: int = 15) -> list[dict[str, Any]]:
+    """Per-kernel device time of ``steps`` calls (self time, summed by kernel name); top ``top`` + total.
+    Without CUDA (``--smoke``) the CPU self time of each op instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            dev_us = getattr(e, "self_device_time_total", None)
+            if dev_us is None:
+                dev_us = getattr(e, "self_cuda_time_total", 0.0)
+        else:
+            dev_us = e.self_cpu_time_total
+        if dev_us > 0:
+            rows.append({"name": e.key[:80], "calls": e.count // steps, "ms_per_step": dev_us / 1e3 / steps})
+    total = sum(r["ms_per_step"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    for r in rows:
+        r["share"] = r["ms_per_step"] / total
+    return rows[:top] + [{"name": "(all kernels)", "calls": sum(r["calls"] for r in rows), "ms_per_step": total,
+                          "share": 1.0}]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
+    ap.add_argument("--contexts", type=_ints, default=[1024, 8192, 32768])
+    ap.add_argument("--layers", type=int, default=16, help="decoder layers (16 = the full bench preset)")
+    ap.add_argument("--modes", default="bitwise,fast")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--profile-ctx", type=int, default=8192, help="context of the batch-1 profile (0 = no profile)")
+    ap.add_argument("--mem-fraction", type=float, default=0.85, help="skip combos needing more of the free memory")
+    ap.add_argument("--time-budget-s", type=float, default=170.0, help="skip the remaining combos after this")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="LoRA rank on every attention projection and expert, as in RL rollouts (0 = base model)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None,
+                    help="JSON result (default benchmarks/results/<date>_decode_throughput_h200.json)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, tiny shapes: checks the script runs")
+    a = ap.parse_args()
+    setup_logging()
+    dev = pick_device("decode_throughput.py", a.smoke)
+    if a.smoke:
+        a.batches, a.contexts, a.profile_ctx, a.iters, a.warmup = [1, 3], [160], 160, 2, 1
+    modes = [m for m in a.modes.split(",") if m]
+    t_start = time.perf_counter()
+    torch.manual_seed(a.seed)
+
+    cfg = model_config(a.layers, a.smoke)
+    model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
+    log.info("bench model: %d layers, %.2f B params, built in %.1fs", cfg.num_hidden_layers,
+             sum(p.numel() for p in model.parameters()) / 1e9, time.perf_counter() - t_start)
+    if a.lora:
+        model.requires_grad_(False)
+        apply_lora(model, LoraConfig(r=a.lora, alpha=float(a.lora), init_b_std=0.02, init_seed=a.seed))
+    bw = copy_bandwidth_tb_s(dev, gib=0.25 if a.smoke else 2.0)
+    log.info("device-to-device copy bandwidth %.2f TB/s", bw)
+    weight_bytes = weight_bytes_per_decode_token(cfg)
+    for name, p in model.named_parameters():  # LoRA (fp32): every adapter, top-k of each layer's experts
+        if ".experts_lora." in name:
+            weight_bytes += p.numel() * p.element_size() * cfg.num_experts_per_tok // cfg.n_routed_experts
+        elif ".adapter.lora_" in name:
+            weight_bytes += p.numel() * p.element_size()
+    template = kda_template(model, dev)
+    gen = torch.Generator(device=dev).manual_seed(a.seed)
+    steps = a.warmup + a.iters
+
+    results: list[dict[str, Any]] = []
+    profile: list[dict[str, Any]] | None = None
+    for ctx in sorted(a.contexts):
+        ctx_tokens = ctx - PENDING
+        if ctx_tokens < PAGE or ctx_tokens + steps + 1 > cfg.max_position_embeddings:
+            log.warning("context %d out of range, skipped", ctx)
+            continue
+        for batch in sorted(a.batches):
+            row: dict[str, Any] = {"batch": batch, "context": ctx}
+            results.append(row)
+            if time.perf_counter() - t_start > a.time_budget_s:
+                row["skipped"] = "time budget"
+                continue
+            pages = batch * -(-(ctx_tokens + steps + 1) // PAGE) + 1
+            need_gib = (cache_bytes(cfg, pages) + batch * kv_state_bytes_per_seq(cfg, ctx)) / 2**30 + 2.0
+            if need_gib > a.mem_fraction * free_gib():
+                row["skipped"] = f"needs ~{need_gib:.0f} GiB, {free_gib():.0f} GiB free"
+                log.info("batch %d context %d: %s", batch, ctx, row["skipped"])
+                continue
+            cache = seqs = None
+            try:
+                cache = ModelCache(cfg, num_pages=pages, page_size=PAGE, dtype=model.dtype, device=dev)
+                fill_store(cache, gen)
+                seqs = make_seqs(cache, template, batch, ctx_tokens, steps + 1)
+                tokens = [torch.randint(0, cfg.vocab_size, (1,), device=dev, generator=gen) for _ in range(batch)]
+
+                def step() -> None:
+                    forward_incremental(model, cache, seqs, tokens, logits_rows="last")
+
+                # host-side batch description (block tables, positions, slots) alone: part of every step
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    cache.context(seqs, [1] * batch)
+                row["context_build_ms"] = (time.perf_counter() - t0) / 3 * 1e3
+
+                for mode in modes:
+                    try:  # one mode failing (e.g. a kernel error) must not hide the other
+                        reset_seqs(seqs, template, ctx_tokens)
+                        with kernel_mode(mode):
+                            t = cuda_time_ms(step, warmup=a.warmup, iters=a.iters)
+                    except OOM_ERRORS:
+                        note(row, "error", f"{mode}: out of memory")
+                        empty_cache()
+                        continue
+                    except Exception as e:
+                        note(row, "error", f"{mode}: {type(e).__name__}: {e}"[:300])
+                        log.exception("batch %d context %d, %s mode failed", batch, ctx, mode)
+                        continue
+                    row[f"{mode}_ms"] = t["median_ms"]
+                    row[f"{mode}_tok_s"] = batch / (t["median_ms"] * 1e-3)
+                    if batch == 1:
+                        bound_ms = (weight_bytes + kv_state_bytes_per_seq(cfg, ctx)) / (bw * 1e12) * 1e3
+                        row["hbm_bound_ms"] = bound_ms
+                        row[f"{mode}_frac_hbm"] = bound_ms / t["median_ms"]
+                    if batch == 1 and ctx == a.profile_ctx and mode == modes[0] and profile is None:
+                        reset_seqs(seqs, template, ctx_tokens)
+                        with kernel_mode(mode):
+                            profile = profile_step(step, dev.type == "cuda")
+                if "bitwise_ms" in row and "fast_ms" in row:
+                    row["bitwise_over_fast"] = row["bitwise_ms"] / row["fast_ms"]
+                log.info("batch %d context %d: %s", batch, ctx,
+                         ", ".join(f"{m} {row.get(m + '_ms', float('nan')):.2f} ms" for m in modes))
+            except OOM_ERRORS:
+                note(row, "skipped", "out of memory")
+                log.warning("batch %d context %d: out of memory", batch, ctx)
+            except Exception as e:  # keep going: one broken combo must not hide the others
+                note(row, "error", f"{type(e).__name__}: {e}"[:300])
+                log.exception("batch %d context %d failed", batch, ctx)
+            finally:
+                del cache, seqs
+                empty_cache()
+
+    cols = [("batch", "batch", "d"), ("context", "context", "d")]
+    for m in modes:
+        cols += [(f"{m}_ms", f"{m} ms/step", ".2f"), (f"{m}_tok_s", f"{m} tok/s", ".0f")]
+    cols += [("bitwise_over_fast", "bitwise/fast", ".2f"), ("hbm_bound_ms", "HBM bound ms", ".3f")]
+    cols += [(f"{m}_frac_hbm", f"{m} %HBM", ".1%") for m in modes]
+    cols += [("context_build_ms", "host ctx ms", ".2f"), ("skipped", "note", "s"), ("error", "error", "s")]
+    print(f"\nDecode step, {'tiny (smoke)' if a.smoke else 'bench'} preset ({cfg.num_hidden_layers} layers) bf16"
+          f"{f', LoRA r={a.lora}' if a.lora else ''}, "
+          f"copy bandwidth {bw:.2f} TB/s, weights read per token at batch 1: {weight_bytes / 1e9:.2f} GB")
+    print(table(results, cols))
+    if profile:
+        step_ms = next((r.get(f"{modes[0]}_ms") for r in results if r["batch"] == 1 and r["context"] == a.profile_ctx),
+                       None)
+        busy = profile[-1]["ms_per_step"]
+        print(f"\nWhere the time goes: batch 1, context {a.profile_ctx}, {modes[0]} mode (device time per step; "
+              f"kernels busy {busy:.2f} ms" + (f" of a {step_ms:.2f} ms step: the rest is host time / launch gaps)"
+                                                if step_ms else ")"))
+        print(table(profile, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"),
+                              ("share", "share", ".1%")]))
+    payload = {"benchmark": "decode_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
+               "layers": cfg.num_hidden_layers,
+               "dtype": "bfloat16", "copy_bandwidth_tb_s": bw, "weight_bytes_per_token_batch1": weight_bytes,
+               "lora_r": a.lora, "pending_kda_rows": PENDING, "warmup": a.warmup, "iters": a.iters, "results": results,
+               "profile_batch1": profile, "profile_context": a.profile_ctx,
+               "wall_s": time.perf_counter() - t_start}
+    write_json(a.out or default_out("decode_throughput" + ("_smoke" if a.smoke else "")), payload)
+    return 0 if any(f"{m}_ms" in r for r in results for m in modes) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
