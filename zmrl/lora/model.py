@@ -37,6 +37,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig | None = None) -> torch.n
     A and B are initialised from ``cfg.init_seed`` (A: Kaiming-uniform as in PEFT; B: zeros, or
     N(0, init_b_std) for tests that need a non-trivial adapter)."""
     cfg = cfg or LoraConfig()
+    pcfg = getattr(model, "parallel_config", None)
+    if pcfg is not None and (pcfg.virtual_shards > 1 or pcfg.ep > 1):
+        # sharded pieces would get independent adapters (and no gradient sync): shard after this
+        raise ValueError("apply_lora: the model is already sharded by zmrl.parallel.shard_model; apply LoRA "
+                         "(or load the adapter) to the full model first, then shard it")
     for p in model.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(cfg.init_seed)
