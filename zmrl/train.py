@@ -25,9 +25,14 @@ def run_train(args: argparse.Namespace) -> int:
     except RecipeError as e:
         print(f"zmrl train: error: {e}", file=sys.stderr)
         return 2
+    from zmrl.rl.cluster import ClusterError
     from zmrl.rl.loop import RLRunner
 
-    history = RLRunner(cfg).run()
+    try:
+        history = RLRunner(cfg).run()
+    except ClusterError as e:  # the Ray cluster cannot host the recipe's groups: say what is missing
+        print(f"zmrl train: error: {e}", file=sys.stderr)
+        return 2
     if history:
         last = history[-1]
         logging.getLogger("zmrl.train").info(

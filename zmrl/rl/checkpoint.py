@@ -77,7 +77,9 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         raise ResumeError(f"{path}: optimizer state has {state['optimizer']['num_params']} parameters, "
                           f"the model has {len(params)} LoRA parameters")
     for i, p in enumerate(params):
-        st = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
+        # moments onto the parameter's device (a trainer on a GPU); AdamW keeps its "step" on the CPU
+        st = {k.split(".", 1)[1]: v if k.endswith(".step") else v.to(p.device)
+              for k, v in tensors.items() if k.split(".", 1)[0] == str(i)}
         if st:
             if st["exp_avg"].shape != p.shape:
                 raise ResumeError(f"{path}: optimizer state for parameter {i} has shape "

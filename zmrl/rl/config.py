@@ -16,6 +16,10 @@ class ModelSection:
     dtype: str = "float32"
     bootstrap_dir: str = "~/.cache/zmrl/bootstrap"  # where the embedded default model is built and cached
     bootstrap_time_s: float = 150.0
+    # "bitwise": batch-invariant kernels, rollout log-probs equal the trainer's bit for bit (the
+    # contract). "fast": stock kernels where an op has them, for measuring what bitwise costs; the
+    # rollout/trainer parity metrics are then expected to be < 1. Applies to the engine and the trainer.
+    kernel_mode: str = "bitwise"
 
 
 @dataclass
@@ -88,10 +92,29 @@ class LoggingSection:
     run_name: str | None = None
 
 
+PLACEMENT_STRATEGIES: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass
+class RoleSection:
+    """One role's resource group (distributed.ray=true): ``workers`` Ray actors, each pinned to its own
+    placement-group bundle of ``num_gpus`` GPUs and ``num_cpus`` CPUs (per worker, as Ray's actor options)."""
+
+    workers: int = 1  # rollout: data-parallel engines (the step's prompts are split); trainer: must be 1
+    num_gpus: int = 0  # 0: the worker runs on CPU; 1: on its own GPU
+    num_cpus: float = 1.0
+    strategy: str = "PACK"  # placement of this role's bundles: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+
 @dataclass
 class DistributedSection:
-    ray: bool = False  # rollout and trainer as Ray actors (local ray.init)
-    ray_num_cpus: int | None = None
+    ray: bool = False  # rollout and trainer as Ray actors on separate placement groups
+    ray_address: str | None = None  # None: start a local Ray; "auto" / "host:port": join a running cluster
+    ray_num_cpus: int | None = None  # local Ray only: CPUs it may use (None: all)
+    ray_num_gpus: int | None = None  # local Ray only: GPUs it may use (None: all it detects)
+    placement_timeout_s: float = 120.0  # wait this long for the placement groups, then stop with an error
+    rollout: RoleSection = field(default_factory=RoleSection)
+    trainer: RoleSection = field(default_factory=RoleSection)
 
 
 @dataclass
@@ -181,4 +204,45 @@ def _validate(cfg: RecipeConfig) -> None:
     need(cfg.logging.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
          "must be offline, online or disabled")
     need(cfg.rollout.latent_format in ("native", "fp8"), "rollout.latent_format", "must be native or fp8")
+    need(cfg.model.kernel_mode in ("bitwise", "fast"), "model.kernel_mode",
+         f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), "
+         f"got {cfg.model.kernel_mode!r}")
     need(cfg.trainer.save_every >= 0 and cfg.eval.every >= 0, "trainer.save_every", "must be >= 0")
+    _validate_distributed(cfg.distributed)
+
+
+def _validate_distributed(dc: DistributedSection) -> None:
+    """Static checks of the distributed section; whether the cluster can host it is checked when the
+    runner connects to Ray (zmrl.rl.cluster.check_resources)."""
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise RecipeError(f"recipe key 'distributed.{key}': {msg}")
+
+    if not dc.ray:
+        # Resource settings without Ray would be silently ignored: a GPU asked for would never be used.
+        changed = [k for k in ("ray_address", "ray_num_cpus", "ray_num_gpus", "placement_timeout_s")
+                   if getattr(dc, k) != getattr(DistributedSection, k)]
+        changed += [f"{role}.{f.name}" for role in ("rollout", "trainer") for f in dataclasses.fields(RoleSection)
+                    if getattr(getattr(dc, role), f.name) != f.default]
+        need(not changed, changed[0] if changed else "ray",
+             f"only used with distributed.ray=true (set it, or drop {', '.join('distributed.' + c for c in changed)})")
+        return
+    need(dc.placement_timeout_s > 0, "placement_timeout_s", "must be > 0")
+    need(dc.ray_address is None or (dc.ray_num_cpus is None and dc.ray_num_gpus is None), "ray_address",
+         "ray_num_cpus/ray_num_gpus size a local Ray only; a running cluster (ray_address) brings its own resources")
+    for name in ("ray_num_cpus", "ray_num_gpus"):
+        value = getattr(dc, name)
+        need(value is None or value >= 0, name, f"must be >= 0, got {value}")
+    for role in ("rollout", "trainer"):
+        rs: RoleSection = getattr(dc, role)
+        need(rs.workers >= 1, f"{role}.workers", f"must be >= 1, got {rs.workers}")
+        need(rs.num_gpus in (0, 1), f"{role}.num_gpus",
+             f"must be 0 (CPU) or 1 (one GPU per worker; a worker spanning GPUs needs tensor parallelism, not "
+             f"implemented here): use distributed.{role}.workers for more GPUs; got {rs.num_gpus}")
+        need(rs.num_cpus >= 0, f"{role}.num_cpus", f"must be >= 0, got {rs.num_cpus}")
+        need(rs.num_cpus > 0 or rs.num_gpus > 0, f"{role}.num_cpus",
+             "a worker needs num_cpus > 0 when num_gpus = 0 (a bundle cannot be empty)")
+        need(rs.strategy in PLACEMENT_STRATEGIES, f"{role}.strategy",
+             f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {rs.strategy!r}")
+    need(dc.trainer.workers == 1, "trainer.workers",
+         f"must be 1 (the trainer is one process; data-parallel training is not implemented), got {dc.trainer.workers}")

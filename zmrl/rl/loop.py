@@ -1,4 +1,7 @@
-"""The RL loop: rollout -> reward -> advantages -> trainer log-probs (parity) -> update -> push weights."""
+"""The RL loop: rollout -> reward -> advantages -> trainer log-probs (parity) -> update -> push weights.
+
+Single process by default; with ``distributed.ray=true`` the rollout workers and the trainer are Ray
+actors on separate placement groups (``zmrl.rl.cluster``), driven by the same code through handles."""
 from __future__ import annotations
 
 import hashlib
@@ -12,33 +15,11 @@ import torch
 from zmrl.lora import LoraConfig
 from zmrl.rollout import EngineConfig, SamplingParams
 
+from .cluster import ActorEnv, LocalHandle, RayCluster, WorkerHandle, gather, shard
 from .config import RecipeConfig
 from .workers import RolloutWorker, Sample, TrainerWorker
 
 log = logging.getLogger(__name__)
-
-
-class _Local:
-    """Calls a worker in this process."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def call(self, method: str, *args, **kwargs):
-        return getattr(self.obj, method)(*args, **kwargs)
-
-
-class _RayActor:
-    """Calls a worker living in a Ray actor."""
-
-    def __init__(self, cls, num_cpus: float, *args, **kwargs):
-        import ray
-
-        self.ray = ray
-        self.actor = ray.remote(num_cpus=num_cpus)(cls).remote(*args, **kwargs)
-
-    def call(self, method: str, *args, **kwargs):
-        return self.ray.get(getattr(self.actor, method).remote(*args, **kwargs))
 
 
 def _step_seed(seed: int, step: int, what: str) -> int:
@@ -49,7 +30,6 @@ def _step_seed(seed: int, step: int, what: str) -> int:
 class RLRunner:
     def __init__(self, cfg: RecipeConfig):
         from .sources import load_eval_problems, load_train_source
-        from .metrics import MetricsLogger
         from .tokenizer import load_tokenizer
 
         self.cfg = cfg
@@ -67,22 +47,30 @@ class RLRunner:
         rc = cfg.rollout
         engine = EngineConfig(block_size=rc.block_size, num_blocks=rc.num_blocks, max_num_seqs=rc.max_num_seqs,
                               max_num_batched_tokens=rc.max_num_batched_tokens,
-                              enable_prefix_caching=rc.enable_prefix_caching, latent_format=rc.latent_format)
+                              enable_prefix_caching=rc.enable_prefix_caching, latent_format=rc.latent_format,
+                              kernel_mode=cfg.model.kernel_mode)
         trainer_args = (self.model_path, cfg.model.dtype, lora, tc.lr, tc.weight_decay, tc.micro_batch_tokens,
-                        rc.latent_format, tc.num_threads)
+                        rc.latent_format, tc.num_threads, cfg.model.kernel_mode)
         rollout_args = (self.model_path, cfg.model.dtype, lora, engine, tc.num_threads)
+        self.cluster: RayCluster | None = None
+        self.trainer: WorkerHandle
+        self.rollouts: list[WorkerHandle]
         if cfg.distributed.ray:
-            import ray
-
-            if not ray.is_initialized():
-                ray.init(num_cpus=cfg.distributed.ray_num_cpus, include_dashboard=False, log_to_driver=False)
-            self.trainer = _RayActor(TrainerWorker, 1, *trainer_args)
-            self.rollout = _RayActor(RolloutWorker, 1, *rollout_args)
+            self._start_cluster(trainer_args, rollout_args)
         else:
-            self.trainer = _Local(TrainerWorker(*trainer_args))
-            self.rollout = _Local(RolloutWorker(*rollout_args))
-        from .algorithms import KLPenalty, PolicyLoss
+            self.trainer = LocalHandle(TrainerWorker(*trainer_args))
+            self.rollouts = [LocalHandle(RolloutWorker(*rollout_args))]
+        try:
+            self._finish_init()
+        except BaseException:
+            self.close()  # placement groups and actors are not left behind by a failed start
+            raise
 
+    def _finish_init(self) -> None:
+        from .algorithms import KLPenalty, PolicyLoss
+        from .metrics import MetricsLogger
+
+        cfg, tc = self.cfg, self.cfg.trainer
         self.policy_loss = PolicyLoss(cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio)
         self.kl_penalty = KLPenalty(cfg.algorithm.kl_penalty)
         self.start_step = 0
@@ -92,6 +80,55 @@ class RLRunner:
                                      config=cfg.to_dict(), wandb_mode=cfg.logging.wandb_mode)
         self.metrics.truncate_from(self.start_step + 1)  # records up to the checkpoint step are kept
         (self.out_dir / "recipe.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    def _start_cluster(self, trainer_args: tuple, rollout_args: tuple) -> None:
+        """One placement group per role, workers pinned to its bundles; every actor runs the same kernel
+        mode and thread count, so the two sides stay bitwise equal across processes."""
+        cfg, dc = self.cfg, self.cfg.distributed
+        roles = {"rollout": dc.rollout, "trainer": dc.trainer}
+        # Same thread count on both sides: the recipe's, else what the smaller bundle holds.
+        threads = cfg.trainer.num_threads or max(1, int(min(r.num_cpus for r in roles.values())))
+        cluster = RayCluster(dc)
+        try:
+            cluster.check(roles)
+            envs = {name: ActorEnv(device="cuda" if r.num_gpus else "cpu", num_threads=threads,
+                                   kernel_mode=cfg.model.kernel_mode) for name, r in roles.items()}
+            # Both groups reserved first (a cluster that cannot host them fails before any model loads),
+            # then every worker started; they build their models in parallel.
+            trainer, rollout = cluster.reserve("trainer", dc.trainer), cluster.reserve("rollout", dc.rollout)
+            cluster.launch(trainer, dc.trainer, envs["trainer"], TrainerWorker, trainer_args,
+                           {"device": envs["trainer"].device})
+            cluster.launch(rollout, dc.rollout, envs["rollout"], RolloutWorker, rollout_args,
+                           {"device": envs["rollout"].device})
+            cluster.wait_ready()
+        except BaseException:
+            cluster.close()
+            raise
+        self.cluster = cluster
+        self.trainer = trainer.handles[0]
+        self.rollouts = list(rollout.handles)
+
+    def close(self) -> None:
+        """Release the Ray actors and placement groups (nothing to do in single-process mode)."""
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def _push_weights(self) -> int:
+        """Trainer LoRA state -> every rollout engine. Through Ray the state is one object in the store,
+        fetched by each rollout worker from there (it never passes through the driver)."""
+        state = self.trainer.submit("lora_state")
+        versions = gather([r.submit("update_weights", state) for r in self.rollouts])
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"rollout workers disagree on the weights version after an update: {versions}")
+        return versions[0]
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str]) -> list[dict]:
+        """The prompts split contiguously over the rollout workers (run in parallel), outputs in prompt
+        order; request ids are global, so the samples do not depend on the number of workers."""
+        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], sampling,
+                                           [request_ids[i] for i in part])
+                   for w, part in enumerate(shard(len(prompts), len(self.rollouts)))]
+        return [o for outs in gather(pending) for o in outs]
 
     def _model_path(self) -> str:
         if self.cfg.model.path:
@@ -113,7 +150,7 @@ class RLRunner:
             return
         state = self.trainer.call("restore", str(path))
         self.start_step = int(state["step"])
-        self.rollout.call("update_weights", self.trainer.call("lora_state"))
+        self._push_weights()
         log.info("resumed from %s at step %d", path, self.start_step)
 
     # ------------------------------------------------------------------ one step
@@ -124,7 +161,7 @@ class RLRunner:
         from .reward import aime_reward
 
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(p["question"])) for p in problems]
-        outs = self.rollout.call("generate", prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))])
+        outs = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))])
         samples = []
         for o in outs:
             group = int(o["request_id"].split("-")[1])
@@ -151,7 +188,7 @@ class RLRunner:
         for _ in range(ac.ppo_epochs):
             stats = self.trainer.call("update", samples, advantages, rc.temperature, self.policy_loss, ref,
                                       ac.kl_coef, self.kl_penalty)
-        self.rollout.call("update_weights", self.trainer.call("lora_state"))
+        self._push_weights()
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         rewards = [s.reward for s in samples]
@@ -175,6 +212,14 @@ class RLRunner:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> list[dict[str, float]]:
+        """All steps from ``start_step``; the Ray actors and placement groups are released at the end, on
+        an error and on Ctrl-C alike (a runner runs once)."""
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> list[dict[str, float]]:
         from tqdm import tqdm
 
         cfg = self.cfg

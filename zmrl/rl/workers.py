@@ -2,7 +2,9 @@
 
 ``RolloutWorker`` owns an engine over its own copy of the model; ``TrainerWorker`` owns the trainable
 copy (base + LoRA) and its optimiser. They share nothing but tensors passed through method calls,
-so the same code runs in one process or as two Ray actors on separate CPUs/GPUs.
+so the same code runs in one process or as Ray actors on separate CPUs/GPUs (``zmrl.rl.cluster``).
+Everything a method returns is on the CPU (log-probs, LoRA state), whatever device the worker computes
+on: results cross process boundaries, and a driver without a GPU must be able to unpickle them.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zmrl.kernels_batch_invariant import set_mode
 from zmrl.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_state_dict
 from zmrl.model import load_pretrained
 from zmrl.parity import ParityReport, compare_logprobs
@@ -41,9 +44,9 @@ def _set_threads(num_threads: int | None) -> None:
 
 class RolloutWorker:
     def __init__(self, model_path: str, dtype: str, lora: LoraConfig, engine: EngineConfig,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, device: str = "cpu"):
         _set_threads(num_threads)
-        self.model = load_pretrained(model_path, dtype=dtype)
+        self.model = load_pretrained(model_path, dtype=dtype, device=device)
         apply_lora(self.model, lora)
         self.engine = RolloutEngine(self.model, engine)
 
@@ -51,7 +54,7 @@ class RolloutWorker:
                  use_tqdm: bool = False) -> list[dict]:
         outs = self.engine.generate(prompts, [sampling] * len(prompts), request_ids=request_ids, use_tqdm=use_tqdm)
         return [dict(request_id=o.request_id, prompt_ids=o.prompt_token_ids, response_ids=o.token_ids,
-                     logprobs=o.logprobs, finish_reason=o.finish_reason, error=o.error) for o in outs]
+                     logprobs=o.logprobs.cpu(), finish_reason=o.finish_reason, error=o.error) for o in outs]
 
     def update_weights(self, lora_state: dict[str, torch.Tensor]) -> int:
         return self.engine.update_weights(lora_state)
@@ -59,16 +62,20 @@ class RolloutWorker:
 
 class TrainerWorker:
     def __init__(self, model_path: str, dtype: str, lora: LoraConfig, lr: float, weight_decay: float,
-                 micro_batch_tokens: int | None, latent_format: str, num_threads: int | None = None):
+                 micro_batch_tokens: int | None, latent_format: str, num_threads: int | None = None,
+                 kernel_mode: str = "bitwise", device: str = "cpu"):
         _set_threads(num_threads)
-        self.model = load_pretrained(model_path, dtype=dtype)
+        # The trainer's ops read the process-wide mode; it must be the engine's (EngineConfig.kernel_mode).
+        set_mode(kernel_mode)  # type: ignore[arg-type]
+        self.model = load_pretrained(model_path, dtype=dtype, device=device)
         apply_lora(self.model, lora)
         self.optimizer = make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
         self.micro_batch_tokens = micro_batch_tokens
         self.latent_format = latent_format
 
     def lora_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in lora_state_dict(self.model).items()}
+        # a copy on the CPU (bitwise the parameters): what the rollout workers load, from any process
+        return {k: v.detach().to("cpu", copy=True) for k, v in lora_state_dict(self.model).items()}
 
     def load_lora_state(self, state: dict[str, torch.Tensor]) -> None:
         load_lora_state_dict(self.model, state)
@@ -109,14 +116,14 @@ class TrainerWorker:
                 continue
             weight = sum(len(samples[i].response_ids) for i in batch) / total_tokens
             lp, mask = pad_rows(self.logprobs(samples, temperature, grad=True, subset=batch))
-            old, _ = pad_rows([samples[i].rollout_logprobs for i in batch])
-            adv, _ = pad_rows([advantages[i] for i in batch])
+            old, _ = pad_rows([samples[i].rollout_logprobs.to(lp.device) for i in batch])
+            adv, _ = pad_rows([advantages[i].to(lp.device) for i in batch])
             loss, metrics = policy_loss(old, lp, adv, mask)
             stats["loss/policy"] += float(loss.detach()) * weight
             for k, v in metrics.items():
                 stats[k] = stats.get(k, 0.0) + v * weight
             if kl_coef and ref_logprobs is not None:
-                ref, _ = pad_rows([ref_logprobs[i] for i in batch])
+                ref, _ = pad_rows([ref_logprobs[i].to(lp.device) for i in batch])
                 kl = kl_penalty(lp, ref, mask)
                 stats["loss/kl_ref"] += float(kl.detach()) * weight
                 loss = loss + kl_coef * kl
@@ -139,7 +146,7 @@ class TrainerWorker:
     def reference_logprobs(self, samples: list[Sample], temperature: float) -> list[torch.Tensor]:
         """Log-probs under the base model (LoRA off): the reference policy of the KL term."""
         with lora_disabled(self.model):
-            return self.logprobs(samples, temperature)
+            return [t.cpu() for t in self.logprobs(samples, temperature)]
 
 
 class lora_disabled:
