@@ -87,8 +87,15 @@ def env() -> dict[str, Any]:
     return out
 
 
+def device_slug() -> str:
+    """'h200' for an NVIDIA H200, 'cpu' without CUDA: results files name the machine they ran on."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "-") or "gpu"
+
+
 def default_out(name: str) -> Path:
-    return REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d')}_{name}_h200.json"
+    return REPO / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d')}_{name}_{device_slug()}.json"
 
 
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:

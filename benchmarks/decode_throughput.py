@@ -245,7 +245,8 @@ def main() -> int:
                         with kernel_mode(mode):
                             profile = profile_step(step, dev.type == "cuda")
                 if "bitwise_ms" in row and "fast_ms" in row:
-                    row["bitwise_over_fast"] = row["bitwise_ms"] / row["fast_ms"]
+                    # throughput ratio (bitwise tok/s / fast tok/s): the targets are >= 0.95 decode, >= 0.90 training
+                    row["bitwise_over_fast"] = row["fast_ms"] / row["bitwise_ms"]
                 log.info("batch %d context %d: %s", batch, ctx,
                          ", ".join(f"{m} {row.get(m + '_ms', float('nan')):.2f} ms" for m in modes))
             except OOM_ERRORS:
@@ -261,7 +262,7 @@ def main() -> int:
     cols = [("batch", "batch", "d"), ("context", "context", "d")]
     for m in modes:
         cols += [(f"{m}_ms", f"{m} ms/step", ".2f"), (f"{m}_tok_s", f"{m} tok/s", ".0f")]
-    cols += [("bitwise_over_fast", "bitwise/fast", ".2f"), ("hbm_bound_ms", "HBM bound ms", ".3f")]
+    cols += [("bitwise_over_fast", "bitwise/fast tok/s", ".2f"), ("hbm_bound_ms", "HBM bound ms", ".3f")]
     cols += [(f"{m}_frac_hbm", f"{m} %HBM", ".1%") for m in modes]
     cols += [("context_build_ms", "host ctx ms", ".2f"), ("skipped", "note", "s"), ("error", "error", "s")]
     print(f"\nDecode step, {'tiny (smoke)' if a.smoke else 'bench'} preset ({cfg.num_hidden_layers} layers) bf16"

@@ -127,7 +127,8 @@ def main() -> int:
                     row[f"{mode}_ms"] = t["median_ms"]
                     row[f"{mode}_tok_s"] = batch * length / (t["median_ms"] * 1e-3)
                 if "bitwise_ms" in row and "fast_ms" in row:
-                    row["bitwise_over_fast"] = row["bitwise_ms"] / row["fast_ms"]
+                    # throughput ratio (bitwise tok/s / fast tok/s): the targets are >= 0.95 decode, >= 0.90 training
+                    row["bitwise_over_fast"] = row["fast_ms"] / row["bitwise_ms"]
                 log.info("prefill %s: %s", row["shape"],
                          ", ".join(f"{m} {row.get(m + '_tok_s', float('nan')):.0f} tok/s" for m in modes))
             except OOM_ERRORS:
@@ -143,7 +144,7 @@ def main() -> int:
     cols = [("shape", "shape", "s"), ("tokens", "tokens", "d")]
     for m in modes:
         cols += [(f"{m}_ms", f"{m} ms", ".1f"), (f"{m}_tok_s", f"{m} tok/s", ".0f")]
-    cols += [("bitwise_over_fast", "bitwise/fast", ".2f"), ("skipped", "note", "s"), ("error", "error", "s")]
+    cols += [("bitwise_over_fast", "bitwise/fast tok/s", ".2f"), ("skipped", "note", "s"), ("error", "error", "s")]
     print(f"\nPrefill, {'tiny (smoke)' if a.smoke else 'bench'} preset ({cfg.num_hidden_layers} layers) bf16"
           + (f", chunks of {a.chunk} tokens" if a.chunk else ", one step per shape"))
     print(table(results, cols))

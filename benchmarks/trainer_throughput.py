@@ -99,7 +99,8 @@ def main() -> int:
                 torch.cuda.reset_peak_memory_stats()
                 empty_cache()
     if "bitwise_fwdbwd_ms" in row and "fast_fwdbwd_ms" in row:
-        row["bitwise_over_fast"] = row["bitwise_fwdbwd_ms"] / row["fast_fwdbwd_ms"]
+        # throughput ratio (bitwise tok/s / fast tok/s): the target is >= 0.90 in training
+        row["bitwise_over_fast"] = row["fast_fwdbwd_ms"] / row["bitwise_fwdbwd_ms"]
 
     rows = [dict(mode=m, fwd_ms=row.get(f"{m}_fwd_ms"), fwdbwd_ms=row.get(f"{m}_fwdbwd_ms"),
                  tok_s=row.get(f"{m}_fwdbwd_tok_s"), peak=row.get(f"{m}_peak_gib"), error=row.get(f"{m}_error"))
@@ -110,7 +111,7 @@ def main() -> int:
     print(table(rows, [("mode", "mode", "s"), ("fwd_ms", "fwd ms", ".0f"), ("fwdbwd_ms", "fwd+bwd ms", ".0f"),
                        ("tok_s", "fwd+bwd tok/s", ".0f"), ("peak", "peak GiB", ".1f"), ("error", "error", "s")]))
     if "bitwise_over_fast" in row:
-        print(f"bitwise / fast (fwd+bwd): {row['bitwise_over_fast']:.2f}x")
+        print(f"bitwise/fast throughput (fwd+bwd tok/s): {row['bitwise_over_fast']:.2f}")
     write_json(a.out or default_out("trainer_throughput" + ("_smoke" if a.smoke else "")),
                {"benchmark": "trainer_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
                 "layers": cfg.num_hidden_layers,
