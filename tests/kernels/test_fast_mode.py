@@ -1,27 +1,27 @@
 """Fast mode ("fast" backends: stock torch kernels, not batch-invariant) of the row-wise ops: each
 runs on the CPU through the normal dispatch and is close to the float64 reference.
 
-The fast backends are registered by the modules of ``zmrl.kernels_batch_invariant.triton`` (next to
-the Triton kernels of the same ops), so these tests need triton importable (not a GPU)."""
+The fast backends are registered by the torch op modules themselves (next to the torch backend), so
+these tests need neither triton nor a GPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from zmrl.kernels_batch_invariant import kernel_mode
+from zmrl.kernels_batch_invariant.dsa_indexer import dsa_index_scores, dsa_topk
 from zmrl.kernels_batch_invariant.fp8 import quantize_fp8, quantize_fp8_ref
 from zmrl.kernels_batch_invariant.glu import situ_glu, situ_glu_ref, swiglu, swiglu_ref
+from zmrl.kernels_batch_invariant.kda import kda_chunk
 from zmrl.kernels_batch_invariant.kda_gate import kda_gate, kda_gate_ref
 from zmrl.kernels_batch_invariant.l2norm import l2_norm, l2_norm_ref
 from zmrl.kernels_batch_invariant.logprob import log_softmax, log_softmax_ref, token_logprobs, token_logprobs_ref
+from zmrl.kernels_batch_invariant.mla_attention import mla_attention, mla_attention_dense
 from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_combine_ref, moe_route, moe_route_ref
 from zmrl.kernels_batch_invariant.norms import (
     layer_norm, layer_norm_ref, rms_norm, rms_norm_gated, rms_norm_gated_ref, rms_norm_ref,
 )
 from zmrl.kernels_batch_invariant.short_conv import causal_short_conv, causal_short_conv_ref
-from zmrl.kernels_batch_invariant.triton import HAS_TRITON
-
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="the fast backends register with the triton package")
 
 # stock fp32 kernels: a few ulp per op, plus reductions over <= 300 elements
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -36,6 +36,26 @@ def _fast(op, *args):
     with kernel_mode("fast"):
         assert op.backend_for(torch.device("cpu")) == "fast"
         return op(*args)
+
+
+def test_fast_backends_registered() -> None:
+    """The torch op modules register the fast backends, so they exist without triton (CPU installs)."""
+    ops = [dsa_index_scores, dsa_topk, quantize_fp8, situ_glu, swiglu, kda_chunk, kda_gate, l2_norm, log_softmax,
+           token_logprobs, mla_attention, mla_attention_dense, moe_combine, moe_route, layer_norm, rms_norm,
+           rms_norm_gated, causal_short_conv]
+    assert [op.name for op in ops if "fast" not in op.impls] == []
+
+
+def test_kda_chunk_fast_falls_back_on_cpu() -> None:
+    # fla-core's chunk_kda is CUDA-only: on the CPU the fast backend is the torch composition, bitwise.
+    t, h, dk, dv = 70, 2, 8, 8
+    q, k, v = _r(t, h, dk, seed=0), _r(t, h, dk, seed=1, scale=0.3), _r(t, h, dv, seed=2)
+    g = -_r(t, h, dk, seed=3).abs() * 0.1
+    beta = torch.sigmoid(_r(t, h, seed=4))
+    cu = torch.tensor([0, 5, 70])
+    got = _fast(kda_chunk, q, k, v, g, beta, cu)
+    ref = kda_chunk.impls["torch"](q, k, v, g, beta, cu)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[2] is None
 
 
 def test_norms_fast() -> None:

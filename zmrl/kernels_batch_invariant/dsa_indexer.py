@@ -121,3 +121,57 @@ def dsa_topk_ref(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> to
         cand.sort()
         out[i, :len(cand)] = torch.tensor(cand, dtype=torch.int64)
     return out
+
+
+# ----------------------------------------------------------------------------- fast (stock) kernels
+# A plain fp32 matmul for the scores and ``torch.topk`` (not tie-stable) for the selection.
+FAST_QUERY_CHUNK = 256
+
+
+@dsa_index_scores.register("fast")
+def dsa_index_scores_fast(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor,
+                          k8_cache: torch.Tensor, k_scale_cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_idx: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """Plain fp32 matmuls per sequence over its gathered keys (not invariant)."""
+    nq, hi, di = q8.shape
+    num_pages, page_size, _ = k8_cache.shape
+    qp = query_pos.to(torch.int64)
+    width = int(qp.max().item()) + 1 if nq else 0
+    out = torch.full((nq, width), float("-inf"), dtype=torch.float32, device=q8.device)
+    flat_k = k8_cache.reshape(num_pages * page_size, di)
+    flat_s = k_scale_cache.reshape(num_pages * page_size)
+    wq = weights.to(torch.float32) * q_scale.to(torch.float32)
+    for n in torch.unique(seq_idx).tolist():
+        idx = (seq_idx == n).nonzero().flatten()
+        w_n = int(qp[idx].max().item()) + 1
+        pos = torch.arange(w_n, dtype=torch.int64, device=q8.device).unsqueeze(0)
+        slots, _ = cache_slots(block_table, seq_idx[idx[:1]], pos, page_size)
+        k = flat_k[slots[0]].to(torch.float32)  # [L, Di]
+        ks = flat_s[slots[0]].to(torch.float32)
+        for c0 in range(0, idx.numel(), FAST_QUERY_CHUNK):
+            ci = idx[c0:c0 + FAST_QUERY_CHUNK]
+            dots = (q8[ci].to(torch.float32).reshape(-1, di) @ k.t()).view(ci.numel(), hi, w_n)
+            sc = (wq[ci].unsqueeze(-1) * dots.clamp_min(0.0)).sum(dim=1) * ks
+            sc = torch.where(pos <= qp[ci].unsqueeze(-1), sc, float("-inf"))
+            out[ci, :w_n] = sc
+    return out
+
+
+@dsa_topk.register("fast")
+def dsa_topk_fast(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """``torch.topk`` (ties broken arbitrarily), then ascending, -1 padded."""
+    nq, width = scores.shape
+    qp = query_pos.to(torch.int64).unsqueeze(-1)
+    cols = torch.arange(width, dtype=torch.int64, device=scores.device).unsqueeze(0)
+    masked = torch.where(cols <= qp, scores.detach(), float("-inf"))
+    if width < topk:
+        masked = torch.cat([masked, masked.new_full((nq, topk - width), float("-inf"))], dim=-1)
+    idx = torch.topk(masked, topk, dim=-1).indices
+    n_cand = torch.clamp(qp + 1, max=width)
+    # Which of the k slots hold a real candidate: the first min(k, n) of the descending order, which
+    # may be any in-range positions (an in-range -inf could tie with out-of-range ones); keep those
+    # in range, up to n of them.
+    valid = idx < n_cand
+    sentinel = torch.iinfo(torch.int64).max
+    asc = torch.sort(torch.where(valid, idx, torch.full_like(idx, sentinel)), dim=-1).values
+    return torch.where(asc == sentinel, torch.full_like(asc, -1), asc)

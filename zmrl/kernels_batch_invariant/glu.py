@@ -12,6 +12,7 @@ IEEE ``* /`` and fp32 ``tanh``/``exp``. Computed in fp32 (fp64 stays fp64), cast
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._dispatch import invariant_op
 from .pointwise import sigmoid, silu
@@ -56,3 +57,22 @@ def situ_glu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """float64 reference for ``situ_glu``."""
     g, u = gate.double(), up.double()
     return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * 25.0 * torch.tanh(u / 25.0)
+
+
+# ----------------------------------------------------------------------------- fast mode (stock kernels)
+# ``F.silu`` / ``torch.tanh``: not invariant, for measuring what bitwise mode costs.
+
+
+@swiglu.register("fast")
+def swiglu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    _check(gate, up, "swiglu")
+    cdt = _cdt(gate.dtype)
+    return (F.silu(gate.to(cdt)) * up.to(cdt)).to(out_dtype or gate.dtype)
+
+
+@situ_glu.register("fast")
+def situ_glu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    _check(gate, up, "situ_glu")
+    cdt = _cdt(gate.dtype)
+    g, u = gate.to(cdt), up.to(cdt)
+    return (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))).to(out_dtype or gate.dtype)

@@ -12,6 +12,7 @@ round differently in the SIMD bulk and the scalar tail of a tensor.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._dispatch import invariant_op
 from .pointwise import sigmoid, softplus
@@ -56,4 +57,22 @@ def kda_gate_ref(
     x = (z.double() + dt_bias.double().reshape(hd)).view(t, num_heads, hd // num_heads)
     if lower_bound is None:
         return -a * torch.nn.functional.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+# ----------------------------------------------------------------------------- fast mode (stock kernels)
+# ``F.softplus`` / ``torch.sigmoid``: not invariant, for measuring what bitwise mode costs.
+
+
+@kda_gate.register("fast")
+def kda_gate_fast(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_heads: int,
+                  lower_bound: float | None = None) -> torch.Tensor:
+    cdt = torch.float64 if z.dtype == torch.float64 else torch.float32
+    t, hd = z.shape
+    if hd % num_heads:
+        raise ValueError(f"kda_gate: {hd} features do not split into {num_heads} heads")
+    a = torch.exp(A_log.reshape(num_heads).to(cdt)).view(1, num_heads, 1)
+    x = (z.to(cdt) + dt_bias.to(cdt).reshape(hd)).view(t, num_heads, hd // num_heads)
+    if lower_bound is None:
+        return -a * F.softplus(x)
     return lower_bound * torch.sigmoid(a * x)

@@ -28,3 +28,12 @@ def l2_norm_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """float64 reference."""
     xd = x.double()
     return xd / torch.sqrt((xd * xd).sum(-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------------------- fast mode (stock kernels)
+
+
+@l2_norm.register("fast")
+def l2_norm_fast(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(out_dtype or x.dtype)

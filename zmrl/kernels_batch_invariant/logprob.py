@@ -86,6 +86,51 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return z - _lse(z)
 
 
+# Shared with the Triton backend (triton/logprob.py) and the fast backend below.
+
+
+def _scales(temperature: float) -> bool:
+    return temperature > 0 and temperature != 1.0
+
+
+def _check_token_ids(logits: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """The torch op's argument checks, in its order and with its messages."""
+    v = logits.shape[-1]
+    if token_ids.shape != logits.shape[:-1]:
+        raise ValueError(f"token_ids {tuple(token_ids.shape)} must match logits {tuple(logits.shape)}[:-1]")
+    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    if token_ids.numel() > 0:
+        bad = (token_ids < 0) | (token_ids >= v)
+        if bool(bad.any()):
+            pos = bad.reshape(-1).nonzero()[0, 0].item()
+            raise ValueError(
+                f"token id {int(token_ids.reshape(-1)[pos])} at position {pos} is outside the vocabulary [0, {v})"
+            )
+
+
+# ----------------------------------------------------------------------------- fast mode (stock kernels)
+
+
+def _fast_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    _check_temperature(temperature)
+    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    return z / temperature if _scales(temperature) else z
+
+
+@token_logprobs.register("fast")
+def token_logprobs_fast(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Stock ``torch.log_softmax`` + gather (no finiteness check: fast mode skips the host sync)."""
+    _check_token_ids(logits, token_ids)
+    ls = torch.log_softmax(_fast_scaled(logits, temperature), dim=-1)
+    return ls.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+
+
+@log_softmax.register("fast")
+def log_softmax_fast(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    return torch.log_softmax(_fast_scaled(logits, temperature), dim=-1)
+
+
 # ----------------------------------------------------------------------------- float64 references
 
 

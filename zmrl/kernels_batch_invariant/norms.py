@@ -17,6 +17,7 @@ The fixed evaluation order, which a Triton backend must reproduce bit for bit, i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._dispatch import invariant_op
 from .pointwise import sigmoid
@@ -86,6 +87,34 @@ def rms_norm_gated(
     """
     y = _rms_norm_f32(x, weight, eps)
     return (y * sigmoid(gate.to(y.dtype))).to(out_dtype or x.dtype)
+
+
+# ----------------------------------------------------------------------------- fast mode (stock kernels)
+
+
+@rms_norm.register("fast")
+def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    cdt = _cdt(x.dtype)
+    w = None if weight is None else weight.to(cdt)
+    return F.rms_norm(x.to(cdt), (x.shape[-1],), w, eps).to(out_dtype or x.dtype)
+
+
+@layer_norm.register("fast")
+def layer_norm_fast(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    cdt = _cdt(x.dtype)
+    w = None if weight is None else weight.to(cdt)
+    b = None if bias is None else bias.to(cdt)
+    return F.layer_norm(x.to(cdt), (x.shape[-1],), w, b, eps).to(out_dtype or x.dtype)
+
+
+@rms_norm_gated.register("fast")
+def rms_norm_gated_fast(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    cdt = _cdt(x.dtype)
+    y = F.rms_norm(x.to(cdt), (x.shape[-1],), weight.to(cdt), eps)
+    return (y * torch.sigmoid(gate.to(cdt))).to(out_dtype or x.dtype)
 
 
 # ----------------------------------------------------------------------------- float64 references

@@ -8,6 +8,7 @@ first), which makes "one shot" and "in pieces, carrying the state" bitwise ident
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._dispatch import invariant_op
 from .pointwise import silu
@@ -99,3 +100,50 @@ def causal_short_conv_ref(
         ys.append(y)
         states.append(ext[ext.shape[0] - (w - 1) :])
     return torch.cat(ys, dim=0), torch.stack(states, dim=0)
+
+
+# ----------------------------------------------------------------------------- fast mode (stock kernels)
+
+
+def _device_window_index(cu: torch.Tensor, total: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``short_conv._window_index`` computed on the tensors' device (no host sync): rows of
+    ``cat([x, state.flatten(0, 1)])`` of each token's window [T, W] and each sequence's next state [N, W-1]."""
+    n = cu.numel() - 1
+    dev = cu.device
+    seq = torch.searchsorted(cu[1:], torch.arange(total, device=dev), right=True)
+    start = cu[:-1]
+    offs = torch.arange(w, device=dev) - (w - 1)
+
+    def resolve(s: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return torch.where(q >= 0, start[s] + q, total + s * (w - 1) + (w - 1) + q)
+
+    local = torch.arange(total, device=dev) - start[seq]
+    win = resolve(seq[:, None], local[:, None] + offs[None, :])
+    seqs = torch.arange(n, device=dev)[:, None]
+    last = resolve(seqs, (cu[1:] - start)[:, None] - 1 + offs[None, 1:])
+    return win, last
+
+
+@causal_short_conv.register("fast")
+def causal_short_conv_fast(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock kernels: gather each token's window, contract it with the weights (einsum), F.silu."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_short_conv: unsupported activation {activation!r}")
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    t, c = x.shape
+    w = weight.shape[-1]
+    n = cu_seqlens.numel() - 1
+    if conv_state is None:
+        conv_state = x.new_zeros(n, w - 1, c)
+    src = torch.cat([x.to(cdt), conv_state.to(cdt).reshape(n * (w - 1), c)], dim=0)
+    win, last = _device_window_index(cu_seqlens.to(device=x.device, dtype=torch.int64), t, w)
+    y = torch.einsum("twc,cw->tc", src[win], weight.to(cdt).reshape(c, w))
+    if activation == "silu":
+        y = F.silu(y)
+    return y.to(x.dtype), src[last].to(x.dtype)

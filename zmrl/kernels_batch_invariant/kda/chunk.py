@@ -29,7 +29,10 @@ inputs are fp64, for gradcheck).
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -37,6 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from .._dispatch import invariant_op
 from ..matmul import bmm_fixed
 from ..reduce import tree_sum
+
+log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 64
 # Under autograd, recompute the intra-chunk part in backward instead of keeping its per-row
@@ -276,3 +281,99 @@ def kda_chunk(
         chunk_states = _permute_back(st_parts, st_ids) if st_parts else s_cur.new_zeros(0, h, dk, dv)
         assert chunk_states.shape[0] == n_complete_total
     return o.to(v.dtype), s_cur, chunk_states
+
+
+# --------------------------------------------------------------------------------------- fast backend
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_chunk_kda() -> Callable[..., Any] | None:
+    """fla-core's ``chunk_kda`` when importable (imported lazily: importing fla is slow and needs
+    a GPU-capable triton)."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as exc:  # ImportError, or fla failing to initialise its backends
+        log.info("fla-core chunk_kda unavailable (%s): kda_chunk 'fast' falls back to the bitwise path", exc)
+        return None
+    return chunk_kda
+
+
+def _fallback(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The bitwise path for what the fast path cannot do: Triton on CUDA, else the torch composition."""
+    q = args[0]
+    # The Triton impl registers itself only where triton is importable (kernels_batch_invariant/triton).
+    impl = kda_chunk.impls.get("triton") if q.device.type == "cuda" else None
+    return (impl or kda_chunk.impls["torch"])(*args, **kwargs)
+
+
+@kda_chunk.register("fast")
+def kda_chunk_fast(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_chunk_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """fla-core ``chunk_kda`` (not batch-invariant; for measuring what bitwise mode costs).
+
+    Semantics kept: outputs for every token, and ``final_state`` = the state after each sequence's
+    last COMPLETE chunk (what the engine stores; it re-feeds the trailing partial chunk as pending
+    rows on the next call). fla's own final state runs through the partial chunk too, so each
+    sequence is split in two fla calls: its complete-chunk prefix (giving the boundary state in
+    fp32), then its tail (< 64 rows) started from that state. Differences from the bitwise path:
+
+    * the arithmetic differs (fla stores A and per-chunk states in bf16, and its intra-chunk
+      solve is not row-invariant), so a decode re-run of a partial chunk does not reproduce the
+      prefill rows bitwise — fast mode gives up the zero-mismatch contract by design;
+    * ``output_chunk_states=True`` (prefix-cache snapshots) is delegated to the bitwise path: fla
+      exposes per-chunk states only in bf16 and only under ``inference_mode``;
+    * q, k, v, beta are cast to one dtype (v's when bf16/fp16, else fp32) for fla's tl.dot; g
+      stays fp32.
+
+    Falls back to the bitwise path (Triton on CUDA, torch elsewhere) when fla-core is missing, on
+    CPU tensors, and for fp64 inputs.
+    """
+    args = (q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
+    if q.device.type != "cuda" or q.dtype == torch.float64 or output_chunk_states:
+        return _fallback(*args)
+    chunk_kda = _fla_chunk_kda()
+    if chunk_kda is None:
+        return _fallback(*args)
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    n = cu_seqlens.numel() - 1
+    dev = q.device
+    c = CHUNK_SIZE
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    full = [n_ // c * c for n_ in lens]
+    dt = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    qx, kx, vx, bx = (x.to(dt) for x in (q, k, v, beta))
+    gx = g.to(torch.float32)
+    h0 = (torch.zeros(n, h, dk, dv, dtype=torch.float32, device=dev) if initial_state is None
+          else initial_state.to(torch.float32))
+    o = v.new_empty(t, h, dv)
+
+    def run(seqs: list[int], spans: list[tuple[int, int]], init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(dev)
+        seg_cu = torch.tensor([0] + [b - a for a, b in spans], dtype=torch.int64).cumsum(0)
+        out, st = chunk_kda(qx[idx][None], kx[idx][None], vx[idx][None], gx[idx][None], bx[idx][None],
+                            scale=scale, initial_state=init.contiguous(), output_final_state=True,
+                            cu_seqlens=seg_cu.to(dev), cu_seqlens_cpu=seg_cu)
+        return idx, out[0], st
+
+    final = h0
+    pre = [s for s in range(n) if full[s] > 0]
+    if pre:
+        idx, out, st = run(pre, [(cu[s], cu[s] + full[s]) for s in pre], h0[pre])
+        o = o.index_copy(0, idx, out.to(o.dtype))
+        final = final.index_copy(0, torch.tensor(pre, device=dev), st)
+    tail = [s for s in range(n) if lens[s] > full[s]]
+    if tail:
+        idx, out, _ = run(tail, [(cu[s] + full[s], cu[s + 1]) for s in tail], final[tail])
+        o = o.index_copy(0, idx, out.to(o.dtype))
+    return o, final, None

@@ -1,4 +1,5 @@
-"""Triton block-scaled FP8 (e4m3fn) quantisation, plus its fast-mode backend.
+"""Triton block-scaled FP8 (e4m3fn) quantisation (the fast-mode backend is in
+``fp8.py``).
 
 One program per (row, quantisation block): ``amax`` (exact), ``s = max(amax, 1e-4) / 448`` and
 ``x / s`` are correctly rounded divisions (``div_rn``), the quotient is clamped to [-448, 448] and
@@ -74,12 +75,3 @@ def quantize_fp8_triton(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
         _quantize_fp8_kernel[(r, nb)](x2, x8.view(torch.uint8), scale, d, QBLOCK=block,
                                       BLOCK_P2=next_pow2(block), num_warps=4 if block <= 512 else 8)
     return x8, scale
-
-
-@quantize_fp8.register("fast")
-def quantize_fp8_fast(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same format with stock kernels (multiply by the reciprocal scale; may differ in the last code)."""
-    xb = _ops._blocks(x.detach().to(torch.float32), block)
-    scale = torch.clamp_min(xb.abs().amax(dim=-1), _ops.FP8_AMAX_FLOOR) / _ops.FP8_MAX
-    y = (xb * scale.reciprocal().unsqueeze(-1)).clamp(-_ops.FP8_MAX, _ops.FP8_MAX)
-    return y.to(_ops.FP8_DTYPE).reshape(x.shape), scale

@@ -1,4 +1,4 @@
-"""Triton SwiGLU / SiTU-GLU (elementwise), plus fast-mode backends (``F.silu`` / ``torch.tanh``).
+"""Triton SwiGLU / SiTU-GLU (elementwise); fast-mode backends are in ``glu.py``.
 
 Elementwise: every element runs the same instruction sequence wherever it sits, so the result is
 row-invariant by construction; tiles are fixed (``ELEMENTWISE_BLOCK``) over the flattened tensor.
@@ -8,7 +8,6 @@ Backward: the torch composition under autograd (``with_reference_backward``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -59,22 +58,3 @@ def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype
     if compute_in_fp64(gate, up):
         return situ_glu.impls["torch"](gate, up, out_dtype)
     return _launch(gate, up, out_dtype, situ=True)
-
-
-def _cdt(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-@swiglu.register("fast")
-def swiglu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    _ops._check(gate, up, "swiglu")
-    cdt = _cdt(gate.dtype)
-    return (F.silu(gate.to(cdt)) * up.to(cdt)).to(out_dtype or gate.dtype)
-
-
-@situ_glu.register("fast")
-def situ_glu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    _ops._check(gate, up, "situ_glu")
-    cdt = _cdt(gate.dtype)
-    g, u = gate.to(cdt), up.to(cdt)
-    return (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))).to(out_dtype or gate.dtype)

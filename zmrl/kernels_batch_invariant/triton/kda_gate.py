@@ -1,4 +1,4 @@
-"""Triton KDA forget gate (elementwise), plus its fast-mode backend (``F.softplus`` / ``torch.sigmoid``).
+"""Triton KDA forget gate (elementwise); fast-mode backend in ``kda_gate.py``.
 
 ``g = -exp(A_log[h]) * softplus(z + dt_bias)`` or ``g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias))``:
 every element is a function of its own ``z`` and the per-head parameters, computed by the same
@@ -8,7 +8,6 @@ construction. Backward: the torch composition under autograd (``with_reference_b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -55,17 +54,3 @@ def kda_gate_triton(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
             zc, a, b, g, n, hd, dk, float(lower_bound if lower_bound is not None else 0.0),
             LOWER=lower_bound is not None, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS)
     return g
-
-
-@kda_gate.register("fast")
-def kda_gate_fast(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_heads: int,
-                  lower_bound: float | None = None) -> torch.Tensor:
-    cdt = torch.float64 if z.dtype == torch.float64 else torch.float32
-    t, hd = z.shape
-    if hd % num_heads:
-        raise ValueError(f"kda_gate: {hd} features do not split into {num_heads} heads")
-    a = torch.exp(A_log.reshape(num_heads).to(cdt)).view(1, num_heads, 1)
-    x = (z.to(cdt) + dt_bias.to(cdt).reshape(hd)).view(t, num_heads, hd // num_heads)
-    if lower_bound is None:
-        return -a * F.softplus(x)
-    return lower_bound * torch.sigmoid(a * x)

@@ -1,4 +1,4 @@
-"""Triton L2 normalisation over the last dim (KDA's q/k per-head norm), plus its fast-mode backend.
+"""Triton L2 normalisation over the last dim (KDA's q/k per-head norm); fast mode: ``l2norm.py``.
 
 One program per row, column blocks of a fixed width (from the head dim only) in ascending order, an
 fp32 vector accumulator and one ``tl.sum``: a row's bits depend on the row alone. Order as the torch
@@ -47,9 +47,3 @@ def l2_norm_triton(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | 
         block = row_block(d)
         _l2_norm_kernel[(x2.shape[0],)](x2, y, d, float(eps), BLOCK=block, num_warps=row_warps(block))
     return y.reshape(x.shape)
-
-
-@l2_norm.register("fast")
-def l2_norm_fast(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    xf = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(out_dtype or x.dtype)

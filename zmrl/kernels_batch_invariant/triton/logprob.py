@@ -1,4 +1,5 @@
-"""Triton token log-probs and log-softmax of temperature-scaled logits, plus fast-mode backends.
+"""Triton token log-probs and log-softmax of temperature-scaled logits (fast mode:
+``logprob.py``).
 
 One program per row. The row is read in column blocks of a fixed width (``row_block(V)``: a function of
 the vocabulary size only) in ascending order, with an online max/sum kept per lane of the block
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import logprob as _ops
+from ..logprob import _check_token_ids, _scales
 from ._common import row_block, row_warps
 
 token_logprobs = _ops.token_logprobs
@@ -75,10 +77,6 @@ def _logprob_kernel(x_ptr, tok_ptr, lp_ptr, ls_ptr, lse_ptr, bad_ptr, V, stride_
             tl.store(ls_ptr + row * V + c, z - lse, mask=msk)
 
 
-def _scales(temperature: float) -> bool:
-    return temperature > 0 and temperature != 1.0
-
-
 def _raise_if_nonfinite(bad: torch.Tensor, lead_shape: torch.Size, temperature: float) -> None:
     """The torch op's error for non-finite scaled logits, naming the first bad row."""
     if bad.numel() == 0 or not bool(bad.any()):
@@ -113,22 +111,6 @@ def _launch(logits: torch.Tensor, token_ids: torch.Tensor | None, temperature: f
                               BLOCK=block, num_warps=row_warps(block))
     _raise_if_nonfinite(bad, logits.shape[:-1], temperature)
     return lp, ls, lse
-
-
-def _check_token_ids(logits: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """The torch op's argument checks, in its order and with its messages."""
-    v = logits.shape[-1]
-    if token_ids.shape != logits.shape[:-1]:
-        raise ValueError(f"token_ids {tuple(token_ids.shape)} must match logits {tuple(logits.shape)}[:-1]")
-    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
-    if token_ids.numel() > 0:
-        bad = (token_ids < 0) | (token_ids >= v)
-        if bool(bad.any()):
-            pos = bad.reshape(-1).nonzero()[0, 0].item()
-            raise ValueError(
-                f"token id {int(token_ids.reshape(-1)[pos])} at position {pos} is outside the vocabulary [0, {v})"
-            )
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -194,25 +176,3 @@ def log_softmax_triton(logits: torch.Tensor, temperature: float = 1.0) -> torch.
         return _LogSoftmax.apply(logits, temperature)
     _, ls, _ = _launch(logits, None, temperature, write_all=True)
     return ls.reshape(logits.shape)
-
-
-# ----------------------------------------------------------------------------- fast mode (stock kernels)
-
-
-def _fast_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    _ops._check_temperature(temperature)
-    z = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-    return z / temperature if _scales(temperature) else z
-
-
-@token_logprobs.register("fast")
-def token_logprobs_fast(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Stock ``torch.log_softmax`` + gather (no finiteness check: fast mode skips the host sync)."""
-    _check_token_ids(logits, token_ids)
-    ls = torch.log_softmax(_fast_scaled(logits, temperature), dim=-1)
-    return ls.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
-
-
-@log_softmax.register("fast")
-def log_softmax_fast(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    return torch.log_softmax(_fast_scaled(logits, temperature), dim=-1)

@@ -41,7 +41,8 @@ training sequences. The cache gradient is summed per slot deterministically (sor
 atomics), so the backward is run-to-run deterministic; it is not batch-invariant (DESIGN §2 asks
 correctness of the backward, and determinism where cheap).
 
-Fast mode: stock ``F.scaled_dot_product_attention`` over gathered keys (not invariant).
+Fast mode (in ``mla_attention.py``): stock ``F.scaled_dot_product_attention`` over gathered keys (not
+invariant).
 """
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -480,70 +480,3 @@ def mla_attention_dense_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache
                                   softmax_scale, kv_lora_rank)
     return _mla_forward(q_lat, q_pe, kv_cache, block_table, seq_idx, None, query_pos,
                         softmax_scale, kv_lora_rank)
-
-
-# ----------------------------------------------------------------------------- fast (stock) kernels
-FAST_QUERY_CHUNK = 256
-
-
-def _sdpa_dtype(kv: torch.Tensor) -> torch.dtype:
-    return kv.dtype if kv.dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, M, D], k [B, L, D], v [B, L, Dc], mask [B, M, L] bool -> fp32 [B, M, Dc]; rows without keys -> 0."""
-    o = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
-                                       attn_mask=mask.unsqueeze(1), scale=scale).squeeze(1)
-    return torch.where(mask.any(dim=-1, keepdim=True), o.float(), 0.0)
-
-
-@mla_attention.register("fast")
-def mla_attention_fast(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                       block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
-                       softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Masked SDPA over each query's gathered key list (heads as the SDPA query rows: MQA)."""
-    _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
-    num_pages, page_size, d = kv_cache.shape
-    flat = kv_cache.reshape(num_pages * page_size, d)
-    dt = _sdpa_dtype(kv_cache)
-    outs = []
-    for c0 in range(0, q_lat.shape[0], FAST_QUERY_CHUNK):
-        sl = slice(c0, c0 + FAST_QUERY_CHUNK)
-        slots, valid = cache_slots(block_table, seq_idx[sl], key_positions[sl].to(torch.int64), page_size)
-        k = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, d).to(dt)
-        k = torch.where(valid.unsqueeze(-1), k, torch.zeros((), dtype=dt, device=k.device))
-        q = torch.cat([q_lat[sl], q_pe[sl]], dim=-1).to(dt)
-        mask = valid.unsqueeze(1).expand(-1, q.shape[1], -1)
-        outs.append(_sdpa(q, k, k[..., :kv_lora_rank], mask, softmax_scale))
-    if not outs:
-        return q_lat.new_zeros(q_lat.shape, dtype=torch.float32)
-    return torch.cat(outs, dim=0)
-
-
-@mla_attention_dense.register("fast")
-def mla_attention_dense_fast(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                             block_table: torch.Tensor, seq_idx: torch.Tensor, query_pos: torch.Tensor,
-                             softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Per sequence: gather its latents 0..max(query_pos) once and run causal-masked SDPA with the
-    (query, head) pairs as query rows."""
-    _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
-    nq, h, dc = q_lat.shape
-    num_pages, page_size, d = kv_cache.shape
-    flat = kv_cache.reshape(num_pages * page_size, d)
-    dt = _sdpa_dtype(kv_cache)
-    out = torch.zeros((nq, h, dc), dtype=torch.float32, device=q_lat.device)
-    qp = query_pos.to(torch.int64)
-    for n in torch.unique(seq_idx).tolist():
-        idx = (seq_idx == n).nonzero().flatten()
-        qpn = qp[idx]
-        width = int(qpn.max().item()) + 1
-        pos = torch.arange(width, dtype=torch.int64, device=q_lat.device).unsqueeze(0)
-        slots, _ = cache_slots(block_table, seq_idx[idx[:1]], pos, page_size)
-        k = flat.index_select(0, slots.reshape(-1)).to(dt).unsqueeze(0)  # [1, L, D]
-        for c0 in range(0, idx.numel(), FAST_QUERY_CHUNK):
-            ci = idx[c0:c0 + FAST_QUERY_CHUNK]
-            q = torch.cat([q_lat[ci], q_pe[ci]], dim=-1).to(dt).reshape(1, -1, d)  # [1, G*H, D]
-            mask = (pos <= qp[ci].unsqueeze(-1)).repeat_interleave(h, dim=0).unsqueeze(0)  # [1, G*H, L]
-            o = _sdpa(q, k, k[..., :dc], mask, softmax_scale)
-            out[ci] = o.view(-1, h, dc)
-    return out

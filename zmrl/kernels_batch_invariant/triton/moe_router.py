@@ -1,5 +1,5 @@
 """Triton MoE routing (noaux_tc: sigmoid, selection bias, group-limited exact top-k) and the fixed-order
-combine of the selected experts' outputs, plus fast-mode backends.
+combine of the selected experts' outputs (fast-mode backends: ``moe_router.py``).
 
 ``moe_route``: the router logits come from the ``linear`` op (the invariant GEMM; its Triton backend on
 CUDA), then one program per token does the rest on the token's E scores, held in one block of
@@ -208,53 +208,3 @@ def moe_combine_triton(
     if torch.is_grad_enabled() and (expert_outputs.requires_grad or weights.requires_grad):
         return _Combine.apply(expert_outputs, weights, od)
     return _combine_launch(expert_outputs, weights, od)
-
-
-# ----------------------------------------------------------------------------- fast mode (stock kernels)
-
-
-@moe_route.register("fast")
-def moe_route_fast(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    correction_bias: torch.Tensor | None,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-) -> RouterOutput:
-    """Stock ``torch.topk`` (ties broken arbitrarily) and ``torch.sigmoid``; same output contract."""
-    if x.dim() != 2:
-        raise ValueError(f"moe_route: x must be [T, D], got {tuple(x.shape)}")
-    n_experts = gate_weight.shape[0]
-    _ops._check_route_args(n_experts, top_k, n_group, topk_group)
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    s = torch.sigmoid(linear(x.to(cdt), gate_weight.to(cdt), out_dtype=cdt))
-    sb = s.detach() if correction_bias is None else s.detach() + correction_bias.to(cdt)
-    if n_group > 1:
-        t = sb.shape[0]
-        grouped = sb.view(t, n_group, n_experts // n_group)
-        k2 = min(2, grouped.shape[-1])
-        group_score = grouped.topk(k2, dim=-1).values.sum(-1)
-        kept = group_score.topk(topk_group, dim=-1).indices
-        keep = torch.zeros(t, n_group, dtype=torch.bool, device=sb.device).scatter_(1, kept, True)
-        sb = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, n_experts)
-    ids = sb.topk(top_k, dim=-1).indices.sort(dim=-1).values
-    w = s.gather(1, ids)
-    if norm_topk_prob:
-        w = w / w.sum(-1, keepdim=True)
-    return RouterOutput(expert_ids=ids, weights=w * routed_scaling_factor)
-
-
-@moe_combine.register("fast")
-def moe_combine_fast(
-    expert_outputs: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """One batched matmul: ``weights[:, None, :] @ expert_outputs`` in fp32."""
-    t, k, d = expert_outputs.shape
-    if weights.shape != (t, k):
-        raise ValueError(f"moe_combine: weights {tuple(weights.shape)} do not match outputs {(t, k, d)}")
-    cdt = torch.float64 if expert_outputs.dtype == torch.float64 else torch.float32
-    y = torch.bmm(weights.to(cdt)[:, None, :], expert_outputs.to(cdt))[:, 0]
-    return y.to(out_dtype or expert_outputs.dtype)

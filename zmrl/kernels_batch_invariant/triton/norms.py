@@ -1,4 +1,4 @@
-"""Triton RMSNorm / LayerNorm / gated RMSNorm (KDA output norm), plus their fast-mode backends.
+"""Triton RMSNorm / LayerNorm / gated RMSNorm (KDA output norm); fast mode: ``norms.py``.
 
 One program per row; the row is read in column blocks of a fixed width (``row_block(D)``, a function of
 the model width only) in ascending order, squares/deviations are accumulated elementwise into an fp32
@@ -12,7 +12,6 @@ Backward: the torch composition, differentiated under autograd (``with_reference
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -143,35 +142,3 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
             x2, w if w is not None else x2, b if b is not None else x2, y, d, float(eps),
             HAS_W=w is not None, HAS_B=b is not None, BLOCK=block, num_warps=row_warps(block))
     return y.reshape(x.shape)
-
-
-# ----------------------------------------------------------------------------- fast mode (stock kernels)
-
-
-def _cdt(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-@rms_norm.register("fast")
-def rms_norm_fast(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    cdt = _cdt(x.dtype)
-    w = None if weight is None else weight.to(cdt)
-    return F.rms_norm(x.to(cdt), (x.shape[-1],), w, eps).to(out_dtype or x.dtype)
-
-
-@layer_norm.register("fast")
-def layer_norm_fast(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    cdt = _cdt(x.dtype)
-    w = None if weight is None else weight.to(cdt)
-    b = None if bias is None else bias.to(cdt)
-    return F.layer_norm(x.to(cdt), (x.shape[-1],), w, b, eps).to(out_dtype or x.dtype)
-
-
-@rms_norm_gated.register("fast")
-def rms_norm_gated_fast(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    cdt = _cdt(x.dtype)
-    y = F.rms_norm(x.to(cdt), (x.shape[-1],), weight.to(cdt), eps)
-    return (y * torch.sigmoid(gate.to(cdt))).to(out_dtype or x.dtype)

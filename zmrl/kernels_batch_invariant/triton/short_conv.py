@@ -1,5 +1,5 @@
 """Triton depthwise causal short convolution over packed varlen sequences (KDA's q/k/v ShortConv),
-with the decode state in and out, plus its fast-mode backend.
+with the decode state in and out (the fast-mode backend is in ``short_conv.py``).
 
 One program per (token, channel block): the token's sequence comes from ``cu_seqlens`` (a device-side
 ``searchsorted``, no host sync), and its output is ``sum_i w[:, i] * x_{t-W+1+i}`` accumulated in fp32 in
@@ -12,7 +12,6 @@ Backward: the torch composition under autograd (``with_reference_backward``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -108,47 +107,3 @@ def causal_short_conv_triton(
         _conv_state_kernel[(n, cdiv(c, block))](
             xc, st, cu, new_state, c, W=w, HAS_STATE=conv_state is not None, BLOCK_C=block, num_warps=4)
     return y, new_state
-
-
-def _device_window_index(cu: torch.Tensor, total: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``short_conv._window_index`` computed on the tensors' device (no host sync): rows of
-    ``cat([x, state.flatten(0, 1)])`` of each token's window [T, W] and each sequence's next state [N, W-1]."""
-    n = cu.numel() - 1
-    dev = cu.device
-    seq = torch.searchsorted(cu[1:], torch.arange(total, device=dev), right=True)
-    start = cu[:-1]
-    offs = torch.arange(w, device=dev) - (w - 1)
-
-    def resolve(s: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        return torch.where(q >= 0, start[s] + q, total + s * (w - 1) + (w - 1) + q)
-
-    local = torch.arange(total, device=dev) - start[seq]
-    win = resolve(seq[:, None], local[:, None] + offs[None, :])
-    seqs = torch.arange(n, device=dev)[:, None]
-    last = resolve(seqs, (cu[1:] - start)[:, None] - 1 + offs[None, 1:])
-    return win, last
-
-
-@causal_short_conv.register("fast")
-def causal_short_conv_fast(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    conv_state: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stock kernels: gather each token's window, contract it with the weights (einsum), F.silu."""
-    if activation not in (None, "silu"):
-        raise ValueError(f"causal_short_conv: unsupported activation {activation!r}")
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    t, c = x.shape
-    w = weight.shape[-1]
-    n = cu_seqlens.numel() - 1
-    if conv_state is None:
-        conv_state = x.new_zeros(n, w - 1, c)
-    src = torch.cat([x.to(cdt), conv_state.to(cdt).reshape(n * (w - 1), c)], dim=0)
-    win, last = _device_window_index(cu_seqlens.to(device=x.device, dtype=torch.int64), t, w)
-    y = torch.einsum("twc,cw->tc", src[win], weight.to(cdt).reshape(c, w))
-    if activation == "silu":
-        y = F.silu(y)
-    return y.to(x.dtype), src[last].to(x.dtype)
