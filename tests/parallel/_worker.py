@@ -5,7 +5,8 @@ has that many GPUs, else CPU over gloo); each initialises the process group once
 for every layout in turn, builds the tiny model (same seed, LoRA with a non-zero B), shards it for
 that layout, runs engine rollouts (chunked prefill, prefix-cache hits, several requests in flight)
 and the trainer's packed recompute of the same sequences, and optionally one backward. Rank 0 writes
-``{layout name: result}`` to ``out`` with torch.save; the test compares layouts.
+``{layout name: result}`` to ``out`` (plain dicts of tensors and numbers, read back with
+``weights_only=True``: nothing is unpickled); the test compares layouts.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import logging
 import os
 import socket
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch
@@ -178,7 +179,7 @@ def _main(rank: int, world: int, port: int, layouts: list[Layout], out: str, cud
         for layout in layouts:
             results[layout.name] = run_layout(layout, device)
         if rank == 0:
-            torch.save(results, out)
+            torch.save({name: asdict(r) for name, r in results.items()}, out)
     except Exception:
         traceback.print_exc()
         raise
@@ -191,4 +192,4 @@ def launch(world: int, layouts: list[Layout], out: str) -> dict[str, Result]:
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     logging.getLogger(__name__).info("parallel test: world %d on %s", world, "CUDA/NCCL" if cuda else "CPU/gloo")
     mp.spawn(_main, args=(world, free_port(), layouts, out, cuda), nprocs=world, join=True)
-    return torch.load(out, weights_only=False)
+    return {name: Result(**fields) for name, fields in torch.load(out, weights_only=True).items()}
