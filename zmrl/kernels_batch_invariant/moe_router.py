@@ -40,6 +40,16 @@ def _cdt(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _check_route_inputs(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, n_group: int,
+                        topk_group: int) -> int:
+    """Validate a ``moe_route`` call (every backend); returns the number of experts."""
+    if x.dim() != 2:
+        raise ValueError(f"moe_route: x must be [T, D], got {tuple(x.shape)}")
+    n_experts = gate_weight.shape[0]
+    _check_route_args(n_experts, top_k, n_group, topk_group)
+    return n_experts
+
+
 def _check_route_args(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
     if n_group < 1 or n_experts % n_group != 0:
         raise ValueError(f"moe_route: {n_experts} experts cannot be split into n_group={n_group} groups")
@@ -75,10 +85,7 @@ def moe_route(
     Returns RouterOutput(expert_ids [T, top_k] int64 ascending, weights [T, top_k] fp32).
     The weights are differentiable w.r.t. x and gate_weight (through s); selection is not.
     """
-    if x.dim() != 2:
-        raise ValueError(f"moe_route: x must be [T, D], got {tuple(x.shape)}")
-    n_experts = gate_weight.shape[0]
-    _check_route_args(n_experts, top_k, n_group, topk_group)
+    n_experts = _check_route_inputs(x, gate_weight, top_k, n_group, topk_group)
     cdt = _cdt(x.dtype)
     logits = linear(x.to(cdt), gate_weight.to(cdt), out_dtype=cdt)  # [T, E]
     s = sigmoid(logits)
@@ -138,10 +145,7 @@ def moe_route_fast(
     routed_scaling_factor: float,
 ) -> RouterOutput:
     """Stock ``torch.topk`` (ties broken arbitrarily) and ``torch.sigmoid``; same output contract."""
-    if x.dim() != 2:
-        raise ValueError(f"moe_route: x must be [T, D], got {tuple(x.shape)}")
-    n_experts = gate_weight.shape[0]
-    _check_route_args(n_experts, top_k, n_group, topk_group)
+    n_experts = _check_route_inputs(x, gate_weight, top_k, n_group, topk_group)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     s = torch.sigmoid(linear(x.to(cdt), gate_weight.to(cdt), out_dtype=cdt))
     sb = s.detach() if correction_bias is None else s.detach() + correction_bias.to(cdt)

@@ -136,10 +136,7 @@ def moe_route_triton(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
 ) -> RouterOutput:
-    if x.dim() != 2:
-        raise ValueError(f"moe_route: x must be [T, D], got {tuple(x.shape)}")
-    n_experts = gate_weight.shape[0]
-    _ops._check_route_args(n_experts, top_k, n_group, topk_group)
+    n_experts = _ops._check_route_inputs(x, gate_weight, top_k, n_group, topk_group)
     if x.dtype == torch.float64:  # gradchecks only: the torch backend computes in fp64
         return moe_route.impls["torch"](x, gate_weight, correction_bias, top_k, n_group, topk_group,
                                         norm_topk_prob, routed_scaling_factor)
