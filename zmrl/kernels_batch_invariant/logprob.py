@@ -62,18 +62,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     Returns [T] fp32 (fp64 for fp64 logits). Raises ValueError for ids outside [0, V), NaN/Inf
     logits, or a negative temperature.
     """
-    v = logits.shape[-1]
-    if token_ids.shape != logits.shape[:-1]:
-        raise ValueError(f"token_ids {tuple(token_ids.shape)} must match logits {tuple(logits.shape)}[:-1]")
-    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
-    if token_ids.numel() > 0:
-        bad = (token_ids < 0) | (token_ids >= v)
-        if bool(bad.any()):
-            pos = bad.reshape(-1).nonzero()[0, 0].item()
-            raise ValueError(
-                f"token id {int(token_ids.reshape(-1)[pos])} at position {pos} is outside the vocabulary [0, {v})"
-            )
+    _check_token_ids(logits, token_ids)
     z = _scaled_logits(logits, temperature)
     picked = z.gather(-1, token_ids.long().unsqueeze(-1))
     return (picked - _lse(z)).squeeze(-1)
@@ -94,7 +83,7 @@ def _scales(temperature: float) -> bool:
 
 
 def _check_token_ids(logits: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """The torch op's argument checks, in its order and with its messages."""
+    """Argument checks of every ``token_logprobs`` backend (one order, one set of messages)."""
     v = logits.shape[-1]
     if token_ids.shape != logits.shape[:-1]:
         raise ValueError(f"token_ids {tuple(token_ids.shape)} must match logits {tuple(logits.shape)}[:-1]")
