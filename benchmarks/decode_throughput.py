@@ -1,12 +1,17 @@
 """Decode throughput of the bench preset (bf16, H200): bitwise vs fast kernels, side by side.
 
     python benchmarks/decode_throughput.py [--batches 1,16,64,256] [--contexts 1024,8192,32768]
-        [--layers 16] [--modes bitwise,fast] [--iters 5] [--profile-ctx 8192] [--out FILE.json]
+        [--layers 16] [--modes bitwise,graph,fast] [--iters 5] [--profile-ctx 8192] [--out FILE.json]
 
-What is timed: one decode step of the model as the engine runs it (``forward_incremental``: the
-batch context with block tables, the forward over one new token per sequence, the fp32 logits of
-those tokens), CUDA events, median of ``--iters`` steps after ``--warmup`` steps. Sampling is not
-included.
+What is timed: one decode step of the model as the engine runs it, CUDA events around the whole
+step (host work included), median of ``--iters`` steps after ``--warmup`` steps; sampling is not
+included. Modes:
+
+* ``bitwise`` / ``fast``: the eager step (``forward_incremental``: the batch context with block
+  tables, the forward over one new token per sequence, the fp32 logits of those tokens) with the
+  batch-invariant kernels / the stock kernels;
+* ``graph``: the engine's CUDA-graph decode (``DecodeGraphRunner``, bitwise kernels): static
+  buffers filled from the host, then one graph replay (captured during the warm-up steps).
 
 The context is built cheaply instead of prefilling millions of tokens: each sequence gets
 ``context`` cache slots whose MLA latents, FP8 index keys and scales are random values written
@@ -36,6 +41,9 @@ from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.lora import LoraConfig, apply_lora
 from zmrl.model import ModelCache, SequenceState, forward_incremental
 from zmrl.model.context import KDASeqState
+from zmrl.rollout.engine import Request
+from zmrl.rollout.graph_runner import DecodeGraphRunner
+from zmrl.rollout.sampling import SamplingParams
 
 log = logging.getLogger("benchmarks.decode")
 
@@ -146,7 +154,8 @@ def main() -> int:
     ap.add_argument("--batches", type=_ints, default=[1, 16, 64, 256])
     ap.add_argument("--contexts", type=_ints, default=[1024, 8192, 32768])
     ap.add_argument("--layers", type=int, default=16, help="decoder layers (16 = the full bench preset)")
-    ap.add_argument("--modes", default="bitwise,fast")
+    ap.add_argument("--modes", default="bitwise,graph,fast",
+                    help="bitwise (eager), graph (bitwise + CUDA-graph decode), fast (eager, stock kernels)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--profile-ctx", type=int, default=8192, help="context of the batch-1 profile (0 = no profile)")
@@ -162,7 +171,7 @@ def main() -> int:
     setup_logging()
     dev = pick_device("decode_throughput.py", a.smoke)
     if a.smoke:
-        a.batches, a.contexts, a.profile_ctx, a.iters, a.warmup = [1, 3], [160], 160, 2, 1
+        a.batches, a.contexts, a.profile_ctx, a.iters, a.warmup = [1, 3], [192], 192, 2, 1
     modes = [m for m in a.modes.split(",") if m]
     t_start = time.perf_counter()
     torch.manual_seed(a.seed)
@@ -188,6 +197,7 @@ def main() -> int:
 
     results: list[dict[str, Any]] = []
     profile: list[dict[str, Any]] | None = None
+    profile_graph: list[dict[str, Any]] | None = None  # the same step replayed from its CUDA graph
     for ctx in sorted(a.contexts):
         ctx_tokens = ctx - PENDING
         if ctx_tokens < PAGE or ctx_tokens + steps + 1 > cfg.max_position_embeddings:
@@ -215,6 +225,21 @@ def main() -> int:
                 def step() -> None:
                     forward_incremental(model, cache, seqs, tokens, logits_rows="last")
 
+                def graph_step() -> None:
+                    runner.run(reqs)
+                    for s in seqs:
+                        s.num_tokens += 1
+
+                # The engine's view of the same sequences: one shared token list (the runner reads token i
+                # of a request with token_at, nothing is copied), page tables as allocated above.
+                shared_prompt = [int(tokens[0])] * (ctx_tokens + steps + 2)
+                reqs = []
+                for i, s in enumerate(seqs):
+                    r = Request(str(i), shared_prompt, SamplingParams())
+                    r.seq = s
+                    reqs.append(r)
+                runner = None
+
                 # host-side batch description (block tables, positions, slots) alone: part of every step
                 t0 = time.perf_counter()
                 for _ in range(3):
@@ -224,8 +249,27 @@ def main() -> int:
                 for mode in modes:
                     try:  # one mode failing (e.g. a kernel error) must not hide the other
                         reset_seqs(seqs, template, ctx_tokens)
-                        with kernel_mode(mode):
-                            t = cuda_time_ms(step, warmup=a.warmup, iters=a.iters)
+                        if mode == "graph":
+                            # the spare last page of the cache is the runner's scratch page
+                            assert cache.free_pages == [pages - 1], "benchmark cache layout changed"
+                            runner = DecodeGraphRunner(
+                                model, cache.store, scratch_page=pages - 1, max_num_seqs=batch,
+                                max_pages=max(len(s.pages) for s in seqs),
+                                mode="cuda" if dev.type == "cuda" else "static")
+                            t0 = time.perf_counter()
+                            graph_step()  # the first step captures the graph
+                            row["graph_capture_s"] = time.perf_counter() - t0
+                            with kernel_mode("bitwise"):
+                                t = cuda_time_ms(graph_step, warmup=a.warmup, iters=a.iters)
+                                if batch == 1 and ctx == a.profile_ctx and profile_graph is None:
+                                    reset_seqs(seqs, template, ctx_tokens)
+                                    for r in reqs:  # reload the reset states into the pool
+                                        runner.release(r.request_id)
+                                    profile_graph = profile_step(graph_step, dev.type == "cuda")
+                            del runner
+                        else:
+                            with kernel_mode(mode):
+                                t = cuda_time_ms(step, warmup=a.warmup, iters=a.iters)
                     except OOM_ERRORS:
                         note(row, "error", f"{mode}: out of memory")
                         empty_cache()
@@ -247,6 +291,8 @@ def main() -> int:
                 if "bitwise_ms" in row and "fast_ms" in row:
                     # throughput ratio (bitwise tok/s / fast tok/s): the issue's targets are >= 0.95 decode, >= 0.90 training
                     row["bitwise_over_fast"] = row["fast_ms"] / row["bitwise_ms"]
+                if "graph_ms" in row and "fast_ms" in row:
+                    row["graph_over_fast"] = row["fast_ms"] / row["graph_ms"]
                 log.info("batch %d context %d: %s", batch, ctx,
                          ", ".join(f"{m} {row.get(m + '_ms', float('nan')):.2f} ms" for m in modes))
             except OOM_ERRORS:
@@ -262,7 +308,8 @@ def main() -> int:
     cols = [("batch", "batch", "d"), ("context", "context", "d")]
     for m in modes:
         cols += [(f"{m}_ms", f"{m} ms/step", ".2f"), (f"{m}_tok_s", f"{m} tok/s", ".0f")]
-    cols += [("bitwise_over_fast", "bitwise/fast tok/s", ".2f"), ("hbm_bound_ms", "HBM bound ms", ".3f")]
+    cols += [("bitwise_over_fast", "bitwise/fast tok/s", ".2f"), ("graph_over_fast", "graph/fast tok/s", ".2f"),
+             ("hbm_bound_ms", "HBM bound ms", ".3f")]
     cols += [(f"{m}_frac_hbm", f"{m} %HBM", ".1%") for m in modes]
     cols += [("context_build_ms", "host ctx ms", ".2f"), ("skipped", "note", "s"), ("error", "error", "s")]
     print(f"\nDecode step, {'tiny (smoke)' if a.smoke else 'bench'} preset ({cfg.num_hidden_layers} layers) bf16"
@@ -278,11 +325,17 @@ def main() -> int:
                                                 if step_ms else ")"))
         print(table(profile, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"),
                               ("share", "share", ".1%")]))
+    if profile_graph:
+        step_ms = next((r.get("graph_ms") for r in results if r["batch"] == 1 and r["context"] == a.profile_ctx), None)
+        print(f"\nThe same step replayed from its CUDA graph (kernels busy {profile_graph[-1]['ms_per_step']:.2f} ms"
+              + (f" of a {step_ms:.2f} ms step)" if step_ms else ")"))
+        print(table(profile_graph, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"),
+                                    ("share", "share", ".1%")]))
     payload = {"benchmark": "decode_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
                "layers": cfg.num_hidden_layers,
                "dtype": "bfloat16", "copy_bandwidth_tb_s": bw, "weight_bytes_per_token_batch1": weight_bytes,
                "lora_r": a.lora, "pending_kda_rows": PENDING, "warmup": a.warmup, "iters": a.iters, "results": results,
-               "profile_batch1": profile, "profile_context": a.profile_ctx,
+               "profile_batch1": profile, "profile_batch1_graph": profile_graph, "profile_context": a.profile_ctx,
                "wall_s": time.perf_counter() - t_start}
     write_json(a.out or default_out("decode_throughput" + ("_smoke" if a.smoke else "")), payload)
     return 0 if any(f"{m}_ms" in r for r in results for m in modes) else 1

@@ -9,9 +9,17 @@ expert), and prints a table: shape, M, invariant us, cuBLAS us, ratio, TFLOP/s a
 invariant kernel. Results go to ``--out`` as JSON (date, git commit, GPU, torch/triton versions,
 the config used per shape, every row).
 
+Grouped expert rows also time the capture-safe form of ``expert_linear`` (row offsets as a device
+tensor, as ``MoE.forward`` passes them on CUDA; docs/cuda_graph_decode.md item 7): its per-call time,
+its host time per call (wall time of back-to-back calls without synchronising: the Python + launch
+cost the GPU cannot hide at decode sizes), its CUDA-graph replay time, and whether its output equals
+the host-offsets path bitwise; host times of the host-offsets path and of the baseline are reported
+next to it (JSON keys ``device_offsets_*``, ``host_us``, ``baseline_host_us``; additive).
+
     python benchmarks/gemm_invariant_vs_cublas.py [--out PATH] [--ms 1,8,64] [--shapes lm_head,moe_up]
         [--config 64x32x64/w4/s4]   # force one launch config for every shape (try alternatives)
-        [--sweep]                   # also time candidate configs per shape at M = 1, 64, 4096
+        [--sweep]                   # also time candidate configs per shape at M = 256, 4096
+        [--sweep-decode]            # ... and decode configs at M = 1, 16, 64 (CUDA-graph replay device time)
 
 Needs a CUDA GPU; finishes in well under 2 minutes on an H200 (``--sweep`` adds about a minute).
 """
@@ -23,6 +31,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -36,6 +45,10 @@ DEFAULT_MS = (1, 8, 64, 256, 1024, 4096)
 SWEEP_MS = (256, 4096)
 SWEEP_CONFIGS = ("128x128x64/w8/s3", "128x128x64/w4/s4", "128x256x64/w8/s3", "256x128x64/w8/s3",
                  "64x256x64/w4/s4", "128x64x64/w4/s4")
+# Decode sizes are timed by CUDA-graph replay (device time: what a captured decode step pays), not per call.
+SWEEP_DECODE_MS = (1, 16, 64)
+SWEEP_DECODE_CONFIGS = ("64x32x64/w4/s4", "64x64x64/w4/s4", "16x32x64/w4/s4", "16x32x128/w4/s4", "16x64x128/w4/s4",
+                        "16x16x256/w4/s3", "16x32x256/w4/s3", "32x32x128/w4/s4", "16x64x64/w4/s6", "16x128x128/w8/s4")
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,46 @@ def _graph_us(fn: Callable[[], object], calls: int = 20) -> float:
     except Exception as exc:  # capture refused (e.g. a host sync inside the call)
         log.warning("graph capture failed: %s", exc)
         return float("nan")
+
+
+def _host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Host wall time per call of ``calls`` back-to-back calls, no synchronisation in between (the
+    launch queue is far from full at these counts, so this is the host's own cost per call)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
+def _device_offsets_row(shape: Shape, m: int, dev: torch.device, gen: torch.Generator,
+                        base: Callable[[], object]) -> dict:
+    """Extra columns of a grouped expert row: the device-offsets path next to the host-offsets one."""
+    from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
+    from zmrl.kernels_batch_invariant.triton import triton_impl
+
+    offs = _routing(m, shape)
+    x = torch.randn(offs[-1], shape.k, device=dev, generator=gen).to(torch.bfloat16)
+    ws = list(_weight(shape, dev, gen).unbind(0))
+    dev_offs = torch.tensor(offs, dtype=torch.int32, device=dev)
+    inv = triton_impl(expert_linear)
+
+    def host_fn() -> torch.Tensor:
+        return inv(x, ws, offs)
+
+    def dev_fn() -> torch.Tensor:
+        return inv(x, ws, dev_offs)
+
+    equal = bool(torch.equal(dev_fn(), host_fn()))
+    t_dev, g_dev = _time_us(dev_fn), _graph_us(dev_fn)
+    h_dev, h_host, h_base = _host_us(dev_fn), _host_us(host_fn), _host_us(base)
+    return {
+        "device_offsets_us": t_dev, "graph_device_offsets_us": g_dev, "device_offsets_host_us": h_dev,
+        "host_us": h_host, "baseline_host_us": h_base, "device_offsets_equal_host": equal,
+    }
 
 
 def _routing(m: int, shape: Shape) -> list[int]:
@@ -172,7 +225,8 @@ def _cases(shape: Shape, m: int, dev: torch.device, gen: torch.Generator):
     return (lambda: inv(x, ws, offs)), loop, "F.linear per expert", flops, nbytes
 
 
-def run(shapes: list[Shape], ms: list[int], forced: str | None, sweep: bool, device: str = "cuda") -> dict:
+def run(shapes: list[Shape], ms: list[int], forced: str | None, sweep: bool, device: str = "cuda",
+        sweep_decode: bool = False) -> dict:
     import triton
 
     from zmrl.kernels_batch_invariant.triton import matmul as tmm
@@ -192,29 +246,35 @@ def run(shapes: list[Shape], ms: list[int], forced: str | None, sweep: bool, dev
                 inv()  # compile outside the timing
                 t_inv, t_base = _time_us(inv), _time_us(base)
                 g_inv, g_base = _graph_us(inv), _graph_us(base)
-                rows.append({
+                row = {
                     "graph_invariant_us": g_inv, "graph_baseline_us": g_base, "graph_ratio": g_inv / g_base,
                     "shape": shape.name, "n": shape.n, "k": shape.k, "m": m, "config": used,
                     "invariant_us": t_inv, "baseline_us": t_base, "baseline": base_name,
                     "ratio": t_inv / t_base, "tflops": flops / t_inv / 1e6, "gbps": nbytes / t_inv / 1e3,
-                })
+                }
+                if shape.experts:
+                    row.update(_device_offsets_row(shape, m, dev, gen, base))
+                rows.append(row)
             _WEIGHTS.clear()
             torch.cuda.empty_cache()
-        if sweep:
+        sweeps = ([(SWEEP_CONFIGS, SWEEP_MS, _time_us)] if sweep else []) + (
+            [(SWEEP_DECODE_CONFIGS, SWEEP_DECODE_MS, _graph_us)] if sweep_decode else [])
+        for configs, sweep_ms, timer in sweeps:
             for shape in shapes:
-                for text in SWEEP_CONFIGS:
+                for text in configs:
                     cfg = tmm.GemmConfig.parse(text)
                     tmm.linear_config = lambda n, k, dtype, m=1, cfg=cfg: cfg
-                    for m in SWEEP_MS:
+                    for m in sweep_ms:
                         inv, _, _, flops, _ = _cases(shape, m, dev, gen)
                         try:
                             inv()
                         except Exception as exc:  # a config this GPU cannot compile (e.g. too much smem)
                             log.warning("%s %s: %s", shape.name, text, exc)
                             continue
-                        t = _time_us(inv)
+                        t = timer(inv)
                         sweep_rows.append({"shape": shape.name, "m": m, "config": text, "invariant_us": t,
-                                           "tflops": flops / t / 1e6})
+                                           "tflops": flops / t / 1e6,
+                                           "timing": "graph replay" if timer is _graph_us else "per call"})
                 _WEIGHTS.clear()
                 torch.cuda.empty_cache()
     finally:
@@ -246,6 +306,21 @@ def print_table(result: dict) -> None:
     bases = sorted({r["baseline"] for r in result["rows"] if r["shape"].startswith("moe")})
     if bases:
         print(f"(grouped MoE rows: cuBLAS column = {', '.join(bases)})")
+    grouped = [r for r in result["rows"] if "device_offsets_us" in r]
+    if grouped:
+        print("\ngrouped experts, host offsets (list) vs device offsets (capture-safe) vs baseline")
+        ghdr = (f"{'shape':<22}{'M':>6}{'host-offs us':>13}{'dev-offs us':>12}{'baseline us':>12}"
+                f"{'host/call: host-offs':>22}{'dev-offs':>10}{'baseline':>10}"
+                f"{'graph dev-offs':>16}{'graph base':>12}{'bitwise':>9}")
+        print(ghdr)
+        print("-" * len(ghdr))
+        for r in grouped:
+            print(f"{r['shape']:<22}{r['m']:>6}{r['invariant_us']:>13.1f}{r['device_offsets_us']:>12.1f}"
+                  f"{r['baseline_us']:>12.1f}{r['host_us']:>22.1f}{r['device_offsets_host_us']:>10.1f}"
+                  f"{r['baseline_host_us']:>10.1f}{r['graph_device_offsets_us']:>16.1f}"
+                  f"{r['graph_baseline_us']:>12.1f}{str(r['device_offsets_equal_host']):>9}")
+        print("(host/call: host wall time per call, back-to-back calls; graph: device time per call from "
+              "CUDA-graph replays; bitwise: device-offsets output == host-offsets output)")
     if result["sweep"]:
         print("\nconfig sweep (invariant us; best per shape and M marked *)")
         best: dict[tuple[str, int], float] = {}
@@ -265,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="", help="comma-separated substrings of shape names (default: all)")
     ap.add_argument("--config", default=None, help="force one config for every shape, e.g. 64x32x64/w4/s4")
     ap.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
+    ap.add_argument("--sweep-decode", action="store_true",
+                    help="also time decode-sized candidate configs (M = 1, 16, 64) by CUDA-graph replay")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
@@ -281,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = [s for s in args.shapes.split(",") if s]
         shapes = [s for s in shapes if any(k in s.name for k in keys)]
     ms = [int(v) for v in args.ms.split(",") if v]
-    result = run(shapes, ms, args.config, args.sweep)
+    result = run(shapes, ms, args.config, args.sweep, sweep_decode=args.sweep_decode)
     print_table(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

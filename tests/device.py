@@ -38,3 +38,9 @@ cpu_only = pytest.mark.skipif(ON_CUDA, reason=f"CPU thread-count test ({ENV_VAR}
 def tensor(value, **kw) -> torch.Tensor:
     """``torch.tensor`` on the test device."""
     return torch.tensor(value, device=TEST_DEVICE, **kw)
+
+# The engine's decode path in the device-parametrised engine tests (EngineConfig.decode_graphs): the default
+# "auto" is CUDA-graph decode on a GPU, eager on CPU; ``ZMRL_TEST_DECODE_GRAPHS=off`` runs tests/bitwise on a
+# GPU with eager decode, ``static`` the fixed-shape path without capture.
+DECODE_GRAPHS_ENV_VAR = "ZMRL_TEST_DECODE_GRAPHS"
+TEST_DECODE_GRAPHS: str = os.environ.get(DECODE_GRAPHS_ENV_VAR, "auto").strip() or "auto"

@@ -39,6 +39,8 @@ from zmrl.parity import compare_logprobs
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from zmrl.trainer import compute_logprobs
 
+from tests.device import TEST_DECODE_GRAPHS
+
 pytestmark = [pytest.mark.gpu]
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ def run_parity(model: torch.nn.Module, lengths: list[int], long_first: bool, bud
     need = sum(-(-(n + sp.max_tokens) // BLOCK) for n, sp in zip(lengths, params))
     engine = RolloutEngine(copy.deepcopy(model), EngineConfig(
         block_size=BLOCK, num_blocks=need + 8, max_num_seqs=len(prompts), max_num_batched_tokens=budget,
-        enable_prefix_caching=True))
+        enable_prefix_caching=True, decode_graphs=TEST_DECODE_GRAPHS))
     sync()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)

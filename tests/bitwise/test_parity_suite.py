@@ -32,7 +32,7 @@ from zmrl.parity import compare_logprobs
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from zmrl.trainer import compute_logprobs, make_optimizer
 
-from tests.device import TEST_DEVICE, cpu_only
+from tests.device import TEST_DECODE_GRAPHS, TEST_DEVICE, cpu_only
 
 MAX_TOKENS = 8
 BLOCK = 64
@@ -68,6 +68,7 @@ class Run:
 
 def _engine(model, **cfg) -> RolloutEngine:
     cfg.setdefault("num_blocks", 48)
+    cfg.setdefault("decode_graphs", TEST_DECODE_GRAPHS)
     return RolloutEngine(copy.deepcopy(model), EngineConfig(**cfg))
 
 

@@ -55,6 +55,9 @@ def test_malformed_recipe(tmp_path):
         load_recipe(str(RECIPE), ["trainer.total_steps=0"])
     with pytest.raises(RecipeError, match="bad recipe value"):
         load_recipe(str(RECIPE), ["trainer.total_steps=many"])
+    with pytest.raises(RecipeError, match="rollout.decode_graphs.*auto, off, static or cuda"):
+        load_recipe(str(RECIPE), ["rollout.decode_graphs=yes"])
+    assert load_recipe(str(RECIPE), ["rollout.decode_graphs=static"]).rollout.decode_graphs == "static"
 
 
 def test_missing_data_file(tmp_path, bootstrap_dir):

@@ -8,6 +8,11 @@ with the dot in fp32 over fixed 64-key blocks (one fixed-shape ``bmm_fixed`` [Hi
 query and block) and the head sum as a fixed binary tree. Positions > t are -inf. Keys at position s
 live at ``k8_cache[block_table[n, s // page_size], s % page_size]`` (scale in ``k_scale_cache``).
 
+Static key width (CUDA-graph decode): ``dsa_index_scores(..., kv_len=L)`` returns ``[Q, L]`` with the
+same -inf past each query's position, reading no device value on the host; the columns up to each
+query's position are bitwise those of ``kv_len=None``. ``dsa_topk`` takes its width from the scores'
+shape and selects only positions <= query_pos, so its result does not depend on the width either.
+
 Top-k keeps, per query, the first ``min(topk, t + 1)`` positions in (score desc, position asc) order
 and returns them ascending, -1 padded: ReLU and FP8 make exact ties common (all-zero scores), so the
 tie rule is part of the contract.
@@ -18,7 +23,7 @@ import torch
 
 from ._dispatch import invariant_op
 from .matmul import bmm_fixed
-from .mla_attention import KEY_BLOCK, cache_slots
+from .mla_attention import KEY_BLOCK, cache_slots, key_width
 from .reduce import tree_sum
 
 QUERY_GROUP = 256  # queries per inner pass; bounds memory, never changes results
@@ -27,8 +32,9 @@ QUERY_GROUP = 256  # queries per inner pass; bounds memory, never changes result
 @invariant_op
 def dsa_index_scores(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor,
                      k8_cache: torch.Tensor, k_scale_cache: torch.Tensor, block_table: torch.Tensor,
-                     seq_idx: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
-    """Causal index scores ``[Q, Lmax]`` fp32 (Lmax = max(query_pos) + 1; -inf past query_pos).
+                     seq_idx: torch.Tensor, query_pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+    """Causal index scores ``[Q, Lmax]`` fp32 (Lmax = max(query_pos) + 1, or ``kv_len`` when given;
+    -inf past query_pos).
 
     q8 [Q, Hi, Di] float8_e4m3fn, q_scale [Q, Hi] fp32, weights [Q, Hi] fp32 (already scaled by
     Hi^-0.5 * Di^-0.5), k8_cache [num_pages, page_size, Di] float8_e4m3fn, k_scale_cache
@@ -39,7 +45,7 @@ def dsa_index_scores(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Ten
     if dk != di:
         raise ValueError(f"dsa_index_scores: q8 head dim {di} != key cache dim {dk}")
     qp = query_pos.to(torch.int64)
-    lmax = int(qp.max().item()) + 1 if nq else 0
+    lmax = key_width(qp, kv_len)
     flat_k = k8_cache.reshape(num_pages * page_size, di)
     flat_s = k_scale_cache.reshape(num_pages * page_size)
     # fp8 values are exact in fp32; w * s_q is one rounding per (token, head), as specified.
@@ -49,7 +55,8 @@ def dsa_index_scores(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Ten
     for g0 in range(0, nq, QUERY_GROUP):
         sl = slice(g0, g0 + QUERY_GROUP)
         g_qp = qp[sl]
-        g_lmax = int(g_qp.max().item()) + 1
+        # A static width walks every block (blocks past a query's position are -inf for it): no host read.
+        g_lmax = lmax if kv_len is not None else int(g_qp.max().item()) + 1
         blocks = []
         for b0 in range(0, g_lmax, KEY_BLOCK):
             pos = (b0 + torch.arange(KEY_BLOCK, dtype=torch.int64, device=q8.device)).unsqueeze(0)
@@ -66,7 +73,7 @@ def dsa_index_scores(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Ten
         pad = torch.full((g_scores.shape[0], lmax - g_lmax), float("-inf"), device=q8.device)
         outs.append(torch.cat([g_scores, pad], dim=-1))
     if not outs:
-        return torch.empty((0, 0), dtype=torch.float32, device=q8.device)
+        return torch.empty((0, lmax), dtype=torch.float32, device=q8.device)
     return torch.cat(outs, dim=0)
 
 
@@ -126,21 +133,38 @@ def dsa_topk_ref(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> to
 # ----------------------------------------------------------------------------- fast (stock) kernels
 # A plain fp32 matmul for the scores and ``torch.topk`` (not tie-stable) for the selection.
 FAST_QUERY_CHUNK = 256
+# With a static kv_len the fast scores gather [C, kv_len, Di] keys per chunk of C queries: C is bounded
+# by this many gathered elements (a function of host shapes only).
+FAST_GATHER_ELEMS = 1 << 27
 
 
 @dsa_index_scores.register("fast")
 def dsa_index_scores_fast(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor,
                           k8_cache: torch.Tensor, k_scale_cache: torch.Tensor, block_table: torch.Tensor,
-                          seq_idx: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
-    """Plain fp32 matmuls per sequence over its gathered keys (not invariant)."""
+                          seq_idx: torch.Tensor, query_pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+    """Plain fp32 matmuls per sequence over its gathered keys (not invariant). With ``kv_len``: no
+    per-sequence host loop; each query's causal keys are gathered into ``[C, kv_len, Di]`` chunks."""
     nq, hi, di = q8.shape
     num_pages, page_size, _ = k8_cache.shape
     qp = query_pos.to(torch.int64)
-    width = int(qp.max().item()) + 1 if nq else 0
+    width = key_width(qp, kv_len)
     out = torch.full((nq, width), float("-inf"), dtype=torch.float32, device=q8.device)
     flat_k = k8_cache.reshape(num_pages * page_size, di)
     flat_s = k_scale_cache.reshape(num_pages * page_size)
     wq = weights.to(torch.float32) * q_scale.to(torch.float32)
+    if kv_len is not None:
+        cols = torch.arange(width, dtype=torch.int64, device=q8.device).unsqueeze(0)
+        chunk = max(1, FAST_GATHER_ELEMS // max(1, width * di))
+        for c0 in range(0, nq, chunk):
+            sl = slice(c0, c0 + chunk)
+            pos = torch.where(cols <= qp[sl].unsqueeze(-1), cols, torch.full_like(cols, -1))
+            slots, valid = cache_slots(block_table, seq_idx[sl], pos, page_size)
+            k = flat_k[slots].to(torch.float32)  # [C, L, Di]
+            ks = flat_s[slots].to(torch.float32)
+            dots = torch.bmm(q8[sl].to(torch.float32), k.transpose(1, 2))  # [C, Hi, L]
+            sc = (wq[sl].unsqueeze(-1) * dots.clamp_min(0.0)).sum(dim=1) * ks
+            out[sl] = torch.where(valid, sc, float("-inf"))
+        return out
     for n in torch.unique(seq_idx).tolist():
         idx = (seq_idx == n).nonzero().flatten()
         w_n = int(qp[idx].max().item()) + 1

@@ -29,11 +29,18 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _sylvester(n).to(dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _hadamard_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``hadamard_matrix(n, dtype)`` on ``device``, made once per (n, dtype, device): a host->device
+    copy per call would be a sync and, under CUDA-graph capture, a copy from a temporary host buffer."""
+    return hadamard_matrix(n, dtype).to(device)
+
+
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """``x [..., n] @ H_n * n**-0.5`` (orthonormal), computed in fp32 (fp64 for fp64), in ``x.dtype``."""
     n = x.shape[-1]
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = hadamard_matrix(n, cdt).to(x.device)
+    h = _hadamard_on(n, cdt, x.device)
     # H is symmetric, so x @ H == linear(x, H). The +-1 products are exact; the scale is applied
     # once to the fp32 result, the way fast_hadamard_transform(x, scale) does.
     y = linear(x, h, out_dtype=cdt) * (n ** -0.5)

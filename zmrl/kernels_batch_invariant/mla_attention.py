@@ -22,6 +22,14 @@ q, its key list and the key values, not on the batch, the query grouping, the pa
 physical pages hold the keys. A fully masked
 block is an exact no-op (alpha == 1, p == 0, both updates add exact zeros), which is why trailing -1
 padding, and hence sparse-vs-dense with identical key lists, cannot change any bit.
+
+Static key width (``kv_len``, CUDA-graph decode): every op here takes ``kv_len: int | None``. With
+``kv_len`` given, the op reads no device value on the host and all its shapes follow from host shapes
+and ``kv_len`` alone (a captured graph bakes them in): the dense key list is ``[Q, kv_len]``, blocks are
+never skipped by a host-side test (masked blocks are exact no-ops, so the bits equal the
+``kv_len=None`` result). ``kv_len`` must be >= max(query_pos) + 1 (``key_width`` checks it with
+``torch._assert_async``: no sync; on CUDA a violation is a device-side assert); the decode runner
+passes ``block_table.shape[1] * page_size``.
 """
 from __future__ import annotations
 
@@ -41,6 +49,27 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def key_width(query_pos: torch.Tensor, kv_len: int | None) -> int:
+    """Width of a causal key range: ``kv_len`` when given (no host read), else max(query_pos) + 1.
+
+    ``kv_len=None`` reads the maximum on the host (a sync on CUDA). A given ``kv_len`` is checked
+    against the positions with ``torch._assert_async``: on CPU a RuntimeError at once; on CUDA a
+    device-side assert (no sync, capture-safe), since a too small width would silently drop keys.
+    """
+    if kv_len is None:
+        return int(query_pos.max().item()) + 1 if query_pos.numel() else 0
+    kv_len = int(kv_len)
+    if kv_len < 0:
+        raise ValueError(f"kv_len must be >= 0, got {kv_len}")
+    if query_pos.numel():
+        ok = query_pos.max() < kv_len
+        if ok.device.type == "cpu":
+            torch._assert_async(ok, f"kv_len={kv_len} must exceed every query position")
+        else:  # a device-side assert: its message would not reach the host anyway
+            torch._assert_async(ok)
+    return kv_len
+
+
 def cache_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor,
                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat cache slots ``page * page_size + offset`` for ``positions [G, L]`` of rows ``seq_idx [G]``.
@@ -57,16 +86,19 @@ def cache_slots(block_table: torch.Tensor, seq_idx: torch.Tensor, positions: tor
 
 def _attend_group(q: torch.Tensor, key_positions: torch.Tensor, flat_cache: torch.Tensor,
                   block_table: torch.Tensor, seq_idx: torch.Tensor, page_size: int,
-                  softmax_scale: float, dc: int, cdt: torch.dtype) -> torch.Tensor:
-    """Online-softmax attention for one group: q [G, H, D], key_positions [G, L] -> [G, H, Dc]."""
+                  softmax_scale: float, dc: int, cdt: torch.dtype, skip_empty: bool = True) -> torch.Tensor:
+    """Online-softmax attention for one group: q [G, H, D], key_positions [G, L] -> [G, H, Dc].
+
+    ``skip_empty`` skips blocks with no valid entry in the group (a host-side test: a sync on CUDA);
+    without it they run as the exact no-ops they are, with the same result."""
     g, h, _ = q.shape
     m = torch.full((g, h), float("-inf"), dtype=cdt, device=q.device)
     l = torch.zeros((g, h), dtype=cdt, device=q.device)
     acc = torch.zeros((g, h, dc), dtype=cdt, device=q.device)
-    any_valid = (key_positions >= 0).any(dim=0)
+    any_valid = (key_positions >= 0).any(dim=0) if skip_empty else None
     for b0 in range(0, key_positions.shape[1], KEY_BLOCK):
         # A block with no valid entry in the whole group is an exact no-op for every query: skip it.
-        if not bool(any_valid[b0:b0 + KEY_BLOCK].any()):
+        if any_valid is not None and not bool(any_valid[b0:b0 + KEY_BLOCK].any()):
             continue
         pos = key_positions[:, b0:b0 + KEY_BLOCK]
         slots, valid = cache_slots(block_table, seq_idx, pos, page_size)
@@ -111,13 +143,14 @@ def _check_shapes(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
 @invariant_op
 def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                   block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
-                  softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+                  softmax_scale: float, kv_lora_rank: int, kv_len: int | None = None) -> torch.Tensor:
     """Absorbed MLA over an explicit key list.
 
     q_lat [Q, H, Dc] (q_nope @ W_UK), q_pe [Q, H, Dr], kv_cache [num_pages, page_size, Dc + Dr],
     block_table [N, max_pages] int64, seq_idx [Q] int64, key_positions [Q, L] int64 (ascending,
     -1 padded). Returns o_lat [Q, H, Dc] in fp32 (fp64 for fp64 inputs) = softmax(scores) @ c_kv.
-    Differentiable w.r.t. q_lat, q_pe and kv_cache.
+    Differentiable w.r.t. q_lat, q_pe and kv_cache. The key list already has a static width; a given
+    ``kv_len`` only turns off host-side reads (module docstring), with the same result.
     """
     _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
     cdt = _compute_dtype(q_lat.dtype)
@@ -133,7 +166,8 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         kp = torch.cat([kp, kp.new_full((kp.shape[0], pad), -1)], dim=1)
     outs = [
         _attend_group(q[g0:g0 + QUERY_GROUP], kp[g0:g0 + QUERY_GROUP], flat, block_table,
-                      seq_idx[g0:g0 + QUERY_GROUP], page_size, softmax_scale, dc, cdt)
+                      seq_idx[g0:g0 + QUERY_GROUP], page_size, softmax_scale, dc, cdt,
+                      skip_empty=kv_len is None)
         for g0 in range(0, nq, QUERY_GROUP)
     ]
     if not outs:
@@ -142,10 +176,13 @@ def mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
 
 
 def dense_key_positions(query_pos: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """Causal key list ``[Q, width]``: row i is 0..query_pos[i], then -1 (width >= max(query_pos)+1)."""
+    """Causal key list ``[Q, width]``: row i is 0..query_pos[i], then -1 (width >= max(query_pos)+1).
+
+    ``width=None`` uses max(query_pos) + 1 (a host read); a given width (e.g. a static ``kv_len``)
+    reads nothing on the host."""
     qp = query_pos.to(torch.int64)
     if width is None:
-        width = int(qp.max().item()) + 1 if qp.numel() else 0
+        width = key_width(qp, None)
     cols = torch.arange(width, dtype=torch.int64, device=qp.device).unsqueeze(0)
     return torch.where(cols <= qp.unsqueeze(-1), cols, torch.full_like(cols, -1))
 
@@ -153,8 +190,11 @@ def dense_key_positions(query_pos: torch.Tensor, width: int | None = None) -> to
 @invariant_op
 def mla_attention_dense(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_idx: torch.Tensor, query_pos: torch.Tensor,
-                        softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+                        softmax_scale: float, kv_lora_rank: int, kv_len: int | None = None) -> torch.Tensor:
     """Causal dense attention: each query attends to positions 0..query_pos[i].
+
+    With ``kv_len`` the key lists are ``[Q, kv_len]`` (masked past each query's position) and nothing
+    is read on the host; same bits as ``kv_len=None``.
 
     Same key list and blocks as ``mla_attention`` with a full selection, hence bitwise equal to the
     sparse path whenever the selection is all positions. The key lists are materialised
@@ -162,14 +202,16 @@ def mla_attention_dense(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     that a GPU backend can walk the causal keys 0..query_pos directly instead of reading a key list
     (same 64-key blocks aligned to absolute positions, hence the same bits as the sparse path).
     """
+    width = None if kv_len is None else key_width(query_pos, kv_len)
     outs = []
     for c0 in range(0, q_lat.shape[0], DENSE_QUERY_CHUNK):
         sl = slice(c0, c0 + DENSE_QUERY_CHUNK)
         outs.append(mla_attention(q_lat[sl], q_pe[sl], kv_cache, block_table, seq_idx[sl],
-                                  dense_key_positions(query_pos[sl]), softmax_scale, kv_lora_rank))
+                                  dense_key_positions(query_pos[sl], width), softmax_scale, kv_lora_rank,
+                                  kv_len=kv_len))
     if not outs:
         return mla_attention(q_lat, q_pe, kv_cache, block_table, seq_idx,
-                             dense_key_positions(query_pos, 0), softmax_scale, kv_lora_rank)
+                             dense_key_positions(query_pos, 0), softmax_scale, kv_lora_rank, kv_len=kv_len)
     return torch.cat(outs, dim=0)
 
 
@@ -194,6 +236,9 @@ def mla_attention_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.T
 # ----------------------------------------------------------------------------- fast (stock) kernels
 # Stock ``F.scaled_dot_product_attention`` over gathered keys (not invariant).
 FAST_QUERY_CHUNK = 256
+# With a static kv_len (CUDA-graph decode) the dense fast path gathers [C, kv_len, D] per chunk of C
+# queries: C is bounded by this many gathered elements (a function of host shapes only).
+FAST_GATHER_ELEMS = 1 << 27
 
 
 def _sdpa_dtype(kv: torch.Tensor) -> torch.dtype:
@@ -210,8 +255,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
 @mla_attention.register("fast")
 def mla_attention_fast(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
-                       softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Masked SDPA over each query's gathered key list (heads as the SDPA query rows: MQA)."""
+                       softmax_scale: float, kv_lora_rank: int, kv_len: int | None = None) -> torch.Tensor:
+    """Masked SDPA over each query's gathered key list (heads as the SDPA query rows: MQA). Reads
+    nothing on the host (the list width is static), so ``kv_len`` changes nothing."""
+    del kv_len
     _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
     num_pages, page_size, d = kv_cache.shape
     flat = kv_cache.reshape(num_pages * page_size, d)
@@ -233,10 +280,22 @@ def mla_attention_fast(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.
 @mla_attention_dense.register("fast")
 def mla_attention_dense_fast(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                              block_table: torch.Tensor, seq_idx: torch.Tensor, query_pos: torch.Tensor,
-                             softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+                             softmax_scale: float, kv_lora_rank: int, kv_len: int | None = None) -> torch.Tensor:
     """Per sequence: gather its latents 0..max(query_pos) once and run causal-masked SDPA with the
-    (query, head) pairs as query rows."""
+    (query, head) pairs as query rows. With ``kv_len``: no per-sequence host loop; each query's
+    causal list of width kv_len goes through the sparse fast path (memory-bounded query chunks)."""
     _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
+    if kv_len is not None:
+        width = key_width(query_pos, kv_len)
+        nq = q_lat.shape[0]
+        chunk = max(1, FAST_GATHER_ELEMS // max(1, width * kv_cache.shape[-1]))
+        outs = [mla_attention_fast(q_lat[c0:c0 + chunk], q_pe[c0:c0 + chunk], kv_cache, block_table,
+                                   seq_idx[c0:c0 + chunk], dense_key_positions(query_pos[c0:c0 + chunk], width),
+                                   softmax_scale, kv_lora_rank)
+                for c0 in range(0, nq, chunk)]
+        if not outs:
+            return q_lat.new_zeros(q_lat.shape, dtype=torch.float32)
+        return torch.cat(outs, dim=0)
     nq, h, dc = q_lat.shape
     num_pages, page_size, d = kv_cache.shape
     flat = kv_cache.reshape(num_pages * page_size, d)

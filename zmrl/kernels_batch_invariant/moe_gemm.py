@@ -15,6 +15,12 @@ each expert received.
 ``weights`` is either a sequence of per-expert ``[N, K]`` tensors (the model's expert Linear
 modules, whose checkpoint names are per expert) or one stacked ``[E, N, K]`` tensor (batched expert
 LoRA factors).
+
+``offsets`` is a host list (or a tensor read back once) or, for CUDA-graph capture, an int tensor
+``[E+1]`` on x's device ("device offsets"). With device offsets the Triton backend never reads the
+values on the host (no sync; the tile lookup happens in the kernel) and the "fast" backend hands them
+to ``torch._grouped_mm`` directly; the torch backend (CPU) and the fast per-expert loop read them
+back. Device offsets are trusted: only their shape is checked (checking the values would sync).
 """
 from __future__ import annotations
 
@@ -30,30 +36,58 @@ Weights = torch.Tensor | Sequence[torch.Tensor]
 
 
 def as_offsets(offsets: Sequence[int] | torch.Tensor) -> list[int]:
-    """Host list of E+1 row offsets (a tensor is read back once)."""
+    """Host list of E+1 row offsets (a tensor is read back once: a host sync for a CUDA tensor)."""
     return [int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
 
 
-def check_expert_args(x: torch.Tensor, weights: Weights, offsets: list[int]) -> tuple[int, int, int]:
-    """Validate shapes; returns (E, N, K)."""
+def device_offsets(offsets: Sequence[int] | torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """``offsets`` if it is a 1-D integer tensor on x's device (the capture-safe form), else None
+    (host offsets: lists, or tensors on another device, which are read back with ``as_offsets``)."""
+    if not isinstance(offsets, torch.Tensor) or offsets.device != x.device:
+        return None
+    if offsets.dim() != 1 or offsets.dtype.is_floating_point or offsets.dtype.is_complex or offsets.dtype == torch.bool:
+        raise ValueError(f"expert_linear: offsets must be a 1-D integer tensor, got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    return offsets
+
+
+def check_expert_shapes(x: torch.Tensor, weights: Weights, n_offsets: int,
+                        every_weight: bool = True) -> tuple[int, int, int]:
+    """Validate shapes (host metadata only, no offset values); returns (E, N, K).
+
+    ``every_weight=False`` checks only the first of a list of per-expert weights (a caller that
+    validates the rest once per weight set, e.g. the Triton backend's cached weight table)."""
     if x.dim() != 2:
         raise ValueError(f"expert_linear: x must be [M, K], got {tuple(x.shape)}")
     e = len(weights)
-    if len(offsets) != e + 1:
-        raise ValueError(f"expert_linear: {e} experts need {e + 1} offsets, got {len(offsets)}")
-    if offsets[0] != 0 or offsets[-1] != x.shape[0] or any(a > b for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"expert_linear: offsets must rise from 0 to {x.shape[0]}, got {offsets}")
     if e == 0:
         raise ValueError("expert_linear: no experts")
-    n, k = weights[0].shape[-2:]
+    if n_offsets != e + 1:
+        raise ValueError(f"expert_linear: {e} experts need {e + 1} offsets, got {n_offsets}")
     if isinstance(weights, torch.Tensor):
         if weights.dim() != 3:
             raise ValueError(f"expert_linear: stacked weights must be [E, N, K], got {tuple(weights.shape)}")
-    elif any(w.dim() != 2 or w.shape != (n, k) for w in weights):
-        raise ValueError("expert_linear: every expert weight must be [N, K] with the same N, K")
+        n, k = weights.shape[1:]  # (not weights[0]: a view per call costs microseconds)
+    else:
+        w0 = weights[0]
+        if w0.dim() != 2:
+            raise ValueError("expert_linear: every expert weight must be [N, K] with the same N, K")
+        n, k = w0.shape
+        if every_weight and any(w.dim() != 2 or w.shape != (n, k) for w in weights):
+            raise ValueError("expert_linear: every expert weight must be [N, K] with the same N, K")
     if x.shape[1] != k:
         raise ValueError(f"expert_linear: x has {x.shape[1]} features but the weights are [{n}, {k}]")
     return e, n, k
+
+
+def check_expert_args(x: torch.Tensor, weights: Weights, offsets: list[int],
+                      every_weight: bool = True) -> tuple[int, int, int]:
+    """Validate shapes and host offsets; returns (E, N, K)."""
+    if len(offsets) != len(weights) + 1 or not len(weights):
+        return check_expert_shapes(x, weights, len(offsets))  # raises
+    if offsets[0] != 0 or offsets[-1] != x.shape[0] or any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"expert_linear: offsets must rise from 0 to {x.shape[0]}, got {offsets}")
+    return check_expert_shapes(x, weights, len(offsets), every_weight)
 
 
 @invariant_op
@@ -62,8 +96,8 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
     """``y[rows of e] = x[rows of e] @ weights[e].T`` for expert-sorted rows.
 
     x: [M, K] (rows sorted by expert); weights: E x [N, K] or [E, N, K]; offsets: E+1 ints (host list
-    or tensor), ``offsets[0] == 0``, ``offsets[E] == M``. Returns [M, N] in ``out_dtype`` (default
-    x.dtype). Experts with no rows are skipped.
+    or tensor; see the module doc for device offsets), ``offsets[0] == 0``, ``offsets[E] == M``.
+    Returns [M, N] in ``out_dtype`` (default x.dtype). Experts with no rows are skipped.
     """
     offs = as_offsets(offsets)
     _, n, _ = check_expert_args(x, weights, offs)
@@ -91,14 +125,25 @@ def _expert_linear_fast(x: torch.Tensor, weights: Weights, offsets: Sequence[int
                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Stock kernels, not invariant: one ``torch._grouped_mm`` launch for stacked bf16 weights on CUDA
     (where this torch has it), else one cuBLAS/MKL ``F.linear`` per expert."""
-    offs = as_offsets(offsets)
-    _, n, k = check_expert_args(x, weights, offs)
+    dev = device_offsets(offsets, x)
+    if dev is not None:
+        _, n, k = check_expert_shapes(x, weights, dev.shape[0])
+    else:
+        offs = as_offsets(offsets)
+        _, n, k = check_expert_args(x, weights, offs)
     out_dtype = out_dtype or x.dtype
     if (isinstance(weights, torch.Tensor) and x.is_cuda and hasattr(torch, "_grouped_mm")
             and x.dtype == weights.dtype == torch.bfloat16 and n % 8 == 0 and k % 8 == 0 and x.shape[0] > 0):
-        # _grouped_mm wants the cumulative row ends (int32, on the device) and B as [E, K, N].
-        ends = torch.tensor(offs[1:], dtype=torch.int32, device=x.device)
+        # _grouped_mm wants the cumulative row ends (int32, on the device) and B as [E, K, N]; device
+        # offsets are handed over as they are (no host sync).
+        if dev is not None:
+            ends = dev[1:].to(torch.int32)
+        else:
+            ends = torch.tensor(offs[1:], dtype=torch.int32, device=x.device)
         return torch._grouped_mm(x.contiguous(), weights.transpose(-2, -1), offs=ends).to(out_dtype)
+    if dev is not None:
+        offs = as_offsets(dev)  # the per-expert loop needs host row ranges (a sync on CUDA)
+        check_expert_args(x, weights, offs)
     y = x.new_empty(x.shape[0], n, dtype=out_dtype)
     for e, (a, b) in enumerate(zip(offs, offs[1:])):
         if b > a:

@@ -46,9 +46,12 @@ class ExpertLoRA(nn.Module):
         b = getattr(self, f"{proj}_lora_B")[expert]
         return self.scale * linear(linear(x, a, out_dtype=torch.float32), b, out_dtype=torch.float32)
 
-    def grouped_delta(self, proj: str, x: torch.Tensor, offsets: list[int]) -> torch.Tensor | None:
+    def grouped_delta(self, proj: str, x: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor | None:
         """``delta`` of every expert at once for expert-sorted rows (rows ``offsets[e]:offsets[e+1]``
-        belong to expert e): bitwise ``delta(proj, e, rows)`` per expert, via ``expert_linear``."""
+        belong to expert e): bitwise ``delta(proj, e, rows)`` per expert, via ``expert_linear``.
+
+        ``offsets``: a host list, or an int tensor [E+1] on x's device, which is passed through
+        unread (no host sync on CUDA: the batched expert LoRA is CUDA-graph capturable)."""
         if proj not in self.projs:
             return None
         a = getattr(self, f"{proj}_lora_A")

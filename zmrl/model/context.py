@@ -10,9 +10,12 @@ from __future__ import annotations
 import abc
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from .kda_pool import KDAStatePool
 
 LatentFormat = Literal["native", "fp8"]
 
@@ -136,6 +139,17 @@ class ForwardContext:
     kda_states: list[SequenceState] | None = None  # None: every sequence starts empty (trainer)
     latent_format: LatentFormat = "native"
     record_snapshots: bool = False  # keep KDA states at chunk boundaries (engine prefix caching)
+    # Set by the CUDA-graph decode runner: the key width (block_table.shape[1] * page_size) every MLA /
+    # DSA op of this forward uses for its shapes, so that nothing reads a device value on the host and
+    # every shape is fixed at capture time. None: widths follow the batch (eager forwards).
+    static_kv_len: int | None = None
+    # Static decode (one new token per sequence, CUDA-graph capturable): KDA layers read and write their
+    # state in ``kda_pool`` at rows ``kda_slots`` [N] instead of ``kda_states``.
+    kda_pool: "KDAStatePool | None" = None
+    kda_slots: torch.Tensor | None = None
+    # False skips the token-id range check (a host sync): the decode runner feeds sampled ids, in range by
+    # construction, and prompts were checked when they were added.
+    validate_ids: bool = True
 
     @property
     def num_seqs(self) -> int:

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, kda_chunk
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, kda_chunk, kda_chunk_step
 from zmrl.kernels_batch_invariant.kda_gate import kda_gate
 from zmrl.kernels_batch_invariant.l2norm import l2_norm
 from zmrl.kernels_batch_invariant.norms import rms_norm_gated
@@ -58,37 +58,84 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     # ------------------------------------------------------------------ forward
+    def _conv_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q|k|v projections side by side [T, 3*H*dk] and the depthwise conv weights [3*H*dk, W]."""
+        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        conv_w = torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
+        return qkv_in, conv_w
+
+    def _features(self, qkv: torch.Tensor, x: torch.Tensor):
+        """(q, k, v, g, beta) of the delta rule from the conv outputs and the layer input."""
+        T, H, K = x.shape[0], self.num_heads, self.head_dim
+        q, k, v = qkv.split(H * K, dim=-1)
+        q = l2_norm(q.view(T, H, K), out_dtype=torch.float32)
+        k = l2_norm(k.view(T, H, K), out_dtype=torch.float32)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, H, self.lower_bound)
+        beta = sigmoid(self.b_proj(x, out_dtype=torch.float32))
+        return q, k, v.view(T, H, K), g, beta
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T, H, K = x.shape[0], self.num_heads, self.head_dim
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = rms_norm_gated(o, gate.view(T, H, K), self.o_norm.weight, self.o_norm.eps, out_dtype=x.dtype)
+        return self.o_proj(o.reshape(T, H * K))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        T = x.shape[0]
-        H, K = self.num_heads, self.head_dim
+        if ctx.kda_pool is not None:
+            return self._forward_static(x, ctx)
         n = ctx.num_seqs
         states = [self._state(ctx, i) for i in range(n)]
 
         # Short conv over q|k|v at once (depthwise: channels are independent).
-        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        conv_w = torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
+        qkv_in, conv_w = self._conv_inputs(x)
         conv_in = None
         if any(s.conv is not None for s in states):
             conv_in = torch.stack([s.conv if s.conv is not None else qkv_in.new_zeros(self.conv_size - 1, qkv_in.shape[-1])
                                    for s in states])
         qkv, conv_out = causal_short_conv(qkv_in, conv_w, ctx.cu_seqlens, conv_in, activation="silu")
-        q, k, v = qkv.split(H * K, dim=-1)
-        q = l2_norm(q.view(T, H, K), out_dtype=torch.float32)
-        k = l2_norm(k.view(T, H, K), out_dtype=torch.float32)
-        v = v.view(T, H, K)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, H, self.lower_bound)
-        beta = sigmoid(self.b_proj(x, out_dtype=torch.float32))
+        q, k, v, g, beta = self._features(qkv, x)
 
         o = self._chunked(q, k, v, g, beta, ctx, states)
 
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o = rms_norm_gated(o, gate.view(T, H, K), self.o_norm.weight, self.o_norm.eps, out_dtype=x.dtype)
         if ctx.kda_states is not None:
             for i, s in enumerate(states):
                 if s.snapshots:
                     self._snapshot_conv(s, i, qkv_in, conv_in, ctx)
                 s.conv = conv_out[i].detach()
-        return self.o_proj(o.reshape(T, H * K))
+        return self._output(o, x)
+
+    def _forward_static(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Decode with fixed shapes and no host reads (what a CUDA graph captures): one new token per
+        sequence, its KDA state in ``ctx.kda_pool`` at rows ``ctx.kda_slots``, read and written in place.
+
+        The same arithmetic as ``forward``'s re-run of the current chunk: the chunk's rows so far (q = 0)
+        plus the new row at ``position % 64``, rows after it exact zeros, through ``kda_chunk_step``
+        (bitwise equal to ``kda_chunk`` on that partial chunk), the state advancing when the chunk is full.
+        """
+        T, H, K, C = x.shape[0], self.num_heads, self.head_dim, CHUNK_SIZE
+        pool = ctx.kda_pool.layer(self.layer_idx)
+        slots = ctx.kda_slots
+        qkv_in, conv_w = self._conv_inputs(x)
+        qkv, conv_out = causal_short_conv(qkv_in, conv_w, ctx.cu_seqlens, pool.conv[slots], activation="silu")
+        pool.conv[slots] = conv_out
+        q, k, v, g, beta = self._features(qkv, x)
+
+        row = ctx.positions % C  # where the new token sits in its chunk
+        for buf, new in zip(pool.pending, (k, v, g, beta)):
+            buf[slots, row] = new
+        live = torch.arange(C, device=x.device) <= row[:, None]  # [T, 64]: rows up to the new one
+
+        def chunk(buf: torch.Tensor) -> torch.Tensor:
+            rows = buf[slots]
+            return torch.where(live.view(T, C, *[1] * (rows.dim() - 2)), rows, 0)
+
+        kc, vc, gc, bc = (chunk(b) for b in pool.pending)
+        seq = torch.arange(T, device=x.device)
+        qc = q.new_zeros(T, C, H, K)
+        qc[seq, row] = q
+        o, next_state = kda_chunk_step(qc, kc, vc, gc, bc, row + 1, pool.state[slots])
+        pool.state[slots] = next_state
+        return self._output(o[seq, row], x)
 
     def _snapshot_conv(self, s: KDASeqState, i: int, qkv_in: torch.Tensor, conv_in: torch.Tensor | None,
                        ctx: ForwardContext) -> None:

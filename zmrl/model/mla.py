@@ -51,7 +51,7 @@ class Indexer(nn.Module):
         q8, q_scale = quantize_fp8(self._prepare(q, ctx.positions, rope), block=self.quant_block)
         w = self.weights_proj(x, out_dtype=torch.float32) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         scores = dsa_index_scores(q8, q_scale.squeeze(-1), w, k8_cache, k_scale_cache, ctx.block_table,
-                                  ctx.seq_idx, ctx.positions)
+                                  ctx.seq_idx, ctx.positions, kv_len=ctx.static_kv_len)
         return dsa_topk(scores, ctx.positions, self.topk)
 
 
@@ -131,10 +131,11 @@ class MLAAttention(nn.Module):
         if self.indexer is not None:
             positions = self.indexer.select(x, q_latent, k8_cache, ks_cache, ctx, self.rope)
             o_lat = mla_attention(q_lat, q_pe.float(), kv_cache, ctx.block_table, ctx.seq_idx, positions,
-                                  self.softmax_scale, self.kv_lora_rank)
+                                  self.softmax_scale, self.kv_lora_rank, kv_len=ctx.static_kv_len)
         else:
             o_lat = mla_attention_dense(q_lat, q_pe.float(), kv_cache, ctx.block_table, ctx.seq_idx,
-                                        ctx.positions, self.softmax_scale, self.kv_lora_rank)
+                                        ctx.positions, self.softmax_scale, self.kv_lora_rank,
+                                        kv_len=ctx.static_kv_len)
         if lora is None:
             o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=x.dtype).transpose(0, 1)  # [T, H, v]
         else:

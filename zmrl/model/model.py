@@ -105,7 +105,8 @@ class HybridForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states [T, D] for the new tokens described by ``ctx``."""
-        self.check_token_ids(input_ids)
+        if ctx.validate_ids:
+            self.check_token_ids(input_ids)
         return self.model(input_ids, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -71,10 +72,19 @@ class MoE(nn.Module):
         # Every (token, slot) pair is computed by its expert's invariant linears; a token's result does
         # not depend on how many other tokens chose the same expert.
         flat_ids = route.expert_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // self.top_k
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
-        y_sorted = self._routed_experts(h[token_of], counts)
+        if self._device_dispatch(x):
+            # CUDA: no host sync (CUDA-graph capturable): the expert offsets stay on the device.
+            # offsets[e] = number of (token, slot) pairs routed to experts < e, read off the sorted
+            # ids; fixed shape [E+1] whatever the routing. Same sorted order as argsort(stable).
+            sorted_ids, order = torch.sort(flat_ids, stable=True)
+            bounds = torch.arange(len(self.experts) + 1, device=flat_ids.device, dtype=flat_ids.dtype)
+            offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+            y_sorted = self._grouped_experts(h[order // self.top_k], offsets)
+        else:
+            order = torch.argsort(flat_ids, stable=True)
+            token_of = order // self.top_k
+            counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+            y_sorted = self._routed_experts(h[token_of], counts)
         y = y_sorted[torch.argsort(order)].view(T, self.top_k, -1)
         routed = moe_combine(y, route.weights, out_dtype=torch.float32)
         if self.latent:
@@ -83,20 +93,35 @@ class MoE(nn.Module):
             routed = routed + self.shared_experts(x).float()
         return routed.to(x.dtype)
 
-    def _routed_experts(self, hs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Expert MLPs of the expert-sorted rows ``hs`` (``counts[e]`` rows for expert e, in order).
+    def _device_dispatch(self, x: torch.Tensor) -> bool:
+        """Route with device offsets (no host sync) instead of host counts: on CUDA, unless a
+        subclass replaces ``_routed_experts`` (expert parallelism slices host offsets per rank)."""
+        return x.is_cuda and type(self)._routed_experts is MoE._routed_experts
+
+    def _routed_experts(self, hs: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Expert MLPs of the expert-sorted rows ``hs`` (``counts[e]`` rows for expert e, in order);
+        see ``_grouped_experts``. Host counts: the CPU path and the hook expert parallelism overrides."""
+        return self._grouped_experts(hs, [0, *itertools.accumulate(counts)])
+
+    def _grouped_experts(self, hs: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor:
+        """Expert MLPs of the expert-sorted rows ``hs`` (rows ``offsets[e]:offsets[e+1]`` for expert e).
 
         One grouped ``expert_linear`` per projection for all experts (one launch on the GPU), bitwise
         equal to running ``self.experts[e]`` on its rows (which the torch backend literally does): a
         row's result never depends on how many rows each expert received. The experts' weights stay
         in their own Linear modules (per-expert checkpoint names); the op takes them as a list.
+
+        ``offsets``: a host list, or an int tensor [E+1] on hs's device; the latter is never read on
+        the host by the grouped path (with or without expert LoRA), so that path can be captured in a
+        CUDA graph. The per-expert fallback below (an adapter or bias on an expert's Linear) reads
+        the offsets back (a host sync): it is not capture-safe.
         """
-        offsets = [0, *itertools.accumulate(counts)]
         lora = self.experts_lora
         if any(getattr(m, p).adapter is not None or getattr(m, p).bias is not None
                for m in self.experts for p in ("gate_proj", "up_proj", "down_proj")):
             # Outside the model's own layout (an adapter or bias on an expert's Linear): per expert.
-            outs = [self.experts[e](hs[a:b], lora, e) for e, (a, b) in enumerate(zip(offsets, offsets[1:])) if b > a]
+            offs = [int(o) for o in offsets.tolist()] if isinstance(offsets, torch.Tensor) else offsets
+            outs = [self.experts[e](hs[a:b], lora, e) for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]
             return torch.cat(outs) if outs else hs.new_zeros(0, hs.shape[-1])
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,9 @@ class RolloutSection:
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True
     latent_format: str = "native"
+    # "auto": CUDA-graph decode when rolling out on a GPU, eager on CPU; "cuda" / "static" (the fixed-shape
+    # path uncaptured) / "off" (eager) force one. Bitwise the same rollouts in every setting.
+    decode_graphs: str = "auto"
 
 
 @dataclass
@@ -204,6 +207,8 @@ def _validate(cfg: RecipeConfig) -> None:
     need(cfg.logging.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
          "must be offline, online or disabled")
     need(cfg.rollout.latent_format in ("native", "fp8"), "rollout.latent_format", "must be native or fp8")
+    need(cfg.rollout.decode_graphs in ("auto", "off", "static", "cuda"), "rollout.decode_graphs",
+         f"must be auto, off, static or cuda, got {cfg.rollout.decode_graphs!r}")
     need(cfg.model.kernel_mode in ("bitwise", "fast"), "model.kernel_mode",
          f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), "
          f"got {cfg.model.kernel_mode!r}")

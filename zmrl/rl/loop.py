@@ -48,7 +48,7 @@ class RLRunner:
         engine = EngineConfig(block_size=rc.block_size, num_blocks=rc.num_blocks, max_num_seqs=rc.max_num_seqs,
                               max_num_batched_tokens=rc.max_num_batched_tokens,
                               enable_prefix_caching=rc.enable_prefix_caching, latent_format=rc.latent_format,
-                              kernel_mode=cfg.model.kernel_mode)
+                              kernel_mode=cfg.model.kernel_mode, decode_graphs=rc.decode_graphs)
         trainer_args = (self.model_path, cfg.model.dtype, lora, tc.lr, tc.weight_decay, tc.micro_batch_tokens,
                         rc.latent_format, tc.num_threads, cfg.model.kernel_mode)
         rollout_args = (self.model_path, cfg.model.dtype, lora, engine, tc.num_threads)

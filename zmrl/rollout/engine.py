@@ -23,6 +23,7 @@ from zmrl.model.context import KDASeqState, SequenceState
 from zmrl.model.kda import KimiDeltaAttention
 
 from .block_manager import BlockManager, block_hash
+from .graph_runner import DECODE_GRAPH_MODES, DecodeGraphRunner
 from .sampling import SamplingParams, request_key, sample
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,12 @@ class EngineConfig:
     # mode, which is "bitwise" unless set_mode changed it. The trainer must use the same mode (the
     # recipe's model.kernel_mode sets both).
     kernel_mode: str | None = None
+    # Decode steps (one new token per sequence) through the fixed-shape path of graph_runner.py:
+    # "cuda" captures one CUDA graph per (batch, context) bucket and replays it (needs the model on a GPU);
+    # "static" runs the same fixed-shape code without capture (any device: tests, debugging); "off" runs
+    # decode like prefill; "auto" (default) is "cuda" for a model on a GPU, else "off". Bitwise the same
+    # tokens and log-probs in every setting.
+    decode_graphs: str = "auto"
 
     def validate(self) -> "EngineConfig":
         for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -61,6 +68,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kernel_mode must be None (follow the process mode) or one of "
                              f"{', '.join(map(repr, KERNEL_MODES))} ('bitwise' = rollout/trainer log-prob parity), "
                              f"got {self.kernel_mode!r}")
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(f"EngineConfig.decode_graphs must be one of {', '.join(map(repr, DECODE_GRAPH_MODES))}, "
+                             f"got {self.decode_graphs!r}")
         return self
 
 
@@ -99,6 +109,15 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """len(tokens) without building the list (hot path: called for every request every step)."""
+        return len(self.prompt) + len(self.output)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.output[i - n]
+
+    @property
     def num_computed(self) -> int:
         return self.seq.num_tokens
 
@@ -114,8 +133,19 @@ class RolloutEngine:
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
         self.block_size = self.config.block_size
         self.blocks = BlockManager(self.config.num_blocks, self.block_size, self.config.enable_prefix_caching)
-        self.cache = ModelCache(mcfg, num_pages=self.config.num_blocks, page_size=self.block_size,
+        self.decode_graphs = self.config.decode_graphs
+        if self.decode_graphs == "auto":
+            self.decode_graphs = "cuda" if model.device.type == "cuda" else "off"
+        graphs = self.decode_graphs != "off"
+        # With decode graphs the store has one more page than the block manager hands out: the scratch page
+        # that a padded batch's dummy rows write to.
+        self.cache = ModelCache(mcfg, num_pages=self.config.num_blocks + graphs, page_size=self.block_size,
                                 dtype=model.dtype, device=model.device, latent_format=self.config.latent_format)
+        self.graphs = (DecodeGraphRunner(
+            model, self.cache.store, scratch_page=self.config.num_blocks, max_num_seqs=self.config.max_num_seqs,
+            max_pages=min(self.config.num_blocks, -(-self.max_model_len // self.block_size)),
+            mode=self.decode_graphs, latent_format=self.config.latent_format,  # type: ignore[arg-type]
+        ) if graphs else None)
         # Keys of the per-request KDA states: the layer index, or (layer, virtual shard) for a model
         # sharded by zmrl.parallel (each shard of heads keeps its own state).
         self.kda_layers = [m.layer_idx for m in model.modules() if isinstance(m, KimiDeltaAttention)]
@@ -223,6 +253,8 @@ class RolloutEngine:
         """Free everything the request holds; it recomputes prompt + output so far when rescheduled."""
         self.blocks.release(req.seq.pages)
         req.seq.reset()
+        if self.graphs is not None:
+            self.graphs.release(req.request_id)
         req.hashes = []
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -259,7 +291,7 @@ class RolloutEngine:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.tokens) - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget)
             preempted_self = False
             while self._blocks_needed(req, n) > self.blocks.num_free:
                 victim = self.running[-1]
@@ -277,7 +309,7 @@ class RolloutEngine:
             req = self.waiting[0]
             if req.num_computed == 0 and not req.seq.pages:
                 self._apply_prefix_cache(req)
-            n = min(len(req.tokens) - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget)
             if self._blocks_needed(req, n) > self.blocks.num_free:
                 if req.seq.pages:  # give prefix-cache references back while it waits
                     self.blocks.release(req.seq.pages)
@@ -319,24 +351,59 @@ class RolloutEngine:
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[tuple[Request, int]]) -> None:
+        decode = self._graph_decodes(batch)
+        in_graph = {id(r) for r in decode}
+        eager = [(r, n) for r, n in batch if id(r) not in in_graph]
+        ready: list[Request] = []  # requests whose next token gets sampled, in the order of ``parts``' rows
+        parts: list[torch.Tensor] = []
+        if eager:
+            reqs, logits = self._forward_eager(eager)
+            ready += reqs
+            parts.append(logits)
+        if decode:
+            logits = self.graphs.run(decode)
+            for r in decode:
+                r.seq.num_tokens += 1
+                if self.config.enable_prefix_caching and r.num_computed % self.block_size == 0:
+                    self.graphs.snapshot(r)
+                self._register_blocks(r)
+            ready += decode
+            parts.append(logits)
+        if ready:
+            self._sample(ready, parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def _graph_decodes(self, batch: list[tuple[Request, int]]) -> list[Request]:
+        """The batch's decode rows (one token, the last one) when the graph runner takes them."""
+        if self.graphs is None:
+            return []
+        decode = [r for r, n in batch if n == 1 and r.num_computed == r.num_tokens - 1]
+        return decode if self.graphs.accepts(decode) else []
+
+    def _forward_eager(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
+        """Varlen forward of any mix of prefill chunks and decodes; logits of the rows that finished their tokens."""
+        if self.graphs is not None:
+            for r, _ in batch:
+                self.graphs.evict(r)
         reqs = [r for r, _ in batch]
         lens = [n for _, n in batch]
         ctx = self.cache.context([r.seq for r in reqs], lens, record_snapshots=self.config.enable_prefix_caching,
                                  allocate=False)
-        ids = torch.tensor([t for r, n in batch for t in r.tokens[r.num_computed:r.num_computed + n]],
+        ids = torch.tensor([r.token_at(i) for r, n in batch for i in range(r.num_computed, r.num_computed + n)],
                            dtype=torch.int64, device=self.model.device)
         hidden = self.model(ids, ctx)
         for r, n in batch:
             r.seq.num_tokens += n
             self._register_blocks(r)
-        rows = [j for j, r in enumerate(reqs) if r.num_computed == len(r.tokens)]
+        rows = [j for j, r in enumerate(reqs) if r.num_computed == r.num_tokens]
         if not rows:
-            return
+            return [], hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
         last = ctx.cu_seqlens[1:][torch.tensor(rows, device=ctx.cu_seqlens.device)] - 1
-        logits = self.model.compute_logits(hidden[last])
+        return [reqs[j] for j in rows], self.model.compute_logits(hidden[last])
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sample each request's next token from its logits row (forking n > 1 requests first)."""
         samplers: list[tuple[Request, int]] = []  # (request, row of logits)
-        for row, j in enumerate(rows):
-            r = reqs[j]
+        for row, r in enumerate(reqs):
             samplers.append((r, row))
             if r.fork_ids:
                 samplers.extend((child, row) for child in self._fork(r))
@@ -348,14 +415,14 @@ class RolloutEngine:
         if not ok:
             return
         tokens, lps = sample(logits[[row for _, row in ok]], [r.params for r, _ in ok], [r.key for r, _ in ok],
-                             [len(r.tokens) for r, _ in ok])
+                             [r.num_tokens for r, _ in ok])
         for (r, _), t, lp in zip(ok, tokens.tolist(), lps):
             r.output.append(t)
             r.logprobs.append(lp.reshape(1))
             p = r.params
             if t in p.stop_token_ids:
                 self._drop(r, "stop")
-            elif len(r.output) >= p.max_tokens or len(r.tokens) >= self.max_model_len:
+            elif len(r.output) >= p.max_tokens or r.num_tokens >= self.max_model_len:
                 self._drop(r, "length")
 
     def _register_blocks(self, r: Request) -> None:
@@ -380,6 +447,8 @@ class RolloutEngine:
     def _fork(self, parent: Request) -> list[Request]:
         """Siblings of an n > 1 request share the prompt's full blocks and copy its partial last block."""
         children = []
+        if self.graphs is not None:
+            self.graphs.evict(parent)  # the children copy its KDASeqState
         for cid in parent.fork_ids:
             child = Request(cid, parent.prompt, parent.params)
             n_full = parent.num_computed // self.block_size
@@ -405,6 +474,8 @@ class RolloutEngine:
     def _drop(self, r: Request, reason: str, error: str | None = None) -> None:
         self.blocks.release(r.seq.pages)
         r.seq.reset()
+        if self.graphs is not None:
+            self.graphs.release(r.request_id)
         if r in self.running:
             self.running.remove(r)
         self._finish(r, reason, error)

@@ -371,7 +371,7 @@ def test_fast_backend(device, interpret):
         o_t, st_t, _ = kda_chunk.impls["torch"](q, k, v, g, beta, cu, initial_state=s0)
         assert torch.equal(o, o_t) and torch.equal(st, st_t)
         return
-    from zmrl.kernels_batch_invariant.triton.kda_chunk import _fla_chunk_kda
+    from zmrl.kernels_batch_invariant.kda.chunk import _fla_chunk_kda
     # fla runs on bf16 q, k, v (cast from fp32) and keeps A and the chunk states in bf16: ~1e-3..1e-2
     # relative; 2e-2 is the bf16-operand budget. Without fla the fallback is the Triton path (2e-5).
     assert_close_to_ref(o, st, o_ref, st_ref, rel=2e-2 if _fla_chunk_kda() is not None else REL)

@@ -26,6 +26,10 @@ padding (decode re-running the current chunk):
 The state advances only through complete chunks; a trailing partial chunk is evaluated (its rows
 are returned) but the returned state is the one at its start. Everything is fp32 (fp64 when the
 inputs are fp64, for gradcheck).
+
+``kda_chunk_step`` (end of this file) is the fixed-shape decode entry for CUDA graphs: every sequence
+brings exactly one 64-row chunk with a device tensor of real-row counts, and gets kda_chunk's bits
+for that partial chunk (the argument above) with no host reads.
 """
 from __future__ import annotations
 
@@ -377,3 +381,139 @@ def kda_chunk_fast(
         idx, out, _ = run(tail, [(cu[s] + full[s], cu[s + 1]) for s in tail], final[tail])
         o = o.index_copy(0, idx, out.to(o.dtype))
     return o, final, None
+
+
+# --------------------------------------------------------------------------------------- decode step
+
+
+def _check_step_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     num_rows: torch.Tensor, state: torch.Tensor) -> tuple[int, int, int, int]:
+    """Shape / dtype / device checks of ``kda_chunk_step`` from host metadata only (no device reads);
+    returns (N, H, dk, dv)."""
+    c = CHUNK_SIZE
+    if q.dim() != 4 or q.shape[1] != c:
+        raise ValueError(f"kda_chunk_step: q must be [N, {c}, H, dk], got {tuple(q.shape)}")
+    n, _, h, dk = q.shape
+    if (k.shape != q.shape or g.shape != q.shape or v.dim() != 4 or v.shape[:3] != (n, c, h)
+            or beta.shape != (n, c, h)):
+        raise ValueError(f"kda_chunk_step: bad shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} "
+                         f"g{tuple(g.shape)} beta{tuple(beta.shape)}")
+    dv = v.shape[-1]
+    if state.shape != (n, h, dk, dv):
+        raise ValueError(f"kda_chunk_step: state {tuple(state.shape)} != {(n, h, dk, dv)}")
+    if num_rows.shape != (n,) or num_rows.dtype.is_floating_point or num_rows.dtype.is_complex \
+            or num_rows.dtype == torch.bool:
+        raise ValueError(f"kda_chunk_step: num_rows must be an integer [N={n}] tensor, got "
+                         f"{num_rows.dtype} {tuple(num_rows.shape)}")
+    if num_rows.device != q.device:
+        # A host tensor here would be a per-call host->device copy (not capturable in a CUDA graph).
+        raise ValueError(f"kda_chunk_step: num_rows is on {num_rows.device}, q on {q.device}")
+    if num_rows.device.type == "cpu" and n and not bool(((num_rows >= 1) & (num_rows <= c)).all()):
+        # Checked on CPU only: on a GPU this would be a host sync.
+        raise ValueError(f"kda_chunk_step: num_rows must be in 1..{c}, got {num_rows.tolist()}")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta, state)):
+        raise RuntimeError("kda_chunk_step is a decode-only forward without autograd: call it under "
+                           "torch.no_grad() / torch.inference_mode() (the trainer uses kda_chunk)")
+    return n, h, dk, dv
+
+
+@invariant_op
+def kda_chunk_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_rows: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed-shape decode entry: each sequence's current chunk, re-run from its boundary state.
+
+    q, k, g: [N, 64, H, dk]; v: [N, 64, H, dv]; beta: [N, 64, H]; num_rows: [N] integer tensor on
+    the inputs' device, values in 1..64 (the real rows of each chunk); state: [N, H, dk, dv], the
+    state at each chunk's start; scale as in ``kda_chunk`` (default dk^-0.5).
+
+    Returns (o [N, 64, H, dv] in v.dtype, next_state [N, H, dk, dv] fp32). Row r < num_rows[i] of
+    o[i] is bitwise the row ``kda_chunk`` returns for sequence i's num_rows[i]-row segment
+    (``cu_seqlens = [0, num_rows[i]]``, ``initial_state = state[i]``) on the same backend; rows
+    >= num_rows[i] are exact zeros. next_state[i] is bitwise ``kda_chunk``'s final state of that
+    segment: the state advanced through the chunk when num_rows[i] == 64, else ``state[i]``.
+
+    Input rows >= num_rows[i] are ignored (masked to zero here, masked loads in the Triton kernel),
+    so the caller's pad rows may hold anything. Shapes are fixed by (N, H, dk, dv) and nothing is
+    read back to the host (on the GPU: no sync, every table built on the device), so the Triton
+    backend can be captured in a CUDA graph. Values of num_rows outside 0..64 are clamped there
+    (unchecked on the GPU, where a check would sync; 0 = an empty chunk: zeros, state unchanged).
+
+    Why the bits equal ``kda_chunk``'s, which builds the same [H, 64, d] zero-padded chunk batch
+    (see the module docstring): the intra-chunk part here always runs all 64 rows (``n_rows = 64``)
+    where ``kda_chunk`` stops at the segment's ``r`` real rows, but entry (i, j) of A_qk, A_kk and
+    row i of the solve X depend on rows <= i only (explicit scan for gc, per-16-row-block products
+    of fixed shape, row-by-row substitution), so rows < r are the same arithmetic on the same
+    values; the extra rows >= r computed here are built from all-zero inputs, so they (and their
+    rows of U, W, v_e) are (signed) zeros, exactly what ``kda_chunk`` pads with. Every remaining
+    product is a ``bmm_fixed`` of per-(chunk, head) shape fixed by the model dims, whose row i
+    reads row i of the left operand and, through exact zeros (A_qk[i, j > i] = 0), nothing from the
+    right operand's rows > i that could change a nonzero sum. The batch is N*H (chunk, head) pairs
+    instead of H; ``bmm_fixed`` and the elementwise ops are batch-invariant (DESIGN §2), and the
+    operands are laid out contiguously exactly as ``kda_chunk``'s per-chunk gathers lay them out.
+    The state advance is computed for every sequence and selected with ``torch.where(num_rows ==
+    64, next, state)``: for a partial chunk the returned state is ``state``'s bits.
+
+    No autograd (decode runs under no_grad); raises if an input requires grad while grad is on.
+    """
+    n, h, dk, dv = _check_step_args(q, k, v, g, beta, num_rows, state)
+    c = CHUNK_SIZE
+    cdt = _compute_dtype(q.dtype)
+    scale = dk**-0.5 if scale is None else scale
+    dev = q.device
+    s_in = state.to(cdt).contiguous()
+    if n == 0:
+        return v.new_zeros(0, c, h, dv), s_in.clone()
+    rows_n = num_rows.clamp(0, c)
+    live = (torch.arange(c, device=dev)[None, :] < rows_n[:, None])[:, :, None, None]  # [N, 64, 1, 1]
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        """[N, 64, H, d] -> [N*H, 64, d] (sequence-major, head-minor), rows >= num_rows exactly 0:
+        the layout and values ``_to_chunks`` gives one sequence, for all sequences at once."""
+        x = torch.where(live, x.to(cdt), 0.0)
+        return x.permute(0, 2, 1, 3).reshape(-1, c, x.shape[-1])
+
+    qc = chunks(q) * scale
+    kc = chunks(k)
+    vc = chunks(v)
+    gc = _scan_rows(chunks(g))
+    bc = chunks(beta.unsqueeze(-1))
+    a_qk, w, u = _intra_chunk(qc, kc, vc, gc, bc, c)
+    # kda_chunk reads these through per-chunk gathers (contiguous copies); the same layout here.
+    w, u = w.contiguous(), u.contiguous()
+    q_dec = qc * torch.exp(gc)
+    g_last = gc[:, -1]
+    k_decT = (torch.exp(g_last[:, None, :] - gc) * kc).transpose(1, 2).contiguous()
+    s_decay = torch.exp(g_last).unsqueeze(-1)
+    s_flat = s_in.reshape(-1, dk, dv)
+    v_e = u - bmm_fixed(w, s_flat)
+    o_c = bmm_fixed(q_dec, s_flat) + bmm_fixed(a_qk, v_e)
+    s_next = s_decay * s_flat + bmm_fixed(k_decT, v_e)
+    full = (rows_n == c).view(n, 1, 1, 1)
+    next_state = torch.where(full, s_next.view(n, h, dk, dv), s_in)
+    o = torch.where(live, o_c.view(n, h, c, dv).permute(0, 2, 1, 3), 0.0)
+    return o.to(v.dtype).contiguous(), next_state
+
+
+@kda_chunk_step.register("fast")
+def kda_chunk_step_fast(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_rows: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """'fast' mode has no stock kernel for the fixed-shape step: it runs the bitwise path (Triton on
+    CUDA where registered, the torch composition elsewhere), which is capturable either way."""
+    impl = kda_chunk_step.impls.get("triton") if q.device.type == "cuda" else None
+    return (impl or kda_chunk_step.impls["torch"])(q, k, v, g, beta, num_rows, state, scale)

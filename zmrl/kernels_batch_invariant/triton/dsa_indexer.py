@@ -14,6 +14,10 @@ process and with a warning, to an fp32 tf32 dot over the same exact values (the 
 either way; the choice is deterministic for a given GPU and Triton, hence the same in the rollout and
 trainer processes).
 
+Static width (CUDA-graph decode): with ``kv_len`` the output is ``[Q, kv_len]`` and the grid
+``(Q, cdiv(kv_len, KEYS_PER_PROGRAM))`` follows from host shapes alone (no ``.item()``); programs
+past a query's position store -inf, the others compute exactly what they compute without it.
+
 ``dsa_topk``: batches of at least ``TOPK_MIN_ROWS`` rows run the kernel below, smaller ones torch's
 stable sort (both exact, hence identical). Kernel: one program per row. The fp32 scores are mapped to order-preserving int32 keys
 (``-0.0`` folded onto ``+0.0`` first, because torch's sort treats them as equal); a 32-step bitwise
@@ -35,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..dsa_indexer import dsa_index_scores, dsa_topk
-from ..mla_attention import KEY_BLOCK
+from ..mla_attention import KEY_BLOCK, key_width
 from ._common import INTERPRET, cdiv
 from ._autograd import with_reference_backward
 
@@ -166,15 +170,16 @@ def _next_pow2(n: int) -> int:
 @with_reference_backward(dsa_index_scores.impls["torch"])
 def dsa_index_scores_triton(q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor,
                             k8_cache: torch.Tensor, k_scale_cache: torch.Tensor, block_table: torch.Tensor,
-                            seq_idx: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
-    """Causal FP8 index scores ``[Q, max(query_pos) + 1]`` fp32 (see the module docstring)."""
+                            seq_idx: torch.Tensor, query_pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+    """Causal FP8 index scores ``[Q, max(query_pos) + 1]`` (``[Q, kv_len]`` when given) fp32 (see the
+    module docstring)."""
     global _fp8_dot_ok
     nq, hi, di = q8.shape
     num_pages, page_size, dk = k8_cache.shape
     if dk != di:
         raise ValueError(f"dsa_index_scores: q8 head dim {di} != key cache dim {dk}")
     qp = query_pos.to(torch.int64).contiguous()
-    width = int(qp.max().item()) + 1 if nq else 0
+    width = key_width(qp, kv_len)
     out = torch.empty((nq, width), dtype=torch.float32, device=q8.device)
     if nq == 0 or width == 0:
         return out

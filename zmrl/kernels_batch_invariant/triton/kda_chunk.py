@@ -43,6 +43,14 @@ The precision changes the bits but not the invariance: it is a compile-time cons
 read once at import, so the rollout and trainer processes must run with the same value (the
 default unless someone sets it).
 
+Decode step (``kda_chunk_step``, the CUDA-graph entry): the same two kernels on a fixed layout, N
+chunks of 64 rows, sequence i's chunk at rows [64 i, 64 i + num_rows[i]) of the [N*64, H, d] inputs.
+Its tables (chunk/sequence start = 64 i, rows = length = num_rows, chunk id = i) are built with torch
+ops on the device from ``num_rows``, the grids from (N, H, dk, dv): nothing is read back to the host,
+so the call can be captured. Sequence i's program runs exactly what ``kda_chunk`` runs for a one-chunk
+segment of num_rows[i] rows (same kernels, constexprs and launch config, masks from num_rows), hence
+the same bits; ``o`` is zero-filled first, so its rows >= num_rows are exact zeros.
+
 Autograd: the forward is the kernel; the backward differentiates the torch composition
 (``with_reference_backward``), mathematically the same function. fp64 inputs (gradcheck) run the
 torch backend.
@@ -56,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kda.chunk import CHUNK_SIZE, kda_chunk
+from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step
 from ._common import cdiv, next_pow2
 from ._autograd import with_reference_backward
 
@@ -209,7 +217,8 @@ def _kda_intra_kernel(
 def _kda_inter_kernel(
     qg_ptr, kd_ptr, aqk_ptr, w_ptr, u_ptr, dec_ptr,  # scratch written by _kda_intra_kernel
     h0_ptr, o_ptr, ht_ptr, cs_ptr,  # [N, H, dk, dv] in, [T, H, dv] out, [N, H, dk, dv], [NCC, H, dk, dv]
-    cu_ptr, seq_chunk0_ptr, seq_complete0_ptr,  # [N+1] token offsets, [N] first chunk / complete chunk ids
+    seq_tok0_ptr, seq_len_ptr,  # [N] first token and number of tokens of each sequence
+    seq_chunk0_ptr, seq_complete0_ptr,  # [N] first chunk / complete chunk ids
     H,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, HAS_H0: tl.constexpr, STORE_CS: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -219,9 +228,10 @@ def _kda_inter_kernel(
     s = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    bos = tl.load(cu_ptr + s).to(tl.int64)
-    eos = tl.load(cu_ptr + s + 1).to(tl.int64)
-    n = eos - bos
+    # Start and length as separate tables (not cu_seqlens): the decode step's sequences sit at fixed
+    # 64-row slots (start 64 i, length num_rows[i]), with gaps between them.
+    bos = tl.load(seq_tok0_ptr + s).to(tl.int64)
+    n = tl.load(seq_len_ptr + s).to(tl.int64)
     n_chunks = ((n + C - 1) // C).to(tl.int32)
     chunk0 = tl.load(seq_chunk0_ptr + s).to(tl.int64)
     comp0 = tl.load(seq_complete0_ptr + s).to(tl.int64)
@@ -299,7 +309,8 @@ class _ChunkTables:
     chunk_rows: torch.Tensor  # [NC] real rows of each chunk (1..64)
     seq_chunk0: torch.Tensor  # [N] id of each sequence's first chunk
     seq_complete0: torch.Tensor  # [N] id of each sequence's first complete chunk
-    cu: torch.Tensor  # [N+1]
+    seq_tok0: torch.Tensor  # [N] first token of each sequence
+    seq_len: torch.Tensor  # [N] tokens of each sequence
     n_chunks: int
     n_complete: int
 
@@ -325,8 +336,9 @@ def _tables(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> _Chun
     def dev(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
 
-    return _ChunkTables(dev(chunk_tok), dev(chunk_rows), dev(seq_chunk0), dev(seq_complete0), dev(cu),
-                        len(chunk_tok), acc_c)
+    cu_d = dev(cu)
+    return _ChunkTables(dev(chunk_tok), dev(chunk_rows), dev(seq_chunk0), dev(seq_complete0), cu_d[:-1],
+                        cu_d[1:] - cu_d[:-1], len(chunk_tok), acc_c)
 
 
 def _pow2(n: int) -> int:
@@ -392,6 +404,20 @@ def kda_chunk_triton_forward(
         return o, final, chunk_states
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    _launch(q, k, v, g, beta, tab, h0, o, final, chunk_states, scale)
+    return o, final, chunk_states
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            tab: _ChunkTables, h0: torch.Tensor | None, o: torch.Tensor, final: torch.Tensor,
+            chunk_states: torch.Tensor | None, scale: float) -> None:
+    """Both kernels over the chunks and sequences of ``tab`` (packed contiguous [T, H, d] inputs, fp32
+    contiguous ``h0``); writes ``o`` (rows of real tokens only), ``final`` and ``chunk_states``. The
+    grid and every launch parameter come from host shapes (N, chunk count, H, dk, dv) only."""
+    h, dk = q.shape[1], q.shape[2]
+    dv = v.shape[-1]
+    n = final.shape[0]
+    dev = q.device
     cfg = _launch_config(dk, dv)
     c = CHUNK_SIZE
     nc = tab.n_chunks
@@ -409,12 +435,11 @@ def kda_chunk_triton_forward(
     _kda_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
         qg, kd, a_qk, w, u, dec,
         h0 if h0 is not None else final, o, final, chunk_states if chunk_states is not None else final,
-        tab.cu, tab.seq_chunk0, tab.seq_complete0, h,
+        tab.seq_tok0, tab.seq_len, tab.seq_chunk0, tab.seq_complete0, h,
         DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, HAS_H0=h0 is not None,
         STORE_CS=chunk_states is not None, DOT_PREC=DOT_PRECISION,
         num_warps=cfg["inter_warps"], num_stages=1,
     )
-    return o, final, chunk_states
 
 
 @kda_chunk.register("triton")
@@ -432,3 +457,44 @@ def kda_chunk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``kda_chunk`` on the GPU: Triton forward, backward through the torch composition."""
     return kda_chunk_triton_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
+
+
+@kda_chunk_step.register("triton")
+def kda_chunk_step_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_rows: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kda_chunk_step`` on the GPU (see its docstring; no autograd). CUDA-graph capturable: no host
+    reads of device values, every table built on the device, the grid from N, H, dk, dv only."""
+    n, h, dk, dv = _check_step_args(q, k, v, g, beta, num_rows, state)
+    if q.dtype == torch.float64:  # the kernels are fp32; fp64 only comes from reference checks
+        return kda_chunk_step.impls["torch"](q, k, v, g, beta, num_rows, state, scale)
+    c = CHUNK_SIZE
+    dev = q.device
+    scale = dk**-0.5 if scale is None else float(scale)
+    if n * c >= 2**31:
+        raise ValueError("kda_chunk_step (triton): more than 2^31 rows")
+    o = torch.zeros(n, c, h, dv, dtype=v.dtype, device=dev)  # the kernel writes rows < num_rows only
+    final = torch.empty(n, h, dk, dv, dtype=torch.float32, device=dev)
+    if n == 0:
+        return o, final
+    # Out-of-range counts would make the kernels read/write a neighbour's slot (or beyond the last);
+    # clamping on the device costs no sync.
+    rows = num_rows.clamp(0, c).to(torch.int32)
+    seq = torch.arange(n, dtype=torch.int32, device=dev)
+    tok0 = seq * c
+    # n_chunks / n_complete only size the scratch (N chunks) and the unused chunk-state output.
+    tab = _ChunkTables(chunk_tok=tok0, chunk_rows=rows, seq_chunk0=seq, seq_complete0=seq, seq_tok0=tok0,
+                       seq_len=rows, n_chunks=n, n_complete=0)
+    q2, k2, g2 = (x.reshape(n * c, h, dk).contiguous() for x in (q, k, g))
+    v2 = v.reshape(n * c, h, dv).contiguous()
+    b2 = beta.reshape(n * c, h).contiguous()
+    h0 = state.to(torch.float32).contiguous()
+    _launch(q2, k2, v2, g2, b2, tab, h0, o.view(n * c, h, dv), final, None, scale)
+    return o, final

@@ -14,9 +14,13 @@ adds the bias in fp32 and rounds once to the output dtype. Why a row's bits do n
   loaded as exact zeros, which add nothing.
 * M (and the per-tile row bounds of the grouped mode) are runtime values that Triton must not
   specialise on (``do_not_specialize``), so M=1 does not compile a different kernel.
-* ``expert_linear`` runs the same kernel body over a host-built tile table (each tile's expert and
-  row range; tiles never straddle two experts) with the config of ``linear`` for the expert's
-  (N, K): a row's result equals Triton ``linear(row, weights[e])`` bitwise.
+* ``expert_linear`` runs the same kernel body over expert tiles (each tile's expert and row range;
+  tiles never straddle two experts) with the config of ``linear`` for the expert's (N, K): a row's
+  result equals Triton ``linear(row, weights[e])`` bitwise. Each program finds its tile from the
+  E+1 row offsets in the kernel (no host-built table), so the offsets may stay on the device: the
+  grid is then the fixed upper bound ``M // BLOCK_M + min(E, M)`` tiles and programs past the live
+  tile count exit at once (CUDA-graph capture, docs/cuda_graph_decode.md item 7). Host offsets take
+  the same kernel with the exact tile count as grid, so both give the same bits.
 
 Operand precision: bf16/fp16 x bf16/fp16 (same dtype) uses tensor-core dots with fp32 accumulation
 (the products are exact in fp32). fp32 activations against bf16 weights (MLA's fp32 attention output
@@ -47,7 +51,10 @@ all expert weights per call) or caching a stacked copy (doubles expert memory an
 on every optimizer step), the kernel gets the element offset of each expert's weight from the
 lowest-addressed one: an int64 table of E entries, cached keyed on the weights' addresses (the table
 is a function of the addresses alone, so the cache can never be stale). Expert parallelism can pass
-its local experts' weights and offsets unchanged.
+its local experts' weights and offsets unchanged. A table used while a CUDA graph is being captured
+is pinned in the cache for the life of the process (the graph keeps reading its address); a table
+missing during capture is an error (warm the call up eagerly first, as capture requires anyway).
+Stacked ``[E, N, K]`` weights need no table: expert e's weight is ``e * stride(0)`` elements on.
 
 ``bmm_fixed`` uses the same kernel with tiles chosen from its per-matrix shape (m, n, k), which the
 op's contract fixes by the model; the batch count never enters.
@@ -104,8 +111,12 @@ class GemmConfig:
         return cls(bm, bn, bk, int(w.lstrip("w")), int(s.lstrip("s")))
 
 
-# Row-count buckets: up to DECODE_M the decode configs (parallelism over N); up to LARGE_M 128x128
-# tiles; above it 256x128 (best for nearly every bench shape at M=4096 in the 2026-11-29 H200 sweep).
+# Row-count buckets: up to SMALL_M one 16-row tile (CUDA-graph device time 15-20 % under the 64-row tiles
+# for every bench shape at M = 1 and 16 in the 2026-11-30 H200 sweep; a 128-wide K step was faster still but
+# BLOCK_K must stay 64 in every bucket: an fp32 x split into three bf16 parts takes three dots per K step,
+# so the step size sets its accumulation order); up to DECODE_M the decode configs (parallelism over N); up to LARGE_M 128x128 tiles;
+# above it 256x128 (best for nearly every bench shape at M=4096 in the 2026-11-29 H200 sweep).
+SMALL_M = 16
 DECODE_M = 64
 LARGE_M = 1024
 
@@ -118,12 +129,14 @@ def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
     Benchmarks may replace this module-level function to try other configs; it is looked up at
     every call.
     """
-    return _linear_config(n, dtype, 0 if m <= DECODE_M else (1 if m < LARGE_M else 2))
+    return _linear_config(n, dtype, -1 if m <= SMALL_M else (0 if m <= DECODE_M else (1 if m < LARGE_M else 2)))
 
 
 @functools.lru_cache(maxsize=1024)
 def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
     if dtype in _HALF:
+        if bucket == -1:
+            return GemmConfig(16, 32, 64, 4, 4)
         if bucket == 2:
             return GemmConfig(256, 128, 64, 8, 3)
         if bucket == 1:
@@ -157,31 +170,54 @@ def _interpreting() -> bool:
 @triton.jit(do_not_specialize=["M", "M_TILES"])
 def _gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
-    tiles_ptr, woff_ptr,
-    M, M_TILES, N, K,
+    offs_ptr, woff_ptr,
+    M, M_TILES, N, K, N_EXPERTS,
     stride_xg, stride_xm, stride_xk,
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, EXPERTS: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr,
-    SPLIT_X: tl.constexpr, INTERPRET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EXPERTS: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,
+    F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """y[g, m, n] = sum_k x[g, m, k] * w[g, n, k] (+ b[n]) for one [BLOCK_M, BLOCK_N] tile.
 
     Plain/batched mode (EXPERTS=False): program (g * M_TILES + pid_m, pid_n) owns rows
     pid_m*BLOCK_M.. of batch element g (linear: one element; grouped_linear/bmm_fixed: G elements;
     the batch shares grid dim 0 with the M tiles because dims 1 and 2 are limited to 65535).
-    Expert mode: program pid_m reads its tile (expert e, first row, end row) from ``tiles_ptr``
-    (int32 [T, 3]); expert e's weight starts ``woff_ptr[e]`` elements after ``w_ptr``.
+    Expert mode: ``offs_ptr`` holds the N_EXPERTS+1 row offsets (int32); expert e's rows
+    offs[e]:offs[e+1] are cut into BLOCK_M tiles from its first row, numbered expert after expert,
+    and program pid_m finds tile pid_m (expert, first row, end row) itself; programs past the last
+    tile exit. Expert e's weight starts ``woff_ptr[e]`` elements after ``w_ptr`` (W_TABLE) or
+    ``e * stride_wg`` elements (stacked weights).
     """
     pid_0 = tl.program_id(0)
     pid_n = tl.program_id(1)
     if EXPERTS:
         pid_m = pid_0
-        expert = tl.load(tiles_ptr + pid_m * 3)
-        row0 = tl.load(tiles_ptr + pid_m * 3 + 1)
-        row_end = tl.load(tiles_ptr + pid_m * 3 + 2)
-        woff = tl.load(woff_ptr + expert)
+        # Tile lookup over all experts at once (one lane per expert; BLOCK_E >= N_EXPERTS): a few
+        # vector ops on E integers, nothing next to the K loop. Offsets are clamped into [0, M] and
+        # made non-decreasing so that malformed device offsets (never checked on the host: that
+        # would sync) cannot address rows outside x and y; valid offsets pass unchanged.
+        lanes = tl.arange(0, BLOCK_E)
+        in_e = lanes < N_EXPERTS
+        lo = tl.load(offs_ptr + lanes, mask=in_e, other=0)
+        hi = tl.load(offs_ptr + lanes + 1, mask=in_e, other=0)
+        lo = tl.minimum(tl.maximum(lo, 0), M)
+        hi = tl.minimum(tl.maximum(hi, lo), M)
+        e_tiles = (hi - lo + (BLOCK_M - 1)) // BLOCK_M
+        e_tiles_end = tl.cumsum(e_tiles, axis=0)  # tile slots [end - tiles, end) belong to expert e
+        if pid_m >= tl.sum(e_tiles, axis=0):
+            return  # a slot of the fixed upper-bound grid that no tile needs
+        # the expert of slot pid_m: the number of experts whose slots all lie before it
+        expert = tl.sum((e_tiles_end <= pid_m).to(tl.int32), axis=0)
+        here = lanes == expert
+        first_slot = tl.sum(tl.where(here, e_tiles_end - e_tiles, 0), axis=0)
+        row0 = tl.sum(tl.where(here, lo, 0), axis=0) + (pid_m - first_slot) * BLOCK_M
+        row_end = tl.sum(tl.where(here, hi, 0), axis=0)
+        if W_TABLE:
+            woff = tl.load(woff_ptr + expert)
+        else:
+            woff = expert.to(tl.int64) * stride_wg
         if W_ALIGN > 1:
             # Every expert's weight starts on a 16-byte boundary (W_ALIGN elements from the base):
             # telling the compiler lets it vectorise the weight loads.
@@ -272,11 +308,27 @@ def _check_dtype(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"triton GEMM: {what} has unsupported dtype {t.dtype}")
 
 
+@dataclass(frozen=True)
+class _ExpertLaunch:
+    """Expert-mode arguments of ``_launch``.
+
+    offsets: int32 [E+1] row offsets on the device; woff: int64 [E] weight element offsets from the
+    base weight (per-expert weights) or None (stacked weights: expert e at ``e * stride(0)``);
+    align: guaranteed alignment of every expert's weight start, in elements; n_tiles: programs along
+    M (the exact tile count, or an upper bound: surplus programs exit)."""
+
+    offsets: torch.Tensor
+    woff: torch.Tensor | None
+    align: int
+    n_experts: int
+    n_tiles: int
+
+
 def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: torch.Tensor, cfg: GemmConfig,
-            m: int, n: int, k: int, *, experts: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+            m: int, n: int, k: int, *, experts: _ExpertLaunch | None = None) -> None:
     """Launch ``_gemm_kernel``. x3 [G, M, K], w3 [G, N, K] (any strides), y3 [G, M, N].
-    ``experts``: (tiles int32 [T, 3], weight offsets int64 [E], offset alignment in elements) for
-    expert mode, with x3/y3 of G=1 and w3 the lowest-address expert weight as [1, N, K]."""
+    ``experts``: expert mode, with x3/y3 of G=1 and w3 the lowest-address expert weight as
+    [1, N, K] (per-expert weights) or the stacked [E, N, K] weights."""
     _check_dtype(x3, "x")
     _check_dtype(w3, "weight")
     split = _split_x(x3.dtype, w3.dtype)
@@ -293,22 +345,27 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         return
     g = x3.shape[0]
     if experts is None:
-        tiles, woff, align = x3, x3, 1  # unused pointers (constexpr-disabled branch)
+        offs, woff, align, n_experts, block_e = x3, x3, 1, 1, 16  # unused (constexpr-disabled branch)
         m_tiles = cdiv(m, cfg.block_m)
         grid = (g * m_tiles, cdiv(n, cfg.block_n))
     else:
-        tiles, woff, align = experts
-        m_tiles = tiles.shape[0]
+        offs, align, n_experts = experts.offsets, experts.align, experts.n_experts
+        woff = experts.woff if experts.woff is not None else offs  # unused without W_TABLE
+        block_e = max(16, next_pow2(n_experts))  # a function of the expert count (model) only
+        m_tiles = experts.n_tiles
         grid = (m_tiles, cdiv(n, cfg.block_n))
+        if m_tiles == 0:
+            return
     _gemm_kernel[grid](
-        x3, w3, bias if bias is not None else x3, y3, tiles, woff,
-        m, m_tiles, n, k,
+        x3, w3, bias if bias is not None else x3, y3, offs, woff,
+        m, m_tiles, n, k, n_experts,
         x3.stride(0), x3.stride(1), x3.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
         y3.stride(0), y3.stride(1), y3.stride(2),
-        HAS_BIAS=bias is not None, EXPERTS=experts is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split,
+        HAS_BIAS=bias is not None, EXPERTS=experts is not None,
+        W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split,
         INTERPRET=_interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -490,76 +547,130 @@ def bmm_fixed_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------- expert_linear
-_WOFF_CACHE: "collections.OrderedDict[tuple, tuple[torch.Tensor, bool, int]]" = collections.OrderedDict()
+@dataclass(frozen=True)
+class _WeightTable:
+    """Cached per-expert weight offsets of one set of per-expert weights (see the module doc)."""
+
+    table: torch.Tensor  # int64 [E] element offsets from the base weight, on the device
+    align: int  # guaranteed alignment of every expert's weight start, in elements
+    base_index: int  # which expert's weight is the base (the lowest address)
+
+
+_WOFF_CACHE: "collections.OrderedDict[tuple, _WeightTable]" = collections.OrderedDict()
 _WOFF_CACHE_SIZE = 1024
+# Tables read by a captured CUDA graph: the graph holds their address, not a reference, so they must
+# outlive it; they are never evicted (E int64 each, a few per MoE layer).
+_WOFF_PINNED: dict[tuple, _WeightTable] = {}
 
 
-def _expert_weight_table(weights: _moe.Weights, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(base weight view [1, N, K], int64 element offsets [E] of every expert from the base, the
-    offsets' guaranteed alignment in elements).
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    The base is the expert weight at the lowest address, so all offsets are >= 0. All experts must
-    share dtype and strides (true for the model's experts and for a stacked tensor)."""
-    if isinstance(weights, torch.Tensor):
-        views = list(weights.unbind(0))
-    else:
-        views = list(weights)
+
+def _build_weight_table(views: list[torch.Tensor], ptrs: tuple[int, ...], device: torch.device) -> _WeightTable:
+    """Validate a weight set (once per set: every call afterwards hits the cache) and build its table."""
     w0 = views[0]
-    es = w0.element_size()
     for w in views:
+        if w.dim() != 2 or w.shape != w0.shape:
+            raise ValueError("expert_linear: every expert weight must be [N, K] with the same N, K")
         if w.dtype != w0.dtype or w.stride() != w0.stride() or w.device != w0.device:
             raise ValueError("expert_linear: expert weights must share dtype, strides and device")
+    es = w0.element_size()
+    base_i = min(range(len(ptrs)), key=ptrs.__getitem__)
+    deltas = [p - ptrs[base_i] for p in ptrs]
+    if any(d % es for d in deltas):
+        raise ValueError("expert_linear: expert weights are not element-aligned to each other")
+    # Weight loads vectorise when every expert starts on a 16-byte boundary: then every offset is a
+    # multiple of 16 bytes' worth of elements.
+    align = 16 // es if all(p % 16 == 0 for p in ptrs) and 16 % es == 0 else 1
+    table = torch.tensor([d // es for d in deltas], dtype=torch.int64, device=device)
+    return _WeightTable(table, align, base_i)
+
+
+def _expert_weight_table(weights: _moe.Weights, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(the kernel's weight base, int64 element offsets [E] of every expert from it or None, the
+    offsets' guaranteed alignment in elements).
+
+    Per-expert weights: the base is the expert weight at the lowest address as [1, N, K], so all
+    offsets are >= 0; all experts must share shape, dtype and strides (true for the model's experts).
+    The table is cached keyed on the weights' addresses (plus the first weight's dtype, shape,
+    strides and the device): a function of the key alone, so the cache is never stale, and it is
+    the same device tensor on every call, which is what a captured CUDA graph needs. Stacked
+    [E, N, K] weights: the base is the stack itself and no table is needed."""
+    if isinstance(weights, torch.Tensor):
+        es = weights.element_size()
+        aligned = (16 % es == 0 and weights.data_ptr() % 16 == 0
+                   and (weights.shape[0] == 1 or (weights.stride(0) * es) % 16 == 0))
+        return weights, None, 16 // es if aligned else 1
+    views = list(weights)
+    w0 = views[0]
     ptrs = tuple(w.data_ptr() for w in views)
-    key = (ptrs, w0.dtype, w0.stride(), str(device))
-    hit = _WOFF_CACHE.get(key)
+    key = (ptrs, w0.dtype, tuple(w0.shape), w0.stride(), w0.device)  # w0.device: always indexed (cuda:0)
+    hit = _WOFF_PINNED.get(key)
     if hit is None:
-        base_i = min(range(len(ptrs)), key=ptrs.__getitem__)
-        deltas = [p - ptrs[base_i] for p in ptrs]
-        if any(d % es for d in deltas):
-            raise ValueError("expert_linear: expert weights are not element-aligned to each other")
-        elems = [d // es for d in deltas]
-        # Weight loads vectorise when every expert starts on a 16-byte boundary: then every offset
-        # is a multiple of 16 bytes' worth of elements.
-        align = 16 // es if all(p % 16 == 0 for p in ptrs) and 16 % es == 0 else 1
-        table = torch.tensor(elems, dtype=torch.int64, device=device)
-        hit = (table, align, base_i)
-        _WOFF_CACHE[key] = hit
-        if len(_WOFF_CACHE) > _WOFF_CACHE_SIZE:
-            _WOFF_CACHE.popitem(last=False)
+        capturing = _capturing(device)
+        hit = _WOFF_CACHE.get(key)
+        if hit is None:
+            if capturing:
+                # building it now would record a copy from a temporary host buffer into the graph
+                raise RuntimeError("expert_linear: this set of expert weights was never seen before CUDA-graph "
+                                   "capture; run the captured call once eagerly first (warm-up)")
+            hit = _build_weight_table(views, ptrs, device)
+            _WOFF_CACHE[key] = hit
+            if len(_WOFF_CACHE) > _WOFF_CACHE_SIZE:
+                _WOFF_CACHE.popitem(last=False)
+        else:
+            _WOFF_CACHE.move_to_end(key)
+        if capturing:
+            _WOFF_PINNED[key] = _WOFF_CACHE.pop(key)
+    return views[hit.base_index].unsqueeze(0), hit.table, hit.align
+
+
+def _expert_tiles(offsets: Sequence[int], block_m: int) -> int:
+    """Exact number of BLOCK_M tiles of host offsets (each expert's rows cut from its first row; a
+    tile never holds rows of two experts). The kernel finds each tile's expert and rows itself."""
+    return sum(cdiv(b - a, block_m) for a, b in zip(offsets, offsets[1:]))
+
+
+def _max_expert_tiles(m: int, n_experts: int, block_m: int) -> int:
+    """Upper bound of the tile count for any offsets of M rows over E experts, from host shapes only:
+    sum_e ceil(c_e / B) <= sum_e floor(c_e / B) + #{e: c_e > 0} <= M // B + min(E, M)."""
+    return m // block_m + min(n_experts, m)
+
+
+def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] | torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """``offsets``: a host list (validated here) or an integer tensor [E+1] on x's device (trusted:
+    reading its values would sync; the kernel clamps them into [0, M])."""
+    dev = offsets if isinstance(offsets, torch.Tensor) else None
+    if dev is None:
+        e, n, k = _moe.check_expert_args(x, weights, offsets, every_weight=False)
     else:
-        _WOFF_CACHE.move_to_end(key)
-    table, align, base_i = hit
-    return views[base_i].unsqueeze(0), table, align
-
-
-def _expert_tiles(offsets: list[int], block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 [T, 3] rows (expert, first row, end row): each expert's rows cut into BLOCK_M tiles from
-    its first row; a tile never holds rows of two experts."""
-    rows: list[int] = []
-    for e, (a, b) in enumerate(zip(offsets, offsets[1:])):
-        for r in range(a, b, block_m):
-            rows += (e, r, b)
-    return torch.tensor(rows, dtype=torch.int32).view(-1, 3).to(device)
-
-
-def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int], out_dtype: torch.dtype) -> torch.Tensor:
-    _, n, k = _moe.check_expert_args(x, weights, offsets)
+        e, n, k = _moe.check_expert_shapes(x, weights, dev.shape[0], every_weight=False)
     m = x.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     w_dtype = weights.dtype if isinstance(weights, torch.Tensor) else weights[0].dtype
+    # The config follows model dims and the M bucket (host shapes) only, as for linear.
     cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), m)
-    base, table, align = _expert_weight_table(weights, x.device)
-    tiles = _expert_tiles(offsets, cfg.block_m, x.device)
+    w3, woff, align = _expert_weight_table(weights, x.device)
+    if dev is None:
+        n_tiles = _expert_tiles(offsets, cfg.block_m)
+        offs = torch.tensor(offsets, dtype=torch.int32, device=x.device)
+    else:
+        # A fixed grid for a fixed M: capture-safe; surplus programs exit in the kernel.
+        n_tiles = _max_expert_tiles(m, e, cfg.block_m)
+        offs = dev if (dev.dtype == torch.int32 and dev.is_contiguous()) else dev.to(torch.int32).contiguous()
     xs = _rows(x, k)
-    _launch(xs.unsqueeze(0), base, None, y.unsqueeze(0), cfg, m, n, k, experts=(tiles, table, align))
+    _launch(xs.unsqueeze(0), w3, None, y.unsqueeze(0), cfg, m, n, k,
+            experts=_ExpertLaunch(offs, woff, align, e, n_tiles))
     return y
 
 
 class _ExpertLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, offsets: list[int], out_dtype: torch.dtype, stacked: bool,
+    def forward(ctx: Any, x: torch.Tensor, offsets: list[int] | torch.Tensor, out_dtype: torch.dtype, stacked: bool,
                 *weights: torch.Tensor) -> torch.Tensor:
         ws: _moe.Weights = weights[0] if stacked else list(weights)
         ctx.offsets, ctx.stacked, ctx.x_dtype = offsets, stacked, x.dtype
@@ -571,6 +682,9 @@ class _ExpertLinearFn(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         ws = weights[0] if ctx.stacked else weights
+        # Device offsets are read back here: the backward runs per expert on host row ranges (a sync;
+        # training steps are not captured in CUDA graphs).
+        offsets = _moe.as_offsets(ctx.offsets)
         cdt = _dot_dtype(ctx.x_dtype, ws[0].dtype)
         need_x = ctx.needs_input_grad[0]
         need_w = list(ctx.needs_input_grad[4:])
@@ -580,7 +694,7 @@ class _ExpertLinearFn(torch.autograd.Function):
             dws = [torch.zeros_like(weights[0]) if need_w[0] else None]
         else:
             dws = [torch.zeros_like(w) if nw else None for w, nw in zip(weights, need_w)]
-        for e, (a, b) in enumerate(zip(ctx.offsets, ctx.offsets[1:])):
+        for e, (a, b) in enumerate(zip(offsets, offsets[1:])):
             if b == a:
                 continue
             g = gy[a:b].to(cdt)
@@ -598,10 +712,15 @@ class _ExpertLinearFn(torch.autograd.Function):
 def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequence[int] | torch.Tensor,
                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Triton ``expert_linear``: all experts in one launch; a row's result equals Triton
-    ``linear(row, weights[e])`` bitwise."""
-    offs = _moe.as_offsets(offsets)
+    ``linear(row, weights[e])`` bitwise. Offsets as an integer tensor on x's device are never read
+    on the host (capture-safe forward); host lists / other tensors take the same kernel."""
+    dev = _moe.device_offsets(offsets, x)
+    offs: list[int] | torch.Tensor = dev if dev is not None else _moe.as_offsets(offsets)
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
-    if compute_in_fp64(x, *ws):
+    if not ws:
+        raise ValueError("expert_linear: no experts")
+    # Expert weights share one dtype (checked with the weight table), so the first one decides.
+    if compute_in_fp64(x, ws[0]):
         return expert_linear.impls["torch"](x, weights, offs, out_dtype)
     out_dtype = out_dtype or x.dtype
     if _needs_grad(x, *ws):

@@ -31,6 +31,14 @@ bits depend on nothing but its q, its key list and the key values):
   tile sizes spill tens of KB of registers). Under the Triton interpreter every dot runs on fp32 tiles
   (its bf16 dot is wrong).
 
+Static key width (CUDA-graph decode, ``kv_len`` given): the wrappers read no device value on the host
+and launch one grid over all queries whose shape follows from host shapes and ``kv_len`` only. The
+sparse path's list width is static already; the dense path takes ``cdiv(kv_len, SPLIT_KEYS)`` splits
+for every query instead of sizing them from max(query_pos). Splits past a query's position are empty
+(m = -inf, l = 0; acc is not written and the combine gives them weight exactly 0), and a query's
+non-empty splits are those it has without ``kv_len``; with one non-empty split the combine passes it
+through bit for bit (see above), so the output bits equal the ``kv_len=None`` ones.
+
 Launch configuration (BLOCK_H, num_warps, num_stages) depends only on the head count and the latent
 dims, never on the number of queries or keys; there is no autotuning.
 
@@ -53,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..mla_attention import KEY_BLOCK, _check_shapes, cache_slots, mla_attention, mla_attention_dense
+from ..mla_attention import KEY_BLOCK, _check_shapes, cache_slots, key_width, mla_attention, mla_attention_dense
 from ._common import INTERPRET, cdiv
 
 log = logging.getLogger(__name__)
@@ -276,8 +284,10 @@ def _mla_combine_kernel(
 
 def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_idx: torch.Tensor, key_positions: torch.Tensor | None, query_pos: torch.Tensor | None,
-                 softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Launch the split kernel (+ combine). Exactly one of key_positions (sparse) / query_pos (dense)."""
+                 softmax_scale: float, kv_lora_rank: int, kv_len: int | None = None) -> torch.Tensor:
+    """Launch the split kernel (+ combine). Exactly one of key_positions (sparse) / query_pos (dense).
+
+    Dense: the causal width is ``kv_len`` when given (no host read), else max(query_pos) + 1."""
     _check_shapes(q_lat, q_pe, kv_cache, kv_lora_rank)
     dense = key_positions is None
     nq, h, dc = q_lat.shape
@@ -303,7 +313,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     sidx = seq_idx.to(torch.int64).contiguous()
     if dense:
         qpos = query_pos.to(torch.int64).contiguous()
-        width = int(qpos.max().item()) + 1
+        width = key_width(qpos, kv_len)
         kp = qpos  # unused by the dense kernel; any int64 pointer
         kp_stride = 0
     else:
@@ -420,29 +430,29 @@ def _mla_backward(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tenso
 class _MLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, query_pos,  # type: ignore[override]
-                softmax_scale, kv_lora_rank):
+                softmax_scale, kv_lora_rank, kv_len=None):
         out = _mla_forward(q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, query_pos,
-                           softmax_scale, kv_lora_rank)
+                           softmax_scale, kv_lora_rank, kv_len)
         ctx.save_for_backward(q_lat, q_pe, kv_cache, block_table, seq_idx,
                               key_positions if key_positions is not None else query_pos)
         ctx.dense = key_positions is None
-        ctx.softmax_scale, ctx.kv_lora_rank = softmax_scale, kv_lora_rank
+        ctx.softmax_scale, ctx.kv_lora_rank, ctx.kv_len = softmax_scale, kv_lora_rank, kv_len
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q_lat, q_pe, kv_cache, block_table, seq_idx, kp = ctx.saved_tensors
         if ctx.dense:
-            kp = _dense_list(kp)
+            kp = _dense_list(kp, ctx.kv_len)
         need = tuple(ctx.needs_input_grad[:3])
         g = _mla_backward(grad_out, q_lat, q_pe, kv_cache, block_table, seq_idx, kp,
                           ctx.softmax_scale, ctx.kv_lora_rank, need)  # type: ignore[arg-type]
-        return (*g, None, None, None, None, None, None)
+        return (*g, None, None, None, None, None, None, None)
 
 
-def _dense_list(query_pos: torch.Tensor) -> torch.Tensor:
+def _dense_list(query_pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
     qp = query_pos.to(torch.int64)
-    width = int(qp.max().item()) + 1 if qp.numel() else 0
+    width = key_width(qp, kv_len)
     cols = torch.arange(width, dtype=torch.int64, device=qp.device).unsqueeze(0)
     return torch.where(cols <= qp.unsqueeze(-1), cols, torch.full_like(cols, -1))
 
@@ -454,14 +464,15 @@ def _needs_grad(*ts: torch.Tensor) -> bool:
 @mla_attention.register("triton")
 def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                          block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
-                         softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Sparse absorbed MLA over explicit key lists (see the module docstring)."""
+                         softmax_scale: float, kv_lora_rank: int, kv_len: int | None = None) -> torch.Tensor:
+    """Sparse absorbed MLA over explicit key lists (see the module docstring). The list width is
+    static, so the launch never reads a device value; ``kv_len`` changes nothing here."""
     if q_lat.dtype == torch.float64:  # float64 (gradchecks) keeps the torch backend's fp64 contract
         return mla_attention.impls["torch"](q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions,
-                                            softmax_scale, kv_lora_rank)
+                                            softmax_scale, kv_lora_rank, kv_len=kv_len)
     if _needs_grad(q_lat, q_pe, kv_cache):
         return _MLAFunction.apply(q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, None,
-                                  softmax_scale, kv_lora_rank)
+                                  softmax_scale, kv_lora_rank, None)
     return _mla_forward(q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, None,
                         softmax_scale, kv_lora_rank)
 
@@ -469,14 +480,14 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
 @mla_attention_dense.register("triton")
 def mla_attention_dense_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                                block_table: torch.Tensor, seq_idx: torch.Tensor, query_pos: torch.Tensor,
-                               softmax_scale: float, kv_lora_rank: int) -> torch.Tensor:
+                               softmax_scale: float, kv_lora_rank: int, kv_len: int | None = None) -> torch.Tensor:
     """Causal absorbed MLA walking positions 0..query_pos directly; bitwise the sparse kernel with the
-    key list 0..query_pos."""
+    key list 0..query_pos. With ``kv_len``: cdiv(kv_len, SPLIT_KEYS) splits, no host read, same bits."""
     if q_lat.dtype == torch.float64:
         return mla_attention_dense.impls["torch"](q_lat, q_pe, kv_cache, block_table, seq_idx, query_pos,
-                                                  softmax_scale, kv_lora_rank)
+                                                  softmax_scale, kv_lora_rank, kv_len=kv_len)
     if _needs_grad(q_lat, q_pe, kv_cache):
         return _MLAFunction.apply(q_lat, q_pe, kv_cache, block_table, seq_idx, None, query_pos,
-                                  softmax_scale, kv_lora_rank)
+                                  softmax_scale, kv_lora_rank, kv_len)
     return _mla_forward(q_lat, q_pe, kv_cache, block_table, seq_idx, None, query_pos,
-                        softmax_scale, kv_lora_rank)
+                        softmax_scale, kv_lora_rank, kv_len)

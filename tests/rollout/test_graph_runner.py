@@ -1,0 +1,188 @@
+"""Decode through the fixed-shape path (zmrl/rollout/graph_runner.py) gives the same tokens and
+log-probs, bit for bit, as the eager varlen path, however the batch is padded, whether a 64-token
+KDA chunk completes during static decode, across preemption, prefix-cache hits, forks and
+staggered arrivals.
+
+``decode_graphs="static"`` runs the captured code without capture (CPU CI); on a GPU the same tests
+run with ``"cuda"`` (capture + replay), selected by ``ZMRL_TEST_DEVICE=cuda``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zmrl.kernels_batch_invariant.logprob import token_logprobs
+from zmrl.model import ModelConfig, build_model, cu_seqlens_from_lens, forward_packed
+from zmrl.model.context import KDASeqState, SequenceState
+from zmrl.model.kda_pool import KDAStatePool
+from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
+from zmrl.rollout.graph_runner import buckets, bucket_of
+
+from tests.device import ON_CUDA, TEST_DEVICE
+
+GRAPHS = "cuda" if ON_CUDA else "static"
+MAX_TOKENS = 70  # crosses a 64-token chunk boundary while decoding for every prompt below
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def model(request):
+    return build_model(ModelConfig.preset("tiny"), seed=0, dtype=request.param, device=TEST_DEVICE).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 2048, (130,), generator=g).tolist()
+    # 1 token (decode from the first step), a chunk boundary right at the prompt end (64), mid-chunk
+    # lengths, longer than index_topk (sparse DSA), and a shared 128-token prefix
+    return [torch.randint(0, 2048, (n,), generator=g).tolist() for n in (1, 64, 37, 100)] + [
+        base, base[:128] + torch.randint(0, 2048, (9,), generator=g).tolist()]
+
+
+def _params(n: int, max_tokens: int = MAX_TOKENS) -> list[SamplingParams]:
+    kinds = [dict(temperature=1.0), dict(temperature=0.6, top_p=0.9), dict(temperature=0.0),
+             dict(temperature=1.0, top_k=20)]
+    return [SamplingParams(max_tokens=max_tokens, seed=10 + i, **kinds[i % len(kinds)]) for i in range(n)]
+
+
+def _run(model, prompts, params, ids=None, **cfg) -> tuple[dict, RolloutEngine]:
+    cfg.setdefault("num_blocks", 48)
+    engine = RolloutEngine(model, EngineConfig(**cfg))
+    outs = engine.generate(prompts, params, request_ids=ids)
+    return {o.request_id: (o.token_ids, o.logprobs, o.finish_reason) for o in outs}, engine
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid][2] == b[rid][2], f"request {rid}: finish reason differs"
+        assert a[rid][0] == b[rid][0], f"request {rid}: tokens differ"
+        assert torch.equal(a[rid][1], b[rid][1]), f"request {rid}: log-probs differ"
+
+
+@pytest.fixture(scope="module")
+def eager(model, prompts):
+    out, _ = _run(model, prompts, _params(len(prompts)), decode_graphs="off")
+    return out
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(6) == [1, 2, 4, 6]
+    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert bucket_of(3, buckets(6)) == 4 and bucket_of(5, buckets(6)) == 6
+
+
+def test_static_decode_equals_eager(model, prompts, eager):
+    out, engine = _run(model, prompts, _params(len(prompts)), decode_graphs=GRAPHS)
+    _assert_same(eager, out)
+    assert engine.graphs.free_slots and not engine.graphs.slot_of  # every slot given back
+
+
+def test_padding_buckets_and_alone(model, prompts, eager):
+    """max_num_seqs 3 gives buckets 1, 2, 3 (batches padded to them as requests finish) and queues the rest;
+    one request at a time runs batch 1 only: both equal the eager batch."""
+    out, _ = _run(model, prompts, _params(len(prompts)), decode_graphs=GRAPHS, max_num_seqs=3)
+    _assert_same(eager, out)
+    for i, p in enumerate(prompts[:2]):
+        alone, _ = _run(model, [p], _params(len(prompts))[i:i + 1], ids=[str(i)], decode_graphs=GRAPHS)
+        _assert_same({str(i): eager[str(i)]}, alone)
+
+
+def test_preemption_forks_and_staggered_arrivals(model, prompts):
+    """A cache too small for everything (preemption by recompute), n = 2 forks, prefix-cache hits and
+    requests arriving while others decode (mixed prefill + static-decode steps)."""
+    params = [SamplingParams(max_tokens=40, seed=7, n=2, temperature=1.0)] + _params(3, 40)
+    chosen = [prompts[4], prompts[5], prompts[2], prompts[0]]
+
+    def drive(graphs: str) -> tuple[dict, RolloutEngine]:
+        engine = RolloutEngine(model, EngineConfig(num_blocks=6, decode_graphs=graphs, max_num_batched_tokens=64))
+        outs, step, nxt = [], 0, 0
+        while nxt < len(chosen) or engine.has_unfinished_requests():
+            if nxt < len(chosen) and step >= 2 * nxt:
+                engine.add_request(str(nxt), chosen[nxt], params[nxt])
+                nxt += 1
+            outs += engine.step()
+            step += 1
+        return {o.request_id: (o.token_ids, o.logprobs, o.finish_reason) for o in outs}, engine
+
+    ref, ref_engine = drive("off")
+    out, engine = drive(GRAPHS)
+    _assert_same(ref, out)
+    assert engine.num_preemptions > 0, "the scenario must preempt"
+    assert not engine.graphs.slot_of and len(engine.graphs.free_slots) == engine.config.max_num_seqs
+
+
+def test_logprobs_equal_trainer_forward(model, prompts, eager):
+    """The trainer's packed forward recomputes every static-decode log-prob bit for bit."""
+    engine = RolloutEngine(model, EngineConfig(num_blocks=48, decode_graphs=GRAPHS))
+    outs = engine.generate(prompts, _params(len(prompts)))
+    seqs = [torch.tensor(o.prompt_token_ids + o.token_ids[:-1], device=TEST_DEVICE) for o in outs]
+    with torch.no_grad():
+        logits = forward_packed(model, torch.cat(seqs), cu_seqlens_from_lens([s.numel() for s in seqs], TEST_DEVICE))
+    for o, rows in zip(outs, logits.split([s.numel() for s in seqs])):
+        lp = token_logprobs(rows[len(o.prompt_token_ids) - 1:], torch.tensor(o.token_ids, device=TEST_DEVICE),
+                            o.temperature)
+        assert torch.equal(lp, o.logprobs), f"request {o.request_id}"
+
+
+def test_pool_load_store_round_trip(model):
+    cfg = model.config
+    pool = KDAStatePool(model, num_slots=2, device=TEST_DEVICE)
+    g = torch.Generator().manual_seed(0)
+    seq = SequenceState(num_tokens=64 * 3 + 5)
+    for key, lp in pool.layers.items():
+        rnd = lambda t: torch.randn(t.shape[1:], generator=g).to(t)  # noqa: E731
+        seq.kda[key] = KDASeqState(conv=rnd(lp.conv), state=rnd(lp.state),
+                                   pending=tuple(rnd(b)[:5] for b in lp.pending))
+    before = {k: (s.conv.clone(), s.state.clone(), tuple(t.clone() for t in s.pending)) for k, s in seq.kda.items()}
+    pool.load(seq, 1)
+    seq.kda.clear()
+    pool.store(seq, 1)
+    for k, (conv, state, pending) in before.items():
+        s = seq.kda[k]
+        assert torch.equal(s.conv, conv) and torch.equal(s.state, state)
+        assert all(torch.equal(a, b) for a, b in zip(s.pending, pending))
+    bad = SequenceState(num_tokens=3, kda={next(iter(pool.layers)): KDASeqState(pending=before[k][2])})
+    with pytest.raises(RuntimeError, match="pending rows"):
+        pool.load(bad, 0)
+    assert cfg.num_hidden_layers > len(pool.layers) > 0
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="decode_graphs"):
+        EngineConfig(decode_graphs="yes").validate()
+    tiny = build_model(ModelConfig.preset("tiny"), seed=0, device=TEST_DEVICE)
+    if not ON_CUDA:
+        with pytest.raises(ValueError, match="CUDA device"):
+            RolloutEngine(tiny, EngineConfig(decode_graphs="cuda"))
+    # "auto" (the default): graphs for a model on a GPU, eager decode on CPU
+    engine = RolloutEngine(tiny, EngineConfig())
+    assert (engine.graphs is not None and engine.graphs.mode == "cuda") if ON_CUDA else engine.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("latent_format", ["native", "fp8"])
+def test_static_step_has_no_host_sync(prompts, latent_format):
+    """What CUDA-graph capture needs: the fixed-shape step (sparse DSA past index_topk, MoE, KDA) runs
+    with synchronising CUDA calls turned into errors."""
+    model = build_model(ModelConfig.preset("tiny"), seed=0, dtype="bfloat16", device="cuda").eval()
+    engine = RolloutEngine(model, EngineConfig(num_blocks=48, decode_graphs="static", latent_format=latent_format))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=20, seed=i))
+    while engine.waiting or any(r.num_computed < r.num_tokens - 1 for r in engine.running):
+        engine.step()
+    engine.step()  # one static step: every running request now holds a pool slot
+    reqs = engine.running
+    assert reqs and all(r.request_id in engine.graphs.slot_of for r in reqs)
+    runner = engine.graphs
+    bs = bucket_of(len(reqs), runner.batch_sizes)
+    pages = bucket_of(max(len(r.seq.pages) for r in reqs), runner.page_counts)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            runner._forward(bs, pages)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

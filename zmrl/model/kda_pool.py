@@ -1,0 +1,113 @@
+"""Static KDA state pool: the fixed-address home of every decoding sequence's KDA state.
+
+A CUDA graph bakes in tensor addresses, so a captured decode step cannot read the per-sequence
+tensors of ``KDASeqState`` (they are rebound after every forward). The pool holds the same state in
+preallocated tensors, one slot per sequence, that the static decode path (``KimiDeltaAttention``
+with ``ForwardContext.kda_pool`` set) reads and writes in place:
+
+* ``conv``  [S, W-1, 3*H*dk] the last short-conv inputs (model dtype);
+* ``state`` [S, H, dk, dv] fp32, the delta-rule state at the start of the current 64-token chunk;
+* ``k``/``g`` [S, 64, H, dk] fp32, ``v`` [S, 64, H, dv] (model dtype), ``beta`` [S, 64, H] fp32:
+  the rows of the current chunk seen so far. Row r of a sequence at absolute position p lives at
+  ``p % 64``; rows at or after the current one are masked to zero when read, so stale rows of an
+  earlier chunk never need clearing.
+
+The last slot is scratch: padding rows of a captured batch point there. ``load`` / ``store`` move a
+sequence between its ``KDASeqState`` (what eager forwards use) and its slot, bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+from torch import nn
+
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE
+
+from .context import KDASeqState, SequenceState
+
+
+@dataclass
+class KDALayerPool:
+    conv: torch.Tensor  # [S, W-1, C]
+    state: torch.Tensor  # [S, H, dk, dv] fp32
+    k: torch.Tensor  # [S, 64, H, dk] fp32
+    v: torch.Tensor  # [S, 64, H, dv]
+    g: torch.Tensor  # [S, 64, H, dk] fp32
+    beta: torch.Tensor  # [S, 64, H] fp32
+
+    @property
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.k, self.v, self.g, self.beta
+
+
+class KDAStatePool:
+    """One ``KDALayerPool`` per KDA module (keyed like ``SequenceState.kda``), ``num_slots`` real slots
+    plus one scratch slot."""
+
+    def __init__(self, model: nn.Module, num_slots: int, device: torch.device | str):
+        from .kda import KimiDeltaAttention  # kda.py imports this module's siblings only
+
+        if num_slots < 1:
+            raise ValueError(f"KDAStatePool needs num_slots >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.scratch_slot = num_slots
+        s, c = num_slots + 1, CHUNK_SIZE
+        self.layers: dict[Hashable, KDALayerPool] = {}
+        for m in model.modules():
+            if not isinstance(m, KimiDeltaAttention):
+                continue
+            h, dk = m.num_heads, m.head_dim
+            dt = m.q_proj.weight.dtype
+            # the dtypes the layer produces: q/k are L2-normalised to fp32 and beta is fp32 whatever the model
+            # dtype, so the chunk runs (and keeps its state) in fp32; the gate follows fp64 models
+            f32, g_dt = torch.float32, (torch.float64 if dt == torch.float64 else torch.float32)
+            z = lambda *shape, dtype=f32: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+            self.layers[m.layer_idx] = KDALayerPool(
+                conv=z(s, m.conv_size - 1, 3 * h * dk, dtype=dt), state=z(s, h, dk, dk),
+                k=z(s, c, h, dk), v=z(s, c, h, dk, dtype=dt), g=z(s, c, h, dk, dtype=g_dt), beta=z(s, c, h))
+
+    def layer(self, key: Hashable) -> KDALayerPool:
+        return self.layers[key]
+
+    @torch.no_grad()
+    def load(self, seq: SequenceState, slot: int) -> None:
+        """Copy a sequence's eager KDA state into ``slot`` (empty layers load as zeros: a fresh sequence)."""
+        r = seq.num_tokens % CHUNK_SIZE
+        for key, pool in self.layers.items():
+            st = seq.kda.get(key) or KDASeqState()
+            if st.num_pending != r:
+                raise RuntimeError(f"KDA layer {key}: {st.num_pending} pending rows but the sequence is at token "
+                                   f"{seq.num_tokens} (expected {r}); its state is not at a chunk-aligned point")
+            if st.conv is None:
+                pool.conv[slot].zero_()
+            else:
+                pool.conv[slot].copy_(st.conv)
+            if st.state is None:
+                pool.state[slot].zero_()
+            else:
+                pool.state[slot].copy_(st.state)
+            for buf, rows in zip(pool.pending, st.pending or ()):
+                buf[slot, :r].copy_(rows)
+
+    @torch.no_grad()
+    def store(self, seq: SequenceState, slot: int) -> None:
+        """Write ``slot`` back into the sequence's ``KDASeqState`` objects (fresh tensors, as eager forwards
+        leave them), so an eager forward or a fork can continue from it."""
+        r = seq.num_tokens % CHUNK_SIZE
+        for key, pool in self.layers.items():
+            seq.kda[key] = KDASeqState(
+                conv=pool.conv[slot].clone(), state=pool.state[slot].clone(),
+                pending=None if r == 0 else tuple(buf[slot, :r].clone() for buf in pool.pending))
+
+    @torch.no_grad()
+    def snapshot(self, seq: SequenceState, slot: int) -> None:
+        """Record the prefix-cache snapshot of a sequence that just completed a chunk (what an eager forward
+        records in ``KDASeqState.snapshots``: the state at the boundary and the conv inputs before it)."""
+        pos = seq.num_tokens
+        if pos % CHUNK_SIZE:
+            raise RuntimeError(f"snapshot at token {pos}: not a chunk boundary")
+        for key, pool in self.layers.items():
+            st = seq.kda.setdefault(key, KDASeqState())
+            st.snapshots = {pos: (pool.state[slot].clone(), pool.conv[slot].clone())}

@@ -1,0 +1,219 @@
+"""Static-shape decode for the rollout engine, replayed from CUDA graphs on the GPU.
+
+A decode step (one new token for each of N running sequences) is the engine's hot loop, and eager it
+is bound by Python and kernel launches, not by the GPU (docs/cuda_graph_decode.md). As in vLLM and
+nano-vllm, the step is captured once per (batch bucket, context bucket) with ``torch.cuda.CUDAGraph``
+and replayed:
+
+* inputs live in static device buffers (token ids, positions, cache slots, KDA pool slots, block
+  table) that each step fills with one host->device copy; a batch is padded up to its bucket, the
+  padding rows pointing at a scratch cache page and a scratch KDA slot, their logits dropped;
+* KDA state lives in a ``KDAStatePool`` (fixed addresses) instead of per-sequence tensors; a
+  sequence is loaded into a slot when it starts decoding here and written back to its
+  ``KDASeqState`` only when an eager path needs it (a fork);
+* every op takes its shapes from the bucket (``ForwardContext.static_kv_len``), never from device
+  values, so nothing synchronises inside the step.
+
+The step runs the same modules and ops as every other forward and is bitwise equal to the eager
+path (batch invariance: a row's bits depend on neither the batch size nor the padding); tests
+compare the two token by token. ``mode="static"`` runs the same fixed-shape code without capture
+(any device), which is how CPU tests cover it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from zmrl.kernels_batch_invariant import get_mode
+from zmrl.model.context import ForwardContext, PagedLatentStore
+from zmrl.model.kda_pool import KDAStatePool
+
+if TYPE_CHECKING:
+    from .engine import Request
+
+log = logging.getLogger(__name__)
+
+DecodeGraphs = Literal["auto", "off", "static", "cuda"]
+DECODE_GRAPH_MODES: tuple[str, ...] = ("auto", "off", "static", "cuda")
+
+
+def buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit`` (``limit`` itself is always a bucket)."""
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
+def bucket_of(n: int, sizes: list[int]) -> int:
+    return next(b for b in sizes if b >= n)
+
+
+@dataclass
+class _Captured:
+    graph: "torch.cuda.CUDAGraph"
+    logits: torch.Tensor  # [bs, V] fp32, written by every replay
+
+
+class DecodeGraphRunner:
+    """Runs decode batches through the static path: captured graphs (``mode="cuda"``) or eagerly."""
+
+    def __init__(self, model, store: PagedLatentStore, scratch_page: int, max_num_seqs: int, max_pages: int,
+                 mode: DecodeGraphs, latent_format: str = "native"):
+        if mode not in ("static", "cuda"):
+            raise ValueError(f"DecodeGraphRunner mode must be 'static' or 'cuda', got {mode!r}")
+        self.device = model.device
+        if mode == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"decode_graphs='cuda' needs the model on a CUDA device, it is on {self.device}")
+        self.model, self.store, self.mode, self.latent_format = model, store, mode, latent_format
+        self.page_size = store.page_size
+        self.scratch_page = scratch_page
+        self.batch_sizes = buckets(max_num_seqs)
+        self.page_counts = buckets(max_pages)
+        self.pool = KDAStatePool(model, max_num_seqs, self.device)
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.slot_of: dict[str, int] = {}  # request id -> pool slot holding its KDA state
+        mb = self.batch_sizes[-1]
+        # ids, positions, cache slots, pool slots: one [4, max_bs] tensor, filled by one copy per step.
+        pin = self.device.type == "cuda"
+        self._host = torch.zeros(4, mb, dtype=torch.int64, pin_memory=pin)
+        self._inputs = torch.zeros(4, mb, dtype=torch.int64, device=self.device)
+        self.ids, self.positions, self.slot_mapping, self.kda_slots = self._inputs.unbind(0)
+        self.cu_seqlens = torch.arange(mb + 1, dtype=torch.int64, device=self.device)
+        self.seq_idx = torch.arange(mb, dtype=torch.int64, device=self.device)
+        self._block_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list]] = {}
+        self._graphs: dict[tuple[str, int, int], _Captured] = {}
+        self._graph_pool = None
+        self._copied: "torch.cuda.Event | None" = None
+        self.num_captures = self.num_replays = 0
+
+    # ------------------------------------------------------------------ admission
+    def accepts(self, reqs: list["Request"]) -> bool:
+        """Whether these decode requests fit a bucket and the pool (else the engine runs them eagerly)."""
+        if not reqs or len(reqs) > self.batch_sizes[-1]:
+            return False
+        if self.mode == "cuda" and get_mode() != "bitwise":
+            return False  # the stock kernels of fast mode read lengths on the host: not capturable
+        if max(len(r.seq.pages) for r in reqs) > self.page_counts[-1]:
+            return False
+        new = sum(r.request_id not in self.slot_of for r in reqs)
+        return new <= len(self.free_slots)
+
+    def release(self, request_id: str) -> None:
+        """Free a request's pool slot (finished or preempted: its state is dropped)."""
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def evict(self, req: "Request") -> None:
+        """Hand a request's KDA state back to its ``KDASeqState`` (an eager forward or a fork follows)."""
+        slot = self.slot_of.pop(req.request_id, None)
+        if slot is not None:
+            self.pool.store(req.seq, slot)
+            self.free_slots.append(slot)
+
+    def snapshot(self, req: "Request") -> None:
+        """Record the prefix-cache snapshot of a request whose last step completed a 64-token chunk."""
+        self.pool.snapshot(req.seq, self.slot_of[req.request_id])
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def run(self, reqs: list["Request"]) -> torch.Tensor:
+        """Logits [len(reqs), V] (fp32) of one decode step: each request's next token at ``num_computed``."""
+        n = len(reqs)
+        bs = bucket_of(n, self.batch_sizes)
+        pages = bucket_of(max(len(r.seq.pages) for r in reqs), self.page_counts)
+        for r in reqs:
+            if r.request_id not in self.slot_of:
+                slot = self.free_slots.pop()
+                self.pool.load(r.seq, slot)
+                self.slot_of[r.request_id] = slot
+        ps = self.page_size
+        host = self._host
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffers are still being read by the last step's copy
+        host[:, n:bs] = torch.tensor([[0], [0], [self.scratch_page * ps], [self.pool.scratch_slot]])
+        bt_dev, bt_host, bt_rows = self._block_table(bs, pages)
+        for i, r in enumerate(reqs):
+            pos = r.num_computed
+            host[0, i] = r.token_at(pos)
+            host[1, i] = pos
+            host[2, i] = r.seq.pages[pos // ps] * ps + pos % ps
+            host[3, i] = self.slot_of[r.request_id]
+            # A page list only ever grows (extend) or is replaced, so (list object, length) names its contents:
+            # rewrite a block-table row only when that changes (long contexts: hundreds of pages per row).
+            if bt_rows[i] is None or bt_rows[i][0] is not r.seq.pages or bt_rows[i][1] != len(r.seq.pages):
+                row = bt_host[i]
+                row.fill_(self.scratch_page)
+                row[: len(r.seq.pages)] = torch.tensor(r.seq.pages, dtype=torch.int64)
+                bt_rows[i] = (r.seq.pages, len(r.seq.pages))
+        for i in range(n, bs):
+            if bt_rows[i] is not None:
+                bt_host[i].fill_(self.scratch_page)
+                bt_rows[i] = None
+        self._inputs[:, :bs].copy_(host[:, :bs], non_blocking=True)
+        bt_dev.copy_(bt_host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if self.mode == "static":
+            return self._forward(bs, pages)[:n]
+        captured = self._graphs.get((get_mode(), bs, pages))
+        if captured is None:
+            captured = self._capture(bs, pages)
+        captured.graph.replay()
+        self.num_replays += 1
+        return captured.logits[:n]
+
+    def _block_table(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(device table, pinned host table, what each host row holds) of one bucket."""
+        key = (bs, pages)
+        if key not in self._block_tables:
+            pin = self.device.type == "cuda"
+            host = torch.full((bs, pages), self.scratch_page, dtype=torch.int64, pin_memory=pin)
+            self._block_tables[key] = (torch.zeros(bs, pages, dtype=torch.int64, device=self.device), host, [None] * bs)
+        return self._block_tables[key]
+
+    def _forward(self, bs: int, pages: int) -> torch.Tensor:
+        """The fixed-shape step over the static buffers (what a graph captures)."""
+        ctx = ForwardContext(
+            cu_seqlens=self.cu_seqlens[: bs + 1], positions=self.positions[:bs], seq_idx=self.seq_idx[:bs],
+            block_table=self._block_tables[(bs, pages)][0], slot_mapping=self.slot_mapping[:bs], store=self.store,
+            kda_states=None, latent_format=self.latent_format,  # type: ignore[arg-type]
+            static_kv_len=pages * self.page_size, kda_pool=self.pool, kda_slots=self.kda_slots[:bs],
+            validate_ids=False,
+        )
+        return self.model.compute_logits(self.model(self.ids[:bs], ctx))
+
+    def _capture(self, bs: int, pages: int) -> _Captured:
+        """Capture the step for one bucket. Warm-up and capture run on padding only (scratch page, scratch
+        slot): the real rows' inputs are copied in afterwards, so their state is touched once, by the replay."""
+        saved = self._inputs[:, :bs].clone()
+        bt_dev = self._block_table(bs, pages)[0]
+        saved_bt = bt_dev.clone()
+        self._inputs[0, :bs] = 0
+        self._inputs[1, :bs] = 0
+        self._inputs[2, :bs] = self.scratch_page * self.page_size
+        self._inputs[3, :bs] = self.pool.scratch_slot
+        bt_dev.fill_(self.scratch_page)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(bs, pages)  # compiles kernels and warms allocators outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._forward(bs, pages)
+        self._inputs[:, :bs].copy_(saved)
+        bt_dev.copy_(saved_bt)
+        captured = _Captured(graph, logits)
+        self._graphs[(get_mode(), bs, pages)] = captured
+        self.num_captures += 1
+        log.info("captured decode graph: batch %d, %d pages (%d graphs)", bs, pages, len(self._graphs))
+        return captured
