@@ -50,9 +50,11 @@ def test_engine_default_follows_the_process_mode(tiny_model):
     engine = RolloutEngine(copy.deepcopy(tiny_model), EngineConfig(num_blocks=8))
     seen = _spy_modes(engine.model)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, seed=1))
+    first = len(seen)  # forwards of the first request (on a GPU: graph warm-up + capture, replays run no hooks)
     with kbi.kernel_mode("fast"):
         engine.generate([[4, 5]], SamplingParams(max_tokens=1))
-    assert seen == ["bitwise", "bitwise", "fast"] and kbi.get_mode() == "bitwise"
+    assert first >= 2 and set(seen[:first]) == {"bitwise"} and seen[first:] == ["fast"]
+    assert kbi.get_mode() == "bitwise"
 
 
 def test_engine_mode_is_applied_and_kept(tiny_model, caplog):

@@ -111,12 +111,11 @@ class GemmConfig:
         return cls(bm, bn, bk, int(w.lstrip("w")), int(s.lstrip("s")))
 
 
-# Row-count buckets: up to SMALL_M one 16-row tile (CUDA-graph device time 15-20 % under the 64-row tiles
-# for every bench shape at M = 1 and 16 in the 2026-11-30 H200 sweep; a 128-wide K step was faster still but
-# BLOCK_K must stay 64 in every bucket: an fp32 x split into three bf16 parts takes three dots per K step,
-# so the step size sets its accumulation order); up to DECODE_M the decode configs (parallelism over N); up to LARGE_M 128x128 tiles;
+# Row-count buckets: up to DECODE_M the decode configs (parallelism over N); up to LARGE_M 128x128 tiles;
 # above it 256x128 (best for nearly every bench shape at M=4096 in the 2026-11-29 H200 sweep).
-SMALL_M = 16
+# Tried and reverted (2026-11-30): 16-row tiles for M <= 16 were 15-20 % faster per GEMM in an isolated
+# sweep (`--sweep-decode`: the same weights replayed, so L2-warm) but made the model's decode step's GEMM
+# time 12 % worse (4.29 -> 4.83 ms per step, weights cold from HBM).
 DECODE_M = 64
 LARGE_M = 1024
 
@@ -129,14 +128,12 @@ def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
     Benchmarks may replace this module-level function to try other configs; it is looked up at
     every call.
     """
-    return _linear_config(n, dtype, -1 if m <= SMALL_M else (0 if m <= DECODE_M else (1 if m < LARGE_M else 2)))
+    return _linear_config(n, dtype, 0 if m <= DECODE_M else (1 if m < LARGE_M else 2))
 
 
 @functools.lru_cache(maxsize=1024)
 def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
     if dtype in _HALF:
-        if bucket == -1:
-            return GemmConfig(16, 32, 64, 4, 4)
         if bucket == 2:
             return GemmConfig(256, 128, 64, 8, 3)
         if bucket == 1:
