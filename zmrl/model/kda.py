@@ -123,13 +123,9 @@ class KimiDeltaAttention(nn.Module):
         row = ctx.positions % C  # where the new token sits in its chunk
         for buf, new in zip(pool.pending, (k, v, g, beta)):
             buf[slots, row] = new
-        live = torch.arange(C, device=x.device) <= row[:, None]  # [T, 64]: rows up to the new one
-
-        def chunk(buf: torch.Tensor) -> torch.Tensor:
-            rows = buf[slots]
-            return torch.where(live.view(T, C, *[1] * (rows.dim() - 2)), rows, 0)
-
-        kc, vc, gc, bc = (chunk(b) for b in pool.pending)
+        # Rows after the new one still hold an earlier chunk's values: kda_chunk_step reads only rows
+        # < num_rows (it masks the rest to exact zeros), so they never need clearing.
+        kc, vc, gc, bc = (buf[slots] for buf in pool.pending)
         seq = torch.arange(T, device=x.device)
         qc = q.new_zeros(T, C, H, K)
         qc[seq, row] = q

@@ -9,7 +9,7 @@ with ``ForwardContext.kda_pool`` set) reads and writes in place:
 * ``state`` [S, H, dk, dv] fp32, the delta-rule state at the start of the current 64-token chunk;
 * ``k``/``g`` [S, 64, H, dk] fp32, ``v`` [S, 64, H, dv] (model dtype), ``beta`` [S, 64, H] fp32:
   the rows of the current chunk seen so far. Row r of a sequence at absolute position p lives at
-  ``p % 64``; rows at or after the current one are masked to zero when read, so stale rows of an
+  ``p % 64``; rows after the current one are masked to zero by ``kda_chunk_step``, so stale rows of an
   earlier chunk never need clearing.
 
 The last slot is scratch: padding rows of a captured batch point there. ``load`` / ``store`` move a
