@@ -159,6 +159,14 @@ def test_config_validation():
     # "auto" (the default): graphs for a model on a GPU, eager decode on CPU
     engine = RolloutEngine(tiny, EngineConfig())
     assert (engine.graphs is not None and engine.graphs.mode == "cuda") if ON_CUDA else engine.graphs is None
+    # models sharded by zmrl.parallel decode eagerly: "auto" turns graphs off, an explicit mode is refused
+    tiny.parallel_config = object()
+    try:
+        assert RolloutEngine(tiny, EngineConfig()).graphs is None
+        with pytest.raises(ValueError, match="sharded by zmrl.parallel"):
+            RolloutEngine(tiny, EngineConfig(decode_graphs="static"))
+    finally:
+        del tiny.parallel_config
 
 
 @pytest.mark.gpu

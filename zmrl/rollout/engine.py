@@ -134,8 +134,14 @@ class RolloutEngine:
         self.block_size = self.config.block_size
         self.blocks = BlockManager(self.config.num_blocks, self.block_size, self.config.enable_prefix_caching)
         self.decode_graphs = self.config.decode_graphs
+        sharded = getattr(model, "parallel_config", None) is not None
         if self.decode_graphs == "auto":
-            self.decode_graphs = "cuda" if model.device.type == "cuda" else "off"
+            # Not (yet) for models sharded by zmrl.parallel: their collectives and the expert-parallel
+            # dispatch (host offsets per rank) are not capture-safe.
+            self.decode_graphs = "cuda" if model.device.type == "cuda" and not sharded else "off"
+        elif self.decode_graphs != "off" and sharded:
+            raise ValueError(f"EngineConfig.decode_graphs={self.decode_graphs!r} is not supported for a model "
+                             "sharded by zmrl.parallel (tensor/expert parallel): use 'auto' or 'off'")
         graphs = self.decode_graphs != "off"
         # With decode graphs the store has one more page than the block manager hands out: the scratch page
         # that a padded batch's dummy rows write to.
