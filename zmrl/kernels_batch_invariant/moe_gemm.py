@@ -83,11 +83,10 @@ def check_expert_shapes(x: torch.Tensor, weights: Weights, n_offsets: int,
 def check_expert_args(x: torch.Tensor, weights: Weights, offsets: list[int],
                       every_weight: bool = True) -> tuple[int, int, int]:
     """Validate shapes and host offsets; returns (E, N, K)."""
-    if len(offsets) != len(weights) + 1 or not len(weights):
-        return check_expert_shapes(x, weights, len(offsets))  # raises
+    dims = check_expert_shapes(x, weights, len(offsets), every_weight)
     if offsets[0] != 0 or offsets[-1] != x.shape[0] or any(a > b for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"expert_linear: offsets must rise from 0 to {x.shape[0]}, got {offsets}")
-    return check_expert_shapes(x, weights, len(offsets), every_weight)
+    return dims
 
 
 @invariant_op

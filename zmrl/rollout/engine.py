@@ -74,6 +74,21 @@ class EngineConfig:
         return self
 
 
+def _resolve_decode_graphs(setting: str, model) -> str:
+    """``EngineConfig.decode_graphs`` for this model: "auto" becomes "cuda" on a GPU, else "off".
+
+    Models sharded by zmrl.parallel decode eagerly: their collectives and the expert-parallel dispatch
+    (host offsets per rank) are not capture-safe yet, so "auto" turns graphs off and a forced mode is refused.
+    """
+    sharded = getattr(model, "parallel_config", None) is not None
+    if setting == "auto":
+        return "cuda" if model.device.type == "cuda" and not sharded else "off"
+    if setting != "off" and sharded:
+        raise ValueError(f"EngineConfig.decode_graphs={setting!r} is not supported for a model sharded by "
+                         "zmrl.parallel (tensor/expert parallel): use 'auto' or 'off'")
+    return setting
+
+
 @dataclass
 class RolloutOutput:
     request_id: str
@@ -133,16 +148,8 @@ class RolloutEngine:
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
         self.block_size = self.config.block_size
         self.blocks = BlockManager(self.config.num_blocks, self.block_size, self.config.enable_prefix_caching)
-        self.decode_graphs = self.config.decode_graphs
-        sharded = getattr(model, "parallel_config", None) is not None
-        if self.decode_graphs == "auto":
-            # Not (yet) for models sharded by zmrl.parallel: their collectives and the expert-parallel
-            # dispatch (host offsets per rank) are not capture-safe.
-            self.decode_graphs = "cuda" if model.device.type == "cuda" and not sharded else "off"
-        elif self.decode_graphs != "off" and sharded:
-            raise ValueError(f"EngineConfig.decode_graphs={self.decode_graphs!r} is not supported for a model "
-                             "sharded by zmrl.parallel (tensor/expert parallel): use 'auto' or 'off'")
-        graphs = self.decode_graphs != "off"
+        decode_graphs = _resolve_decode_graphs(self.config.decode_graphs, model)
+        graphs = decode_graphs != "off"
         # With decode graphs the store has one more page than the block manager hands out: the scratch page
         # that a padded batch's dummy rows write to.
         self.cache = ModelCache(mcfg, num_pages=self.config.num_blocks + graphs, page_size=self.block_size,
@@ -150,7 +157,7 @@ class RolloutEngine:
         self.graphs = (DecodeGraphRunner(
             model, self.cache.store, scratch_page=self.config.num_blocks, max_num_seqs=self.config.max_num_seqs,
             max_pages=min(self.config.num_blocks, -(-self.max_model_len // self.block_size)),
-            mode=self.decode_graphs, latent_format=self.config.latent_format,  # type: ignore[arg-type]
+            mode=decode_graphs, latent_format=self.config.latent_format,  # type: ignore[arg-type]
         ) if graphs else None)
         # Keys of the per-request KDA states: the layer index, or (layer, virtual shard) for a model
         # sharded by zmrl.parallel (each shard of heads keeps its own state).

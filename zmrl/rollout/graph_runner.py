@@ -89,7 +89,8 @@ class DecodeGraphRunner:
         self._graphs: dict[tuple[str, int, int], _Captured] = {}
         self._graph_pool = None
         self._copied: "torch.cuda.Event | None" = None
-        self.num_captures = self.num_replays = 0
+        # what a padding row feeds: token 0 at position 0, written to the scratch page and the scratch slot
+        self._pad_row = torch.tensor([[0], [0], [scratch_page * self.page_size], [self.pool.scratch_slot]])
 
     # ------------------------------------------------------------------ admission
     def accepts(self, reqs: list["Request"]) -> bool:
@@ -111,10 +112,10 @@ class DecodeGraphRunner:
 
     def evict(self, req: "Request") -> None:
         """Hand a request's KDA state back to its ``KDASeqState`` (an eager forward or a fork follows)."""
-        slot = self.slot_of.pop(req.request_id, None)
+        slot = self.slot_of.get(req.request_id)
         if slot is not None:
             self.pool.store(req.seq, slot)
-            self.free_slots.append(slot)
+            self.release(req.request_id)
 
     def snapshot(self, req: "Request") -> None:
         """Record the prefix-cache snapshot of a request whose last step completed a 64-token chunk."""
@@ -136,7 +137,7 @@ class DecodeGraphRunner:
         host = self._host
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are still being read by the last step's copy
-        host[:, n:bs] = torch.tensor([[0], [0], [self.scratch_page * ps], [self.pool.scratch_slot]])
+        host[:, n:bs] = self._pad_row
         bt_dev, bt_host, bt_rows = self._block_table(bs, pages)
         for i, r in enumerate(reqs):
             pos = r.num_computed
@@ -166,7 +167,6 @@ class DecodeGraphRunner:
         if captured is None:
             captured = self._capture(bs, pages)
         captured.graph.replay()
-        self.num_replays += 1
         return captured.logits[:n]
 
     def _block_table(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -195,10 +195,7 @@ class DecodeGraphRunner:
         saved = self._inputs[:, :bs].clone()
         bt_dev = self._block_table(bs, pages)[0]
         saved_bt = bt_dev.clone()
-        self._inputs[0, :bs] = 0
-        self._inputs[1, :bs] = 0
-        self._inputs[2, :bs] = self.scratch_page * self.page_size
-        self._inputs[3, :bs] = self.pool.scratch_slot
+        self._inputs[:, :bs] = self._pad_row.to(self.device)
         bt_dev.fill_(self.scratch_page)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -214,6 +211,5 @@ class DecodeGraphRunner:
         bt_dev.copy_(saved_bt)
         captured = _Captured(graph, logits)
         self._graphs[(get_mode(), bs, pages)] = captured
-        self.num_captures += 1
         log.info("captured decode graph: batch %d, %d pages (%d graphs)", bs, pages, len(self._graphs))
         return captured
