@@ -3,7 +3,7 @@
 batch, the chunk boundaries crossed and where decoding started; the cache's state ends as kda_chunk's.
 
 ``decode_scenario`` is shared with the Triton test (tests/kernels/triton/test_kda_decode_step.py), which
-also resets slots mid-chunk (the Triton backend then re-solves the chunk's rows from row 0).
+also reloads slots mid-chunk (primed again: the Triton backend solves their kept rows anew).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_chunk, kda_decode_step
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_chunk, kda_decode_prime, kda_decode_step
 
 C = CHUNK_SIZE
 
@@ -31,14 +31,15 @@ def sequence_inputs(length: int, h: int, dk: int, dv: int, gen: torch.Generator,
     return q, k, v, g, beta
 
 
-def load_prefix(cache: KDADecodeCache, slot: int, seq: tuple, p0: int, state: torch.Tensor) -> None:
+def load_prefix(cache: KDADecodeCache, slot: int, seq: tuple, p0: int, state: torch.Tensor, prime) -> None:
     """Put a sequence that has seen p0 tokens into ``slot``: its boundary state and partial-chunk rows."""
     _, k, v, g, beta = seq
     start = p0 // C * C
     cache.state[slot] = state
     for buf, x in zip(cache.rows, (k, v, g, beta)):
         buf[slot, : p0 - start] = x[start:p0].to(buf.dtype)
-    cache.reset(slot)
+    dev = cache.state.device
+    prime(torch.tensor([slot], device=dev), torch.tensor([p0 - start], device=dev), cache)
 
 
 def decode_scenario(impl, device: torch.device, *, h: int, dk: int, dv: int, lengths: list[int], starts: list[int],
@@ -52,7 +53,8 @@ def decode_scenario(impl, device: torch.device, *, h: int, dk: int, dv: int, len
     gen = torch.Generator().manual_seed(seed)
     n = len(lengths)
     seqs = [sequence_inputs(L, h, dk, dv, gen, v_dtype) for L in lengths]
-    chunk_impl = kda_chunk.impls["triton" if impl is not kda_decode_step.impls["torch"] else "torch"]
+    backend = "torch" if impl is kda_decode_step.impls["torch"] else "triton"
+    chunk_impl, prime = kda_chunk.impls[backend], kda_decode_prime.impls[backend]
     dev_seqs = [tuple(x.to(device) for x in s) for s in seqs]
     refs = []
     with torch.no_grad():
@@ -76,7 +78,7 @@ def decode_scenario(impl, device: torch.device, *, h: int, dk: int, dv: int, len
         return refs[i][2][nc - 1]
 
     for i in range(n):
-        load_prefix(cache, slot_of[i], dev_seqs[i], starts[i], boundary_state(i, starts[i]))
+        load_prefix(cache, slot_of[i], dev_seqs[i], starts[i], boundary_state(i, starts[i]), prime)
     pos = list(starts)
     compared, step = 0, 0
     while True:
@@ -86,7 +88,7 @@ def decode_scenario(impl, device: torch.device, *, h: int, dk: int, dv: int, len
         step += 1
         if reset_every and step % reset_every == 0:
             i = live[step % len(live)]
-            load_prefix(cache, slot_of[i], dev_seqs[i], pos[i], boundary_state(i, pos[i]))
+            load_prefix(cache, slot_of[i], dev_seqs[i], pos[i], boundary_state(i, pos[i]), prime)
         order = torch.randperm(len(live), generator=gen).tolist()
         batch = [live[j] for j in order]
         rows = [tuple(x[pos[i]] for x in dev_seqs[i]) for i in batch]

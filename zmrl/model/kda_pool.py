@@ -10,7 +10,7 @@ with ``ForwardContext.kda_pool`` set) reads and writes in place:
   ``kernels_batch_invariant/kda/decode.py``): the fp32 delta-rule state at the start of the current
   64-token chunk, the rows of that chunk seen so far (row r of a sequence at absolute position p lives
   at ``p % 64``; rows after the current one are never read, so stale rows of an earlier chunk never need
-  clearing) and the backend's solved rows, reset whenever a slot is loaded.
+  clearing) and the backend's solved rows, primed (``kda_decode_prime``) whenever a slot is loaded.
 
 The last slot is scratch: padding rows of a captured batch point there. ``load`` / ``store`` move a
 sequence between its ``KDASeqState`` (what eager forwards use) and its slot, bit for bit.
@@ -23,7 +23,7 @@ from typing import Hashable
 import torch
 from torch import nn
 
-from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_decode_prime
 
 from .context import KDASeqState, SequenceState
 
@@ -89,7 +89,8 @@ class KDAStatePool:
                 pool.state[slot].copy_(st.state)
             for buf, rows in zip(pool.pending, st.pending or ()):
                 buf[slot, :r].copy_(rows)
-            pool.chunk.reset(slot)
+            kda_decode_prime(torch.tensor([slot], device=pool.state.device),
+                             torch.tensor([r], device=pool.state.device), pool.chunk)
 
     @torch.no_grad()
     def store(self, seq: SequenceState, slot: int) -> None:

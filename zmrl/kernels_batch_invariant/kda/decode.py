@@ -19,7 +19,8 @@ Backends:
 
 Every shape is fixed by (N, H, dk, dv) and nothing is read back to the host, so a CUDA graph can
 capture the call. Slots may repeat only for padding rows whose outputs are discarded (they race on
-their shared scratch slot).
+their shared scratch slot). A slot whose rows are written by anything but this op must be primed
+(``kda_decode_prime``) before its next step.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ class KDADecodeCache:
     current one may hold an earlier chunk's values (never read);
     solved_t [S, H, 64, 64] fp32, v_e [S, H, 64, dv] fp32, solved [S] int32: backend scratch of the
     Triton path (rows of the triangular inverse and of the state-corrected values already computed for
-    the current chunk). ``reset(slot)`` must be called whenever a slot's rows are (re)loaded from
+    the current chunk). ``kda_decode_prime`` must be called whenever a slot's rows are (re)loaded from
     elsewhere; the torch backend ignores them.
     """
 
@@ -70,10 +71,6 @@ class KDADecodeCache:
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The chunk-row buffers (k, v, g, beta)."""
         return self.k, self.v, self.g, self.beta
-
-    def reset(self, slot: int) -> None:
-        """Forget the backend scratch of ``slot`` (its rows were just loaded from another source)."""
-        self.solved[slot] = 0
 
     def nbytes_per_slot(self) -> int:
         return sum(getattr(self, f.name)[0].nbytes for f in fields(self))
@@ -133,3 +130,12 @@ def kda_decode_step(
     o, next_state = kda_chunk_step(qc, *(buf[slots] for buf in cache.rows), row + 1, cache.state[slots], scale)
     cache.state[slots] = next_state
     return o[seq, row]
+
+
+@invariant_op
+def kda_decode_prime(slots: torch.Tensor, num_rows: torch.Tensor, cache: KDADecodeCache, scale: float | None = None) -> None:
+    """Make the backend scratch of ``slots`` [M] hold their chunks' first ``num_rows`` [M] rows, just written
+    into the cache (with the boundary state) from another source: a sequence entering decode after an
+    eager prefill, a fork, a prefix-cache hit. The Triton backend solves those rows (no outputs) so that
+    the next ``kda_decode_step`` solves only its new row; the torch backend keeps nothing."""
+    cache.solved[slots] = num_rows.to(torch.int32)

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step
-from ..kda.decode import KDADecodeCache, check_decode_args, kda_decode_step
+from ..kda.decode import KDADecodeCache, check_decode_args, kda_decode_prime, kda_decode_step
 from ._common import cdiv, next_pow2
 from ._autograd import with_reference_backward
 
@@ -610,10 +610,10 @@ def kda_decode_step_triton(
     cache: KDADecodeCache,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """``kda_decode_step`` on the GPU (see its docstring): the chunk kernels on one cached chunk per
-    sequence, solving from the first row not yet kept in the cache (``cache.solved``), so a step
-    costs one row of the triangular solve plus the reads of the rows so far instead of a whole
-    64-row chunk. Three launches, no host reads: CUDA-graph capturable."""
+    """``kda_decode_step`` on the GPU (see its docstring). The rows before the new one are kept in the
+    cache (``kda_decode_prime`` when a slot is loaded, then every step), so each step runs the chunk
+    kernel's intra-chunk code from the new row on and the recurrence's products for that row only.
+    Three launches, no host reads: CUDA-graph capturable."""
     n, h, dk, dv = check_decode_args(q, k, v, g, beta, positions, slots, cache)
     if q.dtype == torch.float64 or cache.g.dtype == torch.float64:
         return kda_decode_step.impls["torch"](q, k, v, g, beta, positions, slots, cache, scale)
@@ -623,12 +623,129 @@ def kda_decode_step_triton(
     if n == 0:
         return o
     c = CHUNK_SIZE
+    cfg = _launch_config(dk, dv)
     info = torch.empty(2, n, _INFO_COLS, dtype=torch.int32, device=dev)
-    k, v, g, beta = (x.contiguous() for x in (k, v, g, beta))
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     block = max(next_pow2(h), 1024)
     _decode_prep_kernel[(n,)](positions, slots, cache.solved, k, v, g, beta, cache.k, cache.v, cache.g, cache.beta,
                               info[0], info[1], HK=h * dk, HV=h * dv, H=h, BLOCK=block, C=c, num_warps=4)
-    tab = _Tables(chunk_info=info[0], seq_info=info[1], n_chunks=n, n_complete=0)
-    rows = (cache.k.view(-1, h, dk), cache.v.view(-1, h, dv), cache.g.view(-1, h, dk), cache.beta.view(-1, h))
-    _launch(q.contiguous(), *rows, tab, cache.state, cache.state, o, None, cache.solved_t, cache.v_e, scale)
+    qg = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
+    kd = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
+    a_qk = torch.empty(n, h, c, c, dtype=torch.float32, device=dev)
+    w = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
+    u = torch.empty(n, h, c, dv, dtype=torch.float32, device=dev)
+    dec = torch.empty(n, h, dk, dtype=torch.float32, device=dev)
+    _kda_intra_kernel[(n, h)](
+        q, cache.k, cache.v, cache.g, cache.beta, info[0], qg, kd, a_qk, w, u, dec, cache.solved_t, scale, h,
+        DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
+        DOT_PREC=DOT_PRECISION, num_warps=cfg["intra_warps"], num_stages=1,
+    )
+    _kda_decode_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
+        qg, kd, a_qk, w, u, dec, cache.v_e, cache.state, o, info[0], h,
+        DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, BC=_SUB, DOT_PREC=DOT_PRECISION,
+        num_warps=4, num_stages=1,
+    )
     return o
+
+
+@kda_decode_prime.register("triton")
+def kda_decode_prime_triton(slots: torch.Tensor, num_rows: torch.Tensor, cache: KDADecodeCache,
+                            scale: float | None = None) -> None:
+    """``kda_decode_prime`` on the GPU: the chunk kernels over each slot's ``num_rows`` cached rows with no
+    query (OUT0 = ROWS: no output), keeping their rows of T and v_e; the state is left as it is."""
+    m = slots.numel()
+    if m == 0 or cache.g.dtype == torch.float64:
+        cache.solved[slots] = num_rows.to(torch.int32)
+        return
+    h, dk, dv = cache.state.shape[1:]
+    dev = cache.state.device
+    c = CHUNK_SIZE
+    scale = dk**-0.5 if scale is None else float(scale)
+    s32, r32 = slots.to(torch.int32), num_rows.to(torch.int32)
+    zero = torch.zeros_like(s32)
+    tab = _Tables(chunk_info=torch.stack([s32 * c, r32, zero, zero, r32, s32], dim=1).contiguous(),
+                  seq_info=torch.stack([zero, r32, torch.arange(m, dtype=torch.int32, device=dev), zero, s32, zero],
+                                       dim=1).contiguous(), n_chunks=m, n_complete=0)
+    rows = (cache.k.view(-1, h, dk), cache.v.view(-1, h, dv), cache.g.view(-1, h, dk), cache.beta.view(-1, h))
+    no_output = torch.empty(0, h, dv, dtype=cache.v.dtype, device=dev)
+    _launch(rows[0], *rows, tab, cache.state, cache.state, no_output, None, cache.solved_t, cache.v_e, scale)
+    cache.solved[slots] = r32
+
+
+@triton.jit
+def _kda_decode_inter_kernel(
+    qg_ptr, kd_ptr, aqk_ptr, w_ptr, u_ptr, dec_ptr,  # scratch written by _kda_intra_kernel (chunk id = i)
+    ve_ptr, st_ptr, o_ptr,  # [S, H, 64, dv] kept v_e, [S, H, dk, dv] states (in place), o [N, H, dv]
+    cinfo_ptr,  # [N, 6] chunk table of the step (_decode_prep_kernel)
+    H,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The recurrence kernel's arithmetic for the one new row r of each sequence, whose earlier rows
+    are kept (ROW0 == OUT0 == r, what ``kda_decode_prime`` guarantees). Every product that gives row r
+    is the recurrence kernel's ``tl.dot`` with the same K blocking and accumulation chain, cut to the
+    16-row block holding r (the other rows of the left operand exact zeros): an MMA computes each
+    output row from its own row of the left operand, so row r gets the bits the 64-row tile gives it.
+    The state update of a completed chunk is the recurrence kernel's own 64-row product."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    ci = cinfo_ptr + i * 6
+    r = tl.load(ci + 4)
+    keep = tl.load(ci + 5).to(tl.int64)  # the slot
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    r16 = (r // BC) * BC + tl.arange(0, BC)
+    is_r = r16 == r
+    k0 = tl.arange(0, BK)
+    k1 = BK + tl.arange(0, BK)
+    vs = vb * BV + tl.arange(0, BV)
+    k0m = k0 < DK
+    k1m = k1 < DK
+    vmask = vs < DV
+    st_base = (keep * H + h) * DK
+    st0 = (st_base + k0[:, None]) * DV + vs[None, :]
+    st1 = (st_base + k1[:, None]) * DV + vs[None, :]
+    st0m = k0m[:, None] & vmask[None, :]
+    st1m = k1m[:, None] & vmask[None, :]
+    s0 = tl.load(st_ptr + st0, mask=st0m, other=0.0)
+    if TWO:
+        s1 = tl.load(st_ptr + st1, mask=st1m, other=0.0)
+    sc_base = (i * H + h) * C
+    m0 = is_r[:, None] & k0m[None, :]
+    m1 = is_r[:, None] & k1m[None, :]
+    u = tl.load(u_ptr + (sc_base + r16[:, None]) * DV + vs[None, :], mask=is_r[:, None] & vmask[None, :], other=0.0)
+    ws = tl.dot(tl.load(w_ptr + (sc_base + r16[:, None]) * DK + k0[None, :], mask=m0, other=0.0), s0,
+                input_precision=DOT_PREC)
+    if TWO:
+        ws = tl.dot(tl.load(w_ptr + (sc_base + r16[:, None]) * DK + k1[None, :], mask=m1, other=0.0), s1, acc=ws,
+                    input_precision=DOT_PREC)
+    # Row r alone, exactly: x + (-0.0) == x for every x, signed zeros included.
+    ve_row = tl.sum(tl.where(is_r[:, None], u - ws, -0.0), axis=0)
+    ve_off = ((keep * H + h) * C + rows[:, None]) * DV + vs[None, :]
+    v_e = tl.load(ve_ptr + ve_off, mask=(rows < r)[:, None] & vmask[None, :], other=0.0)
+    v_e = tl.where((rows == r)[:, None], ve_row[None, :], v_e)
+    tl.store(ve_ptr + ((keep * H + h) * C + r) * DV + vs, ve_row, mask=vmask)
+    o = tl.dot(tl.load(qg_ptr + (sc_base + r16[:, None]) * DK + k0[None, :], mask=m0, other=0.0), s0,
+               input_precision=DOT_PREC)
+    if TWO:
+        o = tl.dot(tl.load(qg_ptr + (sc_base + r16[:, None]) * DK + k1[None, :], mask=m1, other=0.0), s1, acc=o,
+                   input_precision=DOT_PREC)
+    a_qk = tl.load(aqk_ptr + (sc_base + r16[:, None]) * C + cols[None, :], mask=is_r[:, None] & (cols >= 0)[None, :],
+                   other=0.0)
+    o = o + tl.dot(a_qk, v_e, input_precision=DOT_PREC)
+    o_row = tl.sum(tl.where(is_r[:, None], o, -0.0), axis=0)
+    tl.store(o_ptr + (i * H + h) * DV + vs, o_row.to(o_ptr.dtype.element_ty), mask=vmask)
+    if r == C - 1:  # the chunk is complete: advance the state (the recurrence kernel's 64-row product)
+        sc0 = (sc_base + rows[:, None]) * DK + k0[None, :]
+        dec_base = (i * H + h) * DK
+        kd0 = tl.load(kd_ptr + sc0, mask=(rows >= 0)[:, None] & k0m[None, :], other=0.0)
+        dec0 = tl.load(dec_ptr + dec_base + k0, mask=k0m, other=0.0)
+        s0 = dec0[:, None] * s0 + tl.dot(tl.trans(kd0), v_e, input_precision=DOT_PREC)
+        tl.store(st_ptr + st0, s0, mask=st0m)
+        if TWO:
+            sc1 = (sc_base + rows[:, None]) * DK + k1[None, :]
+            kd1 = tl.load(kd_ptr + sc1, mask=(rows >= 0)[:, None] & k1m[None, :], other=0.0)
+            dec1 = tl.load(dec_ptr + dec_base + k1, mask=k1m, other=0.0)
+            s1 = dec1[:, None] * s1 + tl.dot(tl.trans(kd1), v_e, input_precision=DOT_PREC)
+            tl.store(st_ptr + st1, s1, mask=st1m)
