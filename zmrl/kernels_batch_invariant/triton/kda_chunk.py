@@ -200,18 +200,27 @@ def _kda_intra_kernel(
 
     # W = T diag(beta) exp(gc) K, U = T diag(beta) V and the recurrence factors, BK / BVI columns at
     # a time (columns are independent: the blocking changes no arithmetic, only the registers held).
-    # Only rows >= row0 are stored (the recurrence kernel reads the others from the v_e it kept),
-    # except kd, which a complete chunk's state update needs for every row.
+    # W and U are computed for the 16-row blocks holding rows >= row0 only, as [16, 64] @ [64, cols]
+    # products whose left rows are T's rows read back from the tt buffer (an MMA computes each output
+    # row from its own left row: row i's bits do not depend on the block height, which the decode
+    # kernels rely on too); only rows >= row0 are stored (the recurrence reads the earlier ones from
+    # the v_e it kept), except kd (elementwise), which a complete chunk's state update needs for every row.
+    tl.debug_barrier()  # the tt columns stored above are read back below by other threads
     kd_row0 = tl.where(nr == C, 0, row0)
-    t_mat = tl.trans(tt)
+    blk0 = row0 // BC
+    blk1 = (nr + BC - 1) // BC
     b_all = tl.load(b_base + rows * H, mask=rmask, other=0.0).to(tl.float32)
     for vb in range(0, DVP // BVI):
         vc = vb * BVI + tl.arange(0, BVI)
         vcm = vc < DV
         v_t = tl.load(v_base + rows[:, None] * sv + vc[None, :], mask=rmask[:, None] & vcm[None, :],
                       other=0.0).to(tl.float32)
-        u = tl.dot(t_mat, v_t * b_all[:, None], input_precision=DOT_PREC)
-        tl.store(u_base + rows[:, None] * DV + vc[None, :], u, mask=new_rows[:, None] & vcm[None, :])
+        x_v = v_t * b_all[:, None]
+        for blk in range(blk0, blk1):
+            r16 = blk * BC + tl.arange(0, BC)
+            t_b = tl.load(tt_base + cols[None, :] * C + r16[:, None])  # rows r16 of T
+            u = tl.dot(t_b, x_v, input_precision=DOT_PREC)
+            tl.store(u_base + r16[:, None] * DV + vc[None, :], u, mask=(r16 >= row0)[:, None] & vcm[None, :])
     for kb in range(0, DKP // BK):
         kt_c = kb * BK + tl.arange(0, BK)
         kt_cm = kt_c < DK
@@ -219,12 +228,15 @@ def _kda_intra_kernel(
         sc_t = rows[:, None] * DK + kt_c[None, :]
         m_t = rmask[:, None] & kt_cm[None, :]
         sm_t = all_rows[:, None] & kt_cm[None, :]
-        new_t = new_rows[:, None] & kt_cm[None, :]
         k_t = tl.load(k_base + in_t, mask=m_t, other=0.0).to(tl.float32)
         gc_t = tl.load(gc_base + sc_t, mask=sm_t, other=0.0)
         g_last = tl.load(gc_base + (C - 1) * DK + kt_c, mask=kt_cm, other=0.0)
-        w = tl.dot(t_mat, k_t * tl.exp(gc_t) * b_all[:, None], input_precision=DOT_PREC)
-        tl.store(w_base + sc_t, w, mask=new_t)
+        x_k = k_t * tl.exp(gc_t) * b_all[:, None]
+        for blk in range(blk0, blk1):
+            r16 = blk * BC + tl.arange(0, BC)
+            t_b = tl.load(tt_base + cols[None, :] * C + r16[:, None])
+            w = tl.dot(t_b, x_k, input_precision=DOT_PREC)
+            tl.store(w_base + r16[:, None] * DK + kt_c[None, :], w, mask=(r16 >= row0)[:, None] & kt_cm[None, :])
         # The state-independent factors of the recurrence, so that the sequential kernel runs no
         # exp: kd = exp(g_last - gc) * K (state update), qg = scale * q * exp(gc) (read-out).
         tl.store(kd_base + sc_t, k_t * tl.exp(g_last[None, :] - gc_t), mask=(rows >= kd_row0)[:, None] & kt_cm[None, :])
@@ -232,7 +244,7 @@ def _kda_intra_kernel(
         qg = tl.load(q_base + in_t, mask=(rmask & (rows >= out0))[:, None] & kt_cm[None, :],
                      other=0.0).to(tl.float32) * scale * tl.exp(gc_t)
         tl.debug_barrier()  # every thread is done reading these gc columns before qg overwrites them
-        tl.store(qg_base + sc_t, qg, mask=new_t)
+        tl.store(qg_base + sc_t, qg, mask=new_rows[:, None] & kt_cm[None, :])
 
 
 @triton.jit
@@ -290,7 +302,7 @@ def _kda_inter_kernel(
         keep = tl.load(cinfo + 5).to(tl.int64)
         tok0 = bos + c * C
         nr = tl.minimum(n - c * C, C)
-        new = rows >= row0
+        new = (rows >= row0) & (rows < nr)  # W / U rows past the chunk's end are not written: read as 0
         qrow = rows >= out0
         sc_base = (cid * H + h) * C
         sc0 = (sc_base + rows[:, None]) * DK + k0[None, :]
