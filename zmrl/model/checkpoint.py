@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .model import DTYPES, HybridForCausalLM, cast_model
+from .model import DTYPES, HybridForCausalLM, cast_model, checkpoint_state
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -27,7 +27,7 @@ def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard
     cfg = model.config
     cfg.torch_dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
     cfg.to_json(out / "config.json")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in checkpoint_state(model).items()}
     if max_shard_bytes is None:
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
         return
@@ -73,7 +73,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
     dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or DTYPES[cfg.torch_dtype])
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, dtype=torch.float32)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in checkpoint_state(model).items()}
     files = _tensor_files(root)
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(set(files) - set(expected))
@@ -96,6 +96,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
     if bad:
         raise CheckpointError(f"{root}: mis-shaped tensors: " + "; ".join(bad))
     model = model.to_empty(device="cpu")
+    model.tie_weights()
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     # exact for fp32/bf16 sources: upcasting to fp32 then back to the file's dtype is lossless
     return cast_model(model, dtype).to(device)

@@ -15,7 +15,7 @@ from .config import LinearAttnConfig, ModelConfig
 
 def tiny() -> ModelConfig:
     """A few M params; layer pattern KDA,KDA,KDA,MLA+DSA; index_topk 64 so test prompts exceed it."""
-    return ModelConfig()
+    return ModelConfig(index_topk=64)
 
 
 def bench() -> ModelConfig:
