@@ -183,6 +183,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """zmrl's flat config, or the released Kimi K3 / Kimi-Linear format (k3_release.py)."""
+        from .k3_release import config_from_release, is_release_config
+
+        if is_release_config(data):
+            return config_from_release(data)
         data = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in data if k not in known and k not in IGNORED_HF_KEYS)
