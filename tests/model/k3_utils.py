@@ -27,16 +27,23 @@ def tiny_k3(**over) -> ModelConfig:
 
 @torch.no_grad()
 def random_k3_model(cfg: ModelConfig, seed: int = 0, mxfp4_experts: bool = True) -> HybridForCausalLM:
-    """fp32 model with weights large enough to exercise every branch: AttnRes pseudo-queries drawn
-    (init has them 0, a uniform mix), norms away from 1, and (``mxfp4_experts``) routed-expert weights
-    rounded onto the MXFP4 grid so that the release's quantised storage holds them exactly."""
+    """fp32 model with weights large enough that every branch moves the logits: MLP / expert / latent
+    projections drawn with std 0.5/sqrt(fan_in) (the model init's 0.02 leaves the MoE nearly silent, so
+    its routing weights would hardly show in the logits), small MLA latents, AttnRes pseudo-queries drawn (init has them 0, a uniform mix), norms away
+    from 1, and (``mxfp4_experts``) routed-expert weights rounded onto the MXFP4 grid so that the
+    release's quantised storage holds them exactly."""
     model = build_model(cfg, seed=seed, dtype="float32")
     g = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():
+        if ".mlp." in name and p.dim() == 2 and name.endswith("proj.weight"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5 * p.shape[1] ** -0.5)
+        if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+            # small MLA latents (rms ~8e-3, mean square within 10x of the norms' eps): the eps shows
+            p.copy_(torch.randn(p.shape, generator=g) * 1e-3)
         if name.endswith("_res_proj.weight"):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
         elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
-        elif mxfp4_experts and ".experts." in name and cfg.hidden_size % 32 == 0:
+        if mxfp4_experts and ".experts." in name and cfg.hidden_size % 32 == 0:
             p.copy_(dequantize_mxfp4(*quantize_mxfp4(p, exact=False)))
     return model
