@@ -2,6 +2,7 @@
 renames both ways, MXFP4 routed experts, alternative spellings, skipped non-text tensors, bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -241,3 +242,35 @@ def test_bad_release_checkpoints(release_dir, tmp_path) -> None:
         load_pretrained(write("badscale", bad))
     with pytest.raises(ValueError, match="format must be one of"):
         save_pretrained(load_pretrained(path), tmp_path / "x", format="gguf")
+
+
+# ----------------------------------------------------------------------------- presets
+
+# The published K3 text config's fields as far as public transcriptions show (docs/k3_release.md).
+PUBLISHED_K3_TEXT = {
+    "vocab_size": 163840, "num_hidden_layers": 93, "hidden_size": 7168, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
+    "routed_expert_hidden_size": 3584, "moe_intermediate_size": 3072, "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid", "num_expert_group": 1, "topk_group": 1,
+    "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "routed_scaling_factor": 1.0,
+    "latent_moe_use_norm": True, "rms_norm_eps": 1e-5, "hidden_act": "situ", "attn_res_block_size": 12,
+    "mla_use_nope": True, "mla_use_output_gate": True, "tie_word_embeddings": False,
+}
+
+
+def test_k3_preset_is_the_published_config() -> None:
+    k3 = ModelConfig.preset("k3")
+    text = config_to_release(k3, quantized_experts=True)["text_config"]
+    for k, v in PUBLISHED_K3_TEXT.items():
+        assert text[k] == v, k
+    assert not k3.has_indexer and not any(k.startswith("index_") for k in text)
+    la = text["linear_attn_config"]
+    assert len(la["kda_layers"]) == 69 and len(la["full_attn_layers"]) == 24 and la["full_attn_layers"][-1] == 93
+    assert ModelConfig.from_dict(config_to_release(k3, True)) == k3  # through the release format and back
+
+
+def test_k3_1_pro_is_k3_plus_the_seed_indexer() -> None:
+    pro, k3 = ModelConfig.preset("k3.1-pro"), ModelConfig.preset("k3")
+    assert (pro.index_n_heads, pro.index_head_dim, pro.index_topk, pro.index_use_hadamard) == (32, 128, 2048, True)
+    assert dataclasses.replace(pro, index_topk=None, index_n_heads=k3.index_n_heads, index_head_dim=k3.index_head_dim,
+                               index_use_hadamard=k3.index_use_hadamard) == k3
