@@ -61,6 +61,21 @@ def test_situ_glu_caps() -> None:
     torch.testing.assert_close(situ_glu(g, u), torch.tensor([100.0, -100.0, -0.0, 0.0]))
 
 
+@pytest.mark.parametrize("beta,linear_beta", [(1.0, None), (2.0, 10.0), (4.0, 25.0)])
+def test_situ_glu_betas(beta: float, linear_beta: float | None) -> None:
+    """The betas are arguments (Kimi-Linear's defaults are beta 1 and no cap on the up branch)."""
+    gate, up = _gu(7, 64, seed=1)
+    got = situ_glu(gate, up, beta=beta, linear_beta=linear_beta)
+    torch.testing.assert_close(got.double(), situ_glu_ref(gate, up, beta, linear_beta), rtol=2e-6, atol=1e-30)
+    if linear_beta is None:  # uncapped: the up branch is u itself, exactly
+        a = situ_glu(gate, torch.ones_like(up), beta=beta, linear_beta=None)
+        assert torch.equal(got, a * up)
+    fast = situ_glu.impls["fast"](gate, up, beta=beta, linear_beta=linear_beta)
+    torch.testing.assert_close(fast.double(), situ_glu_ref(gate, up, beta, linear_beta), rtol=2e-6, atol=1e-30)
+    with pytest.raises(ValueError, match="beta"):
+        situ_glu(gate, up, beta=0.0)
+
+
 def test_shape_mismatch_is_an_error() -> None:
     with pytest.raises(ValueError):
         swiglu(torch.randn(3, 4), torch.randn(3, 5))

@@ -116,6 +116,29 @@ def test_output_contract(e: int, top_k: int, n_group: int, topk_group: int) -> N
     torch.testing.assert_close(out_u.weights, raw * rsf, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_top1_is_never_renormalised(n_group: int, topk_group: int) -> None:
+    """As the released Kimi K3: with one expert per token its weight is its own sigmoid score (times
+    the scaling), not 1, even when norm_topk_prob asks for renormalisation."""
+    x, w, bias = _router(40, 32, 16, seed=11)
+    out = moe_route(x, w, bias, 1, n_group, topk_group, True, 2.5)
+    plain = moe_route(x, w, bias, 1, n_group, topk_group, False, 2.5)
+    assert torch.equal(out.expert_ids, plain.expert_ids) and torch.equal(out.weights, plain.weights)
+    assert bool((out.weights < 2.5).all())  # a score in (0, 1) times 2.5, never the scaling itself
+    ref = moe_route_ref(x, w, bias, 1, n_group, topk_group, True, 2.5)
+    assert torch.equal(out.expert_ids, ref.expert_ids)
+    torch.testing.assert_close(out.weights.double(), ref.weights, rtol=0, atol=1e-5)
+
+
+def test_renormalisation_guard_keeps_all_zero_scores_finite() -> None:
+    """Scores that underflow to exactly 0 (logits < -104): the 1e-20 in the sum keeps 0 / 0 away."""
+    x = torch.ones(3, 4)
+    w = torch.full((8, 4), -60.0)  # logits -240: sigmoid is exactly 0 in fp32
+    for op in (moe_route, moe_route.impls["fast"]):
+        out = op(x, w, None, 2, 1, 1, True, 1.0)
+        assert torch.equal(out.weights, torch.zeros(3, 2)), op
+
+
 def test_bias_is_for_selection_only() -> None:
     x, w, _ = _router(50, 32, 16, seed=5)
     bias = torch.zeros(16)

@@ -7,7 +7,8 @@ IEEE ``* /`` and fp32 ``tanh``/``exp``. Computed in fp32 (fp64 stays fp64), cast
 ``out_dtype`` (default: the dtype of ``gate``). Fixed evaluation order (a Triton backend must match):
 
     swiglu:   (g * sigmoid(g)) * u
-    situ_glu: ((4 * tanh(g / 4)) * sigmoid(g)) * (25 * tanh(u / 25))
+    situ_glu: ((beta * tanh(g / beta)) * sigmoid(g)) * (linear_beta * tanh(u / linear_beta))
+              (linear_beta None: the up branch is u itself; K3 uses beta 4, linear_beta 25)
 """
 from __future__ import annotations
 
@@ -35,15 +36,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None =
     return (silu(gate.to(cdt)) * up.to(cdt)).to(out_dtype or gate.dtype)
 
 
+def _check_betas(beta: float, linear_beta: float | None) -> None:
+    if not beta > 0 or (linear_beta is not None and not linear_beta > 0):
+        raise ValueError(f"situ_glu: beta={beta} and linear_beta={linear_beta} must be > 0 (linear_beta may be None)")
+
+
 @invariant_op
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Kimi K3 SiTU-GLU: ``4 tanh(g/4) sigmoid(g) * 25 tanh(u/25)``. gate, up: [..., I]."""
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None, beta: float = 4.0,
+             linear_beta: float | None = 25.0) -> torch.Tensor:
+    """Kimi K3 SiTU-GLU: ``beta tanh(g/beta) sigmoid(g) * linear_beta tanh(u/linear_beta)``.
+
+    gate, up: [..., I]. ``linear_beta`` None leaves the up branch uncapped (``u``)."""
     _check(gate, up, "situ_glu")
+    _check_betas(beta, linear_beta)
     cdt = _cdt(gate.dtype)
     g, u = gate.to(cdt), up.to(cdt)
-    # Soft caps: the gate branch is bounded by 4, the linear branch by 25 (both ~identity near 0).
-    a = (4.0 * torch.tanh(g / 4.0)) * sigmoid(g)
-    b = 25.0 * torch.tanh(u / 25.0)
+    # Soft caps: the gate branch is bounded by beta, the linear branch by linear_beta (both ~identity near 0).
+    a = (beta * torch.tanh(g / beta)) * sigmoid(g)
+    b = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
     return (a * b).to(out_dtype or gate.dtype)
 
 
@@ -53,10 +63,12 @@ def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return g * torch.sigmoid(g) * up.double()
 
 
-def situ_glu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def situ_glu_ref(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0,
+                 linear_beta: float | None = 25.0) -> torch.Tensor:
     """float64 reference for ``situ_glu``."""
     g, u = gate.double(), up.double()
-    return 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * 25.0 * torch.tanh(u / 25.0)
+    b = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * b
 
 
 # ----------------------------------------------------------------------------- fast mode (stock kernels)
@@ -71,8 +83,11 @@ def swiglu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | N
 
 
 @situ_glu.register("fast")
-def situ_glu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def situ_glu_fast(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None, beta: float = 4.0,
+                  linear_beta: float | None = 25.0) -> torch.Tensor:
     _check(gate, up, "situ_glu")
+    _check_betas(beta, linear_beta)
     cdt = _cdt(gate.dtype)
     g, u = gate.to(cdt), up.to(cdt)
-    return (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))).to(out_dtype or gate.dtype)
+    b = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+    return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * b).to(out_dtype or gate.dtype)

@@ -10,7 +10,9 @@ arbitrarily and is avoided. Fixed semantics (DESIGN §4, reference/architecture.
     n_group > 1: group score = top1 + top2 of sb in the group (one rounding); keep the topk_group
                  best groups (ties: lower group index); sb of the other groups = -inf
     chosen = top_k experts by (sb desc, expert id asc), then reordered by ascending expert id
-    w = s[chosen] (ascending id order); if norm_topk_prob: w = w / tree_sum(w) (no epsilon);
+    w = s[chosen] (ascending id order);
+    if norm_topk_prob and top_k > 1: w = w / (tree_sum(w) + 1e-20)   (as the released Kimi K3: a single
+                                     expert keeps its sigmoid score; 1e-20 guards an all-zero sum);
     w = w * routed_scaling_factor
 
 The normalising sum runs over the weights in ascending expert-id order (the order returned), so
@@ -63,6 +65,14 @@ def _check_route_args(n_experts: int, top_k: int, n_group: int, topk_group: int)
         )
 
 
+RENORM_EPS = 1e-20  # added to the top-k sum before renormalising (exact no-op unless the sum is ~0)
+
+
+def renormalises(norm_topk_prob: bool, top_k: int) -> bool:
+    """Whether the top-k weights are divided by their sum: asked for, and more than one expert."""
+    return bool(norm_topk_prob) and top_k > 1
+
+
 def _desc_order(v: torch.Tensor) -> torch.Tensor:
     """Indices sorting the last dim by (value desc, index asc): a stable descending sort."""
     return torch.sort(v, dim=-1, descending=True, stable=True).indices
@@ -104,8 +114,8 @@ def moe_route(
     chosen = _desc_order(sb)[:, :top_k]
     expert_ids = torch.sort(chosen, dim=-1).values  # ascending expert id (ids are distinct)
     w = s.gather(1, expert_ids)
-    if norm_topk_prob:
-        w = w / tree_sum(w, dim=-1, keepdim=True)
+    if renormalises(norm_topk_prob, top_k):
+        w = w / (tree_sum(w, dim=-1, keepdim=True) + RENORM_EPS)
     w = w * routed_scaling_factor
     return RouterOutput(expert_ids=expert_ids, weights=w)
 
@@ -159,8 +169,8 @@ def moe_route_fast(
         sb = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, n_experts)
     ids = sb.topk(top_k, dim=-1).indices.sort(dim=-1).values
     w = s.gather(1, ids)
-    if norm_topk_prob:
-        w = w / w.sum(-1, keepdim=True)
+    if renormalises(norm_topk_prob, top_k):
+        w = w / (w.sum(-1, keepdim=True) + RENORM_EPS)
     return RouterOutput(expert_ids=ids, weights=w * routed_scaling_factor)
 
 
@@ -212,8 +222,8 @@ def moe_route_ref(
             allowed = [e for g in sorted(groups) for e in range(g * size, (g + 1) * size)]
         picked = sorted(sorted(allowed, key=lambda e: (-row_sb[e], e))[:top_k])
         w = [row_s[e] for e in picked]
-        if norm_topk_prob:
-            total = sum(w)
+        if renormalises(norm_topk_prob, top_k):
+            total = sum(w) + RENORM_EPS
             w = [v / total for v in w]
         ids_rows.append(picked)
         w_rows.append([v * routed_scaling_factor for v in w])

@@ -1,7 +1,10 @@
-"""HF-style checkpoints: ``config.json`` + ``*.safetensors`` (never pickle)."""
+"""HF-style checkpoints: ``config.json`` + ``*.safetensors`` (never pickle), in zmrl's own layout or the
+released Kimi K3's (k3_release.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -9,25 +12,44 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ModelConfig
-from .model import DTYPES, HybridForCausalLM, cast_model
+from .config import ConfigError, ModelConfig
+from .k3_release import Source, config_to_release, convert_tensor, is_release_config, map_release_tensors, release_state
+from .mxfp4 import MXFP4Error
+from .model import DTYPES, HybridForCausalLM, cast_model, checkpoint_state
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
     """A checkpoint does not match the model: the message names the tensors."""
 
 
-def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None) -> None:
-    """Write ``config.json`` and the weights (sharded with an index when ``max_shard_bytes`` is set)."""
+FORMATS = ("zmrl", "k3")
+
+
+def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None,
+                    format: str = "zmrl", quantize_experts: bool = True) -> None:
+    """Write ``config.json`` and the weights (sharded with an index when ``max_shard_bytes`` is set).
+
+    ``format="zmrl"``: zmrl's flat config and module names. ``format="k3"``: the released Kimi K3 layout
+    (k3_release.py): nested config, ``language_model.`` names, routed experts as MXFP4 when
+    ``quantize_experts`` (exact or an error: weights read from MXFP4 write back the same values)."""
+    if format not in FORMATS:
+        raise ValueError(f"save_pretrained: format must be one of {FORMATS}, got {format!r}")
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     cfg.torch_dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
-    cfg.to_json(out / "config.json")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in checkpoint_state(model).items()}
+    if format == "k3":
+        config = config_to_release(cfg, quantized_experts=quantize_experts and cfg.n_routed_experts > 0)
+        state = release_state(cfg, state, quantize_experts)
+    out.mkdir(parents=True, exist_ok=True)
+    if format == "k3":
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    else:
+        cfg.to_json(out / "config.json")
     if max_shard_bytes is None:
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
         return
@@ -65,37 +87,62 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     device: torch.device | str = "cpu") -> HybridForCausalLM:
-    """Load a checkpoint folder; missing, unexpected or mis-shaped tensors are refused by name."""
+    """Load a checkpoint folder (zmrl's format or the released Kimi K3's); missing, unexpected or
+    mis-shaped tensors are refused by name. Release tensors outside the text model are skipped (logged)."""
     root = Path(path)
     if not (root / "config.json").exists():
         raise CheckpointError(f"{root}: no config.json")
-    cfg = ModelConfig.from_json(root / "config.json")
+    try:
+        raw = json.loads((root / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{root / 'config.json'}: not valid JSON ({e})") from e
+    try:
+        cfg = ModelConfig.from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{root / 'config.json'}: {e}") from e
+    release = is_release_config(raw)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or DTYPES[cfg.torch_dtype])
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, dtype=torch.float32)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in checkpoint_state(model).items()}
     files = _tensor_files(root)
-    missing = sorted(set(expected) - set(files))
-    unexpected = sorted(set(files) - set(expected))
+    if release:
+        sources, missing, unexpected, skipped = map_release_tensors(cfg, expected, files)
+        for reason, names in skipped.items():
+            log.info("%s: skipped %d tensor(s) outside the text model (%s), e.g. %s", root, len(names), reason,
+                     names[0])
+    else:
+        sources = {k: Source((k,), "plain") for k in expected if k in files}
+        missing = sorted(set(expected) - set(files))
+        unexpected = sorted(set(files) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"{root}: checkpoint does not match the config: missing tensors {missing[:20]}"
                               f"{' ...' if len(missing) > 20 else ''}; unexpected tensors {unexpected[:20]}"
                               f"{' ...' if len(unexpected) > 20 else ''}")
     state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for k, f in files.items():
-        by_file.setdefault(f, []).append(k)
     bad = []
-    for f, keys in by_file.items():
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for k in keys:
-                t = sf.get_tensor(k)
-                if tuple(t.shape) != expected[k]:
-                    bad.append(f"{k}: checkpoint {tuple(t.shape)} vs model {expected[k]}")
-                state[k] = t
+    num_heads = cfg.linear_attn_config.num_heads
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+                   for f in sorted({files[n] for src in sources.values() for n in src.names})}
+
+        def read(name: str) -> torch.Tensor:
+            return handles[files[name]].get_tensor(name)
+
+        for k, src in sources.items():
+            try:
+                t = convert_tensor(src, read, num_heads)
+            except MXFP4Error as e:
+                raise CheckpointError(f"{root}: {e}") from e
+            if tuple(t.shape) != expected[k]:
+                bad.append(f"{'+'.join(src.names)}: checkpoint {tuple(t.shape)} vs model {expected[k]}")
+            state[k] = t
     if bad:
         raise CheckpointError(f"{root}: mis-shaped tensors: " + "; ".join(bad))
     model = model.to_empty(device="cpu")
+    model.tie_weights()
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
-    # exact for fp32/bf16 sources: upcasting to fp32 then back to the file's dtype is lossless
+    # exact for fp32/bf16 sources (and MXFP4, dequantised exactly): fp32 then the model dtype is lossless
     return cast_model(model, dtype).to(device)

@@ -14,7 +14,7 @@ IGNORED_HF_KEYS = frozenset({
     "architectures", "auto_map", "bos_token_id", "eos_token_id", "pad_token_id",
     "transformers_version", "use_cache", "hidden_act", "attention_dropout", "attention_bias",
     "quantization_config", "num_nextn_predict_layers", "scoring_func", "topk_method",
-    "moe_layer_freq", "aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp",
+    "aux_loss_alpha", "seq_aux", "ep_size", "pretraining_tp",
     "num_key_value_heads", "rope_scaling", "dtype",
 })
 
@@ -56,6 +56,9 @@ class ModelConfig:
     num_attention_heads: int = 4
     q_lora_rank: int | None = 128
     kv_lora_rank: int = 64
+    # eps of q_a_layernorm / kv_a_layernorm: the released K3 code fixes it at 1e-6 whatever
+    # rms_norm_eps is (it matters when the latents are small)
+    mla_latent_norm_eps: float = 1e-6
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
@@ -63,10 +66,10 @@ class ModelConfig:
     mla_use_output_gate: bool = False  # K3 gated MLA: o * sigmoid(g_proj x) before o_proj
     rope_theta: float = 10000.0
 
-    # DSA indexer (on every MLA layer when index_topk is set)
+    # DSA indexer (on every MLA layer when index_topk is set; a config without it has none)
     index_n_heads: int = 4
     index_head_dim: int = 32
-    index_topk: int | None = 64
+    index_topk: int | None = None
     index_use_hadamard: bool = False
 
     # MoE
@@ -75,12 +78,17 @@ class ModelConfig:
     n_shared_experts: int = 1
     moe_intermediate_size: int = 128
     first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1  # MoE on layers i >= first_k_dense_replace with i % moe_layer_freq == 0
     n_group: int = 4
     topk_group: int = 2
     routed_scaling_factor: float = 2.5
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = True  # renormalise the top-k weights (only when num_experts_per_tok > 1)
     moe_latent_size: int | None = None  # K3 latent MoE: experts run in this width
-    moe_glu: str = "swiglu"  # "swiglu" | "situ" (K3 SiTU-GLU)
+    latent_moe_use_norm: bool = True  # RMSNorm of the combined latent before latent_up_proj
+    moe_glu: str = "swiglu"  # "swiglu" | "situ" (K3 SiTU-GLU), in the dense MLP and every expert
+    # SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta); linear_beta None = no cap
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float | None = 25.0
 
     # K3 block attention-residuals; None = plain residual stream
     attn_res_block_size: int | None = None
@@ -99,7 +107,8 @@ class ModelConfig:
         return (layer_idx + 1) in self.linear_attn_config.kda_layers
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+        return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
+                and layer_idx % self.moe_layer_freq == 0)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "ModelConfig":
@@ -115,6 +124,13 @@ class ModelConfig:
         for name in ("first_k_dense_replace", "n_shared_experts", "n_routed_experts", "qk_rope_head_dim"):
             need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         need(self.n_group >= 1, "n_group", f"must be >= 1, got {self.n_group}")
+        need(self.moe_layer_freq >= 1, "moe_layer_freq", f"must be >= 1, got {self.moe_layer_freq}")
+        need(self.mla_latent_norm_eps > 0, "mla_latent_norm_eps", f"must be > 0, got {self.mla_latent_norm_eps}")
+        need(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        need(self.activation_situ_beta > 0, "activation_situ_beta", f"must be > 0, got {self.activation_situ_beta}")
+        if self.activation_situ_linear_beta is not None:
+            need(self.activation_situ_linear_beta > 0, "activation_situ_linear_beta",
+                 f"must be > 0 or null, got {self.activation_situ_linear_beta}")
         if self.moe_latent_size is not None:
             need(self.moe_latent_size > 0, "moe_latent_size", f"must be > 0 or null, got {self.moe_latent_size}")
         need(len(set(la.kda_layers)) == len(la.kda_layers) and len(set(la.full_attn_layers)) == len(la.full_attn_layers),
@@ -167,6 +183,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """zmrl's flat config, or the released Kimi K3 / Kimi-Linear format (k3_release.py)."""
+        from .k3_release import config_from_release, is_release_config
+
+        if is_release_config(data):
+            return config_from_release(data)
         data = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in data if k not in known and k not in IGNORED_HF_KEYS)

@@ -40,7 +40,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             self.g_a_proj = Linear(d, k, dtype=dtype)
             self.g_b_proj = Linear(k, hd, dtype=dtype)
-        self.o_norm = RMSNorm(k, eps=1e-5, dtype=dtype)
+        self.o_norm = RMSNorm(k, eps=cfg.rms_norm_eps, dtype=dtype)
         self.o_proj = Linear(hd, d, dtype=dtype)
 
     # ------------------------------------------------------------------ init

@@ -68,10 +68,10 @@ class MLAAttention(nn.Module):
             self.q_proj = Linear(d, h * cfg.qk_head_dim, dtype=dtype)
         else:
             self.q_a_proj = Linear(d, cfg.q_lora_rank, dtype=dtype)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.rms_norm_eps, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.mla_latent_norm_eps, dtype=dtype)
             self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype=dtype)
         self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.mla_latent_norm_eps, dtype=dtype)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dtype)
         self.o_proj = Linear(h * cfg.v_head_dim, d, dtype=dtype)
         if cfg.mla_use_output_gate:

@@ -18,7 +18,7 @@ from .context import ForwardContext, packed_context
 from .kda import KimiDeltaAttention
 from .layers import Linear, RMSNorm, Weight
 from .mla import MLAAttention
-from .moe import MLP, MoE
+from .moe import MLP, MoE, glu_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -32,7 +32,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = (KimiDeltaAttention if self.is_kda else MLAAttention)(cfg, layer_idx, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = (MoE(cfg, dtype=dtype) if cfg.is_moe_layer(layer_idx)
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.moe_glu, dtype=dtype))
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, glu_of(cfg), dtype=dtype))
         if cfg.attn_res_block_size is not None:
             # Names as in the K3 checkpoint: <site>_res_norm.weight and <site>_res_proj.weight, [D] each.
             self.self_attention_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -85,6 +85,13 @@ class HybridForCausalLM(nn.Module):
         self.config = cfg
         self.model = HybridModel(cfg, dtype=dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings``: one Parameter under two names (again after ``to_empty``, which
+        unties); checkpoints store it once, as ``model.embed_tokens.weight``."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -138,6 +145,14 @@ class HybridForCausalLM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
                 p.copy_(torch.randn(p.shape, generator=gen) * out_std)
+
+
+def checkpoint_state(model: HybridForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors by checkpoint name: ``state_dict`` without the tied ``lm_head.weight``."""
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype | str | None = None,

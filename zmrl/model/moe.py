@@ -1,8 +1,9 @@
 """Dense GLU MLP and the routed mixture of experts (optionally in a K3-style latent)."""
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -15,15 +16,23 @@ from .config import ModelConfig
 from .layers import Linear, RMSNorm, Weight
 
 
-class MLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``; act is SiLU (SwiGLU) or K3's SiTU-GLU."""
+def glu_of(cfg: ModelConfig) -> Callable[..., torch.Tensor]:
+    """The GLU op ``cfg`` asks for (``moe_glu``), with its SiTU betas bound."""
+    if cfg.moe_glu == "situ":
+        return functools.partial(situ_glu, beta=cfg.activation_situ_beta, linear_beta=cfg.activation_situ_linear_beta)
+    return swiglu
 
-    def __init__(self, dim: int, inter: int, glu: str = "swiglu", dtype: torch.dtype | None = None):
+
+class MLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``; act is SiLU (SwiGLU) or K3's SiTU-GLU (``glu_of``)."""
+
+    def __init__(self, dim: int, inter: int, glu: Callable[..., torch.Tensor] = swiglu,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.gate_proj = Linear(dim, inter, dtype=dtype)
         self.up_proj = Linear(dim, inter, dtype=dtype)
         self.down_proj = Linear(inter, dim, dtype=dtype)
-        self.glu = situ_glu if glu == "situ" else swiglu
+        self.glu = glu
 
     def forward(self, x: torch.Tensor, lora: "nn.Module | None" = None, expert: int = 0) -> torch.Tensor:
         """``lora`` (an ExpertLoRA holding batched [E, ...] tensors) adds expert ``expert``'s deltas."""
@@ -51,16 +60,19 @@ class MoE(nn.Module):
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.gate = Router(cfg.n_routed_experts, d, dtype=dtype)
+        glu = glu_of(cfg)
         self.experts = nn.ModuleList(
-            MLP(expert_dim, cfg.moe_intermediate_size, cfg.moe_glu, dtype=dtype) for _ in range(cfg.n_routed_experts)
+            MLP(expert_dim, cfg.moe_intermediate_size, glu, dtype=dtype) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = (
-            MLP(d, cfg.n_shared_experts * cfg.moe_intermediate_size, cfg.moe_glu, dtype=dtype)
+            MLP(d, cfg.n_shared_experts * cfg.moe_intermediate_size, glu, dtype=dtype)
             if cfg.n_shared_experts else None
         )
+        self.latent_norm: RMSNorm | None = None
         if self.latent:
             self.latent_down_proj = Linear(d, self.latent, dtype=dtype)
-            self.latent_norm = RMSNorm(self.latent, eps=cfg.rms_norm_eps, dtype=dtype)
+            if cfg.latent_moe_use_norm:
+                self.latent_norm = RMSNorm(self.latent, eps=cfg.rms_norm_eps, dtype=dtype)
             self.latent_up_proj = Linear(self.latent, d, dtype=dtype)
         self.experts_lora: nn.Module | None = None  # set by zmrl.lora.apply_lora
 
@@ -88,7 +100,9 @@ class MoE(nn.Module):
         y = y_sorted[torch.argsort(order)].view(T, self.top_k, -1)
         routed = moe_combine(y, route.weights, out_dtype=torch.float32)
         if self.latent:
-            routed = self.latent_up_proj(self.latent_norm(routed, out_dtype=x.dtype), out_dtype=torch.float32)
+            # fp32 combine -> (norm ->) one rounding to the model dtype -> up-projection
+            h = routed.to(x.dtype) if self.latent_norm is None else self.latent_norm(routed, out_dtype=x.dtype)
+            routed = self.latent_up_proj(h, out_dtype=torch.float32)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x).float()
         return routed.to(x.dtype)

@@ -110,7 +110,8 @@ def _moe(cfg: "ModelConfig", p: str) -> Shapes:
     if L is not None:
         width = L
         s[f"{p}mlp.latent_down_proj.weight"] = (L, D)
-        s[f"{p}mlp.latent_norm.weight"] = (L,)
+        if cfg.latent_moe_use_norm:
+            s[f"{p}mlp.latent_norm.weight"] = (L,)
         s[f"{p}mlp.latent_up_proj.weight"] = (D, L)
     for e in range(E):
         s.update(_glu(f"{p}mlp.experts.{e}.", I, width))

@@ -36,6 +36,15 @@ def test_glu_matches_float64(device, interpret, op, ref, in_dtype) -> None:
     torch.testing.assert_close(triton_impl(op)(g, u).double(), ref(g, u), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("beta,linear_beta", [(1.0, None), (2.0, 10.0)])
+def test_situ_glu_betas(device, interpret, beta, linear_beta) -> None:
+    g, u = _inputs(5, 70, device, seed=3)
+    got = triton_impl(situ_glu)(g, u, torch.float32, beta, linear_beta)
+    torch.testing.assert_close(got.double(), situ_glu_ref(g, u, beta, linear_beta), rtol=RTOL, atol=ATOL)
+    assert_rows_invariant(lambda a, b: triton_impl(situ_glu)(a, b, None, beta, linear_beta), [g, u],
+                          batch_sizes(interpret))
+
+
 @pytest.mark.parametrize("op,ref", OPS, ids=["swiglu", "situ_glu"])
 def test_glu_dtypes_errors_invariance(device, interpret, op, ref) -> None:
     g, u = _inputs(6 if interpret else 64, 256, device, seed=0, dtype=torch.bfloat16)

@@ -13,7 +13,9 @@ from .rowwise_helpers import assert_rows_invariant, batch_sizes, randn
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
 # (E, top_k, n_group, topk_group): tiny, group-limited, one expert per group, bench (64/8), K3 (896/16)
-CONFIGS_INTERP = [(10, 2, 1, 1), (24, 3, 4, 2), (16, 4, 16, 4), (64, 8, 1, 1), (64, 8, 8, 3)]
+# top-1 (never renormalised, as the released K3) with and without groups
+CONFIGS_INTERP = [(10, 2, 1, 1), (24, 3, 4, 2), (16, 4, 16, 4), (64, 8, 1, 1), (64, 8, 8, 3), (10, 1, 1, 1),
+                  (24, 1, 4, 2)]
 CONFIGS_CUDA = CONFIGS_INTERP + [(256, 8, 8, 4), (896, 16, 1, 1)]
 
 
@@ -65,6 +67,20 @@ def test_route_exact_ties_and_errors(device, interpret) -> None:
         _route(x, w, None, 9, 4, 2, True, 1.0)
     with pytest.raises(ValueError, match="x must be"):
         _route(x[None], w, None, 2, 1, 1, True, 1.0)
+
+
+def test_route_top1_and_zero_sum_guard(device, interpret) -> None:
+    # top-1: the weight is the expert's score times the scaling whatever norm_topk_prob says
+    x, w, bias = _inputs(7, 16, 32, device, seed=9)
+    norm, plain = _route(x, w, bias, 1, 1, 1, True, 2.5), _route(x, w, bias, 1, 1, 1, False, 2.5)
+    assert torch.equal(norm.expert_ids, plain.expert_ids) and torch.equal(norm.weights, plain.weights)
+    # the torch op: the same selection, the same weight up to the backends' sigmoid rounding
+    op = moe_route.impls["torch"](x, w, bias, 1, 1, 1, True, 2.5)
+    assert torch.equal(norm.expert_ids, op.expert_ids)
+    torch.testing.assert_close(norm.weights, op.weights, rtol=1e-6, atol=0)
+    # scores underflowing to exactly 0: the 1e-20 guard gives 0 weights, not 0 / 0
+    x, w = torch.ones(3, 4, device=device), torch.full((8, 4), -60.0, device=device)
+    assert torch.equal(_route(x, w, None, 2, 1, 1, True, 1.0).weights, torch.zeros(3, 2, device=device))
 
 
 def test_route_rows_invariant(device, interpret) -> None:

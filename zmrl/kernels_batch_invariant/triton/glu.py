@@ -2,7 +2,9 @@
 
 Elementwise: every element runs the same instruction sequence wherever it sits, so the result is
 row-invariant by construction; tiles are fixed (``ELEMENTWISE_BLOCK``) over the flattened tensor.
-Order as the torch op: ``(g * sigmoid(g)) * u`` and ``((4 * tanh(g / 4)) * sigmoid(g)) * (25 * tanh(u / 25))``.
+Order as the torch op: ``(g * sigmoid(g)) * u`` and
+``((beta * tanh(g / beta)) * sigmoid(g)) * (linear_beta * tanh(u / linear_beta))`` (no cap on u when
+linear_beta is None); the betas are fp32 runtime scalars (K3: 4 and 25).
 Backward: the torch composition under autograd (``with_reference_backward``).
 """
 from __future__ import annotations
@@ -20,25 +22,30 @@ situ_glu = _ops.situ_glu
 
 
 @triton.jit
-def _glu_kernel(g_ptr, u_ptr, y_ptr, n, SITU: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_kernel(g_ptr, u_ptr, y_ptr, n, beta, linear_beta, SITU: tl.constexpr, CAP_UP: tl.constexpr,
+                BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if SITU:
-        y = ((4.0 * tanh(g / 4.0)) * sigmoid(g)) * (25.0 * tanh(u / 25.0))
+        if CAP_UP:
+            u = linear_beta * tanh(u / linear_beta)
+        y = ((beta * tanh(g / beta)) * sigmoid(g)) * u
     else:
         y = (g * sigmoid(g)) * u
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _launch(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None, situ: bool) -> torch.Tensor:
+def _launch(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None, situ: bool, beta: float = 4.0,
+            linear_beta: float | None = 25.0) -> torch.Tensor:
     g, u = gate.contiguous(), up.contiguous()
     y = torch.empty(gate.shape, dtype=out_dtype or gate.dtype, device=gate.device)
     n = g.numel()
     if n:
-        _glu_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](g, u, y, n, SITU=situ, BLOCK=ELEMENTWISE_BLOCK,
-                                                          num_warps=ELEMENTWISE_WARPS)
+        _glu_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](
+            g, u, y, n, float(beta), float(linear_beta or 1.0), SITU=situ, CAP_UP=linear_beta is not None,
+            BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS)
     return y
 
 
@@ -53,8 +60,10 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype |
 
 @situ_glu.register("triton")
 @with_reference_backward(situ_glu.impls["torch"])
-def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None, beta: float = 4.0,
+                    linear_beta: float | None = 25.0) -> torch.Tensor:
     _ops._check(gate, up, "situ_glu")
+    _ops._check_betas(beta, linear_beta)
     if compute_in_fp64(gate, up):
-        return situ_glu.impls["torch"](gate, up, out_dtype)
-    return _launch(gate, up, out_dtype, situ=True)
+        return situ_glu.impls["torch"](gate, up, out_dtype, beta, linear_beta)
+    return _launch(gate, up, out_dtype, situ=True, beta=beta, linear_beta=linear_beta)

@@ -7,8 +7,9 @@ CUDA), then one program per token does the rest on the token's E scores, held in
 sigmoid, ``sb = s + bias``, group scores ``top1 + top2`` per group, the ``topk_group`` best groups and
 the ``top_k`` best experts, each picked by repeated (max value, then lowest index among equal values),
 which is the exact top-k with index tie-break of the torch op. The chosen ids are written in ascending
-order (their rank is a prefix count over the lanes), with weights ``s[id]`` normalised by one fixed-tree
-``tl.sum`` and scaled. Everything is per token, so a token's experts and weights depend on it alone.
+order (their rank is a prefix count over the lanes), with weights ``s[id]`` normalised (only when
+top_k > 1, as the torch op) by one fixed-tree ``tl.sum`` plus the 1e-20 guard, and scaled. Everything is
+per token, so a token's experts and weights depend on it alone.
 Gradient: the weights are differentiable w.r.t. the logits (hence x and the gate weight, through
 ``linear``'s own backward); the backward recomputes ``gather(sigmoid(logits))`` (+ normalise, scale) with
 torch under autograd. Selection is not differentiable (as in the torch op).
@@ -41,7 +42,8 @@ def _pick_lowest(v, eligible, lanes, NONE: tl.constexpr):
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling,
                   TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RENORM_EPS: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_G: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < E
@@ -81,7 +83,7 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling,
     rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending expert id order
     w = tl.where(chosen, s, 0.0)
     if NORM:
-        w = w / tl.sum(w, axis=0)
+        w = w / (tl.sum(w, axis=0) + RENORM_EPS)
     w = w * scaling
     tl.store(ids_ptr + row * TOP_K + rank, e.to(tl.int64), mask=chosen)
     tl.store(w_ptr + row * TOP_K + rank, w, mask=chosen)
@@ -97,7 +99,8 @@ def _route_launch(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n
         _route_kernel[(t,)](
             logits, bias if bias is not None else logits, ids, w, n_experts, float(scaling),
             TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group if n_group > 1 else 1,
-            GROUP_SIZE=n_experts // n_group, HAS_BIAS=bias is not None, NORM=bool(norm), BLOCK_E=block_e,
+            GROUP_SIZE=n_experts // n_group, HAS_BIAS=bias is not None, NORM=_ops.renormalises(norm, top_k),
+            RENORM_EPS=_ops.RENORM_EPS, BLOCK_E=block_e,
             BLOCK_G=next_pow2(n_group), num_warps=4 if block_e <= 1024 else 8)
     return ids, w
 
@@ -108,7 +111,7 @@ class _RouteWeights(torch.autograd.Function):
                 topk_group: int, norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         ids, w = _route_launch(logits, bias, top_k, n_group, topk_group, norm, scaling)
         ctx.save_for_backward(logits, ids)
-        ctx.norm, ctx.scaling = norm, scaling
+        ctx.norm, ctx.scaling = _ops.renormalises(norm, top_k), scaling
         ctx.mark_non_differentiable(ids)
         return ids, w
 
@@ -119,7 +122,7 @@ class _RouteWeights(torch.autograd.Function):
             lg = logits.detach().requires_grad_(True)
             w = torch.sigmoid(lg).gather(1, ids)
             if ctx.norm:
-                w = w / w.sum(-1, keepdim=True)
+                w = w / (w.sum(-1, keepdim=True) + _ops.RENORM_EPS)
             w = w * ctx.scaling
             (g_logits,) = torch.autograd.grad(w, lg, g_w)
         return g_logits, None, None, None, None, None, None
