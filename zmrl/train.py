@@ -26,13 +26,16 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"zmrl train: error: {e}", file=sys.stderr)
         return 2
     from zmrl.rl.cluster import ClusterError
-    from zmrl.rl.loop import RLRunner
+    from zmrl.rl.loop import RLRunner, RolloutFailure
 
     try:
         history = RLRunner(cfg).run()
     except ClusterError as e:  # the Ray cluster cannot host the recipe's groups: say what is missing
         print(f"zmrl train: error: {e}", file=sys.stderr)
         return 2
+    except RolloutFailure as e:  # the step is in metrics.jsonl / the dashboard; the cause goes here
+        print(f"zmrl train: error: {e}", file=sys.stderr)
+        return 1
     if history:
         last = history[-1]
         logging.getLogger("zmrl.train").info(

@@ -52,6 +52,9 @@ class RolloutSection:
     # "auto": CUDA-graph decode when rolling out on a GPU, eager on CPU; "cuda" / "static" (the fixed-shape
     # path uncaptured) / "off" (eager) force one. Bitwise the same rollouts in every setting.
     decode_graphs: str = "auto"
+    # A step where more than this fraction of the rollouts ended in an error (non-finite logits, a
+    # request that cannot fit the cache) stops the run with the first error; 1.0 never stops.
+    max_error_frac: float = 0.5
 
 
 @dataclass
@@ -212,6 +215,8 @@ def _validate(cfg: RecipeConfig) -> None:
     need(cfg.model.kernel_mode in ("bitwise", "fast"), "model.kernel_mode",
          f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), "
          f"got {cfg.model.kernel_mode!r}")
+    need(0.0 <= cfg.rollout.max_error_frac <= 1.0, "rollout.max_error_frac",
+         f"must be in [0, 1], got {cfg.rollout.max_error_frac}")
     need(cfg.trainer.save_every >= 0 and cfg.eval.every >= 0, "trainer.save_every", "must be >= 0")
     _validate_distributed(cfg.distributed)
 

@@ -38,6 +38,9 @@ FRAC = "mismatch/bitwise_equal_frac"
 DLOGP = "mismatch/max_abs_dlogp"
 K1 = "mismatch/kl_k1"
 K3 = "mismatch/kl_k3"
+TOKENS = "mismatch/tokens_compared"
+SEQUENCES = "mismatch/sequences_compared"
+ERRORS = "rollout/error_frac"
 # metric -> the value a zero-mismatch step must show exactly
 PARITY_TARGETS = {FRAC: 1.0, DLOGP: 0.0, K1: 0.0, K3: 0.0}
 
@@ -82,6 +85,10 @@ PARITY_SPECS = [
     ChartSpec("Max |Δ log-prob|", (DLOGP,), "max |lp_roll − lp_train| · target 0", include_zero=True),
     ChartSpec("KL (k1)", (K1,), "k1 estimate of KL(rollout ‖ trainer) · target 0", include_zero=True),
     ChartSpec("KL (k3)", (K3,), "k3 estimate of KL(rollout ‖ trainer) · target 0", include_zero=True),
+    ChartSpec("Compared", (TOKENS, SEQUENCES), "response tokens and sequences compared · must be > 0 "
+              "(0: nothing was checked)", include_zero=True),
+    ChartSpec("Rollout errors", (ERRORS,), "fraction of the step's rollouts that ended in an error · target 0",
+              y_bounds=(0.0, 1.0)),
 ]
 
 
@@ -112,30 +119,50 @@ def collect_series(records: Sequence[dict]) -> dict[str, list[Point]]:
 
 @dataclass
 class ParityVerdict:
-    status: str                 # "ok" | "mismatch" | "none"
+    status: str                 # "ok" | "mismatch" | "unchecked" | "none"
     steps_checked: int
     first_bad_step: int | None = None
     first_bad_detail: str = ""
     bad_steps: int = 0
+    tokens_compared: int = 0    # over all steps
 
 
 def parity_verdict(series: dict[str, list[Point]]) -> ParityVerdict:
-    """Is every step that logged parity metrics exactly on-policy (frac 1.0, KLs/Δlogp 0.0)?"""
+    """Is every step that logged parity metrics exactly on-policy *and* actually checked?
+
+    Green ("ok") needs, at every step, ``mismatch/tokens_compared`` > 0 and the parity metrics on
+    target (frac 1.0, KLs/Δlogp 0.0). A step that compared nothing (every rollout failed, or an old
+    history without token counts) is "unchecked": an empty comparison proves nothing. A step off target
+    is a "mismatch", which wins over "unchecked"."""
     per_step: dict[int, dict[str, float]] = {}
-    for metric in PARITY_TARGETS:
+    for metric in (*PARITY_TARGETS, TOKENS):
         for step, v in series.get(metric, []):
             per_step.setdefault(step, {})[metric] = v
+    per_step = {s: m for s, m in per_step.items() if set(m) - {TOKENS}}  # steps with a parity metric
     if not per_step:
         return ParityVerdict("none", 0)
-    bad = []
+    off: list[tuple[int, str]] = []
+    unchecked: list[tuple[int, str]] = []
+    total = 0
     for step in sorted(per_step):
-        diffs = [f"{_short(m)} = {_fmt_value(v)}" for m, v in per_step[step].items()
-                 if not v == PARITY_TARGETS[m]]  # NaN != target: counts as a mismatch
+        values = per_step[step]
+        tokens = values.get(TOKENS)
+        if tokens is not None and math.isfinite(tokens):
+            total += int(tokens)
+        if tokens is None:
+            unchecked.append((step, "tokens compared not logged"))
+        elif not tokens > 0:
+            unchecked.append((step, f"nothing compared ({_fmt_value(tokens)} tokens)"))
+            continue  # the metrics of an empty comparison are undefined (NaN), not a mismatch
+        diffs = [f"{_short(m)} = {_fmt_value(v)}" for m, v in values.items()
+                 if m != TOKENS and not v == PARITY_TARGETS[m]]  # NaN != target: counts as a mismatch
         if diffs:
-            bad.append((step, ", ".join(diffs)))
-    if not bad:
-        return ParityVerdict("ok", len(per_step))
-    return ParityVerdict("mismatch", len(per_step), bad[0][0], bad[0][1], len(bad))
+            off.append((step, ", ".join(diffs)))
+    if off:
+        return ParityVerdict("mismatch", len(per_step), off[0][0], off[0][1], len(off), total)
+    if unchecked:
+        return ParityVerdict("unchecked", len(per_step), unchecked[0][0], unchecked[0][1], len(unchecked), total)
+    return ParityVerdict("ok", len(per_step), tokens_compared=total)
 
 
 def _short(metric: str) -> str:
@@ -350,7 +377,7 @@ justify-content:center}
 .badge .bt{font-size:18px;font-weight:700}
 .badge .bs{font-size:12.5px;opacity:.85}
 .badge.ok{background:var(--okbg);border-color:#a7f3d0;color:var(--ok)}
-.badge.mismatch{background:var(--badbg);border-color:#fecaca;color:var(--bad)}
+.badge.mismatch,.badge.unchecked{background:var(--badbg);border-color:#fecaca;color:var(--bad)}
 .badge.none{background:#f3f4f6;border-color:var(--line);color:var(--muted)}
 main{padding:8px 32px 32px}
 h2{font-size:15px;font-weight:650;margin:22px 0 10px;color:#374151}
@@ -392,18 +419,20 @@ def _card(key: str, value: str, sub: str = "", ident: str = "") -> str:
 
 
 def _badge(v: ParityVerdict, series: dict[str, list[Point]]) -> str:
+    extra = ""
     if v.status == "ok":
         worst = max((abs(x) for _, x in series.get(DLOGP, [])), default=0.0)
         title = "✓ rollout/trainer KL = 0 at every step"
-        sub = (f"log-probs bitwise equal at {v.steps_checked}/{v.steps_checked} checked steps · "
-               f"max |Δlogp| = {_fmt_value(worst)}")
-        extra = ""
-    elif v.status == "mismatch":
-        title = f"✗ rollout/trainer mismatch at step {v.first_bad_step}"
-        sub = (f"{html.escape(v.first_bad_detail)} · {v.bad_steps} of {v.steps_checked} checked steps off target")
+        sub = (f"{v.tokens_compared} log-probs bitwise equal over {v.steps_checked}/{v.steps_checked} checked "
+               f"steps · max |Δlogp| = {_fmt_value(worst)}")
+    elif v.status in ("mismatch", "unchecked"):
+        title = (f"✗ rollout/trainer mismatch at step {v.first_bad_step}" if v.status == "mismatch"
+                 else f"✗ parity not checked at step {v.first_bad_step}")
+        what = "off target" if v.status == "mismatch" else "without a comparison"
+        sub = f"{html.escape(v.first_bad_detail)} · {v.bad_steps} of {v.steps_checked} steps {what}"
         extra = f' data-first-step="{v.first_bad_step}"'
     else:
-        title, sub, extra = "no rollout/trainer parity metrics logged yet", "expects mismatch/* metrics", ""
+        title, sub = "no rollout/trainer parity metrics logged yet", "expects mismatch/* metrics"
     return (f'<div class="badge {v.status}" id="kl-badge" data-status="{v.status}"{extra}>'
             f'<div class="bt">{title}</div><div class="bs">{sub}</div></div>')
 
@@ -438,7 +467,16 @@ def render_html(records: Sequence[dict], run_info: dict | None = None, run_dir: 
     if tps:
         cards.append(_card("Tokens / s", _fmt_value(tps[1]), f"step {tps[0]}", "card-tps"))
 
+    errors = series.get("rollout/errors", [])
+    if errors:
+        total = sum(v for _, v in errors if math.isfinite(v))
+        worst = max(errors, key=lambda p: p[1] if math.isfinite(p[1]) else math.inf)
+        sub = f"worst step {worst[0]}: {_fmt_value(worst[1])}" if total else "none in any step"
+        cards.append(_card("Rollout errors", _fmt_value(total), sub, "card-errors"))
+
     known = set(PARITY_TARGETS)
+    for spec in PARITY_SPECS:
+        known.update(spec.metrics)
     learning = _learning_specs(series)
     for spec in learning:
         known.update(spec.metrics)

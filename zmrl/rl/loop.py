@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,24 @@ from .config import RecipeConfig
 from .workers import RolloutWorker, Sample, TrainerWorker
 
 log = logging.getLogger(__name__)
+
+
+class RolloutFailure(RuntimeError):
+    """Too many of a step's rollouts ended in an error (``rollout.max_error_frac``); the message says how
+    many and quotes the first error."""
+
+
+@dataclass
+class StepRollouts:
+    """One batch of rollouts: the samples (errored ones included, with reward 0) and the engine's error
+    message of every rollout that ended in an error, in sample order."""
+
+    samples: list[Sample]
+    errors: list[str]
+
+    @property
+    def error_frac(self) -> float:
+        return len(self.errors) / len(self.samples) if self.samples else 0.0
 
 
 def _step_seed(seed: int, step: int, what: str) -> int:
@@ -157,20 +176,25 @@ class RLRunner:
     def _prompts(self, step: int) -> list[dict]:
         return self.train_source.batch(step, self.cfg.data.prompts_per_step)
 
-    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str) -> list[Sample]:
+    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str) -> StepRollouts:
         from .reward import aime_reward
 
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(p["question"])) for p in problems]
         outs = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))])
-        samples = []
+        samples, errors = [], []
         for o in outs:
             group = int(o["request_id"].split("-")[1])
             text = self.tokenizer.decode(o["response_ids"])
             reward = aime_reward(text, problems[group]["answer"]) if o["error"] is None else 0.0
+            if o["error"] is not None or o["finish_reason"] == "error":
+                errors.append(str(o["error"] or "unknown error"))
             samples.append(Sample(o["prompt_ids"], o["response_ids"], o["logprobs"], group, reward, o["finish_reason"]))
-        return samples
+        return StepRollouts(samples, errors)
 
     def train_step(self, step: int) -> dict[str, float]:
+        """One RL step (0-based ``step``); its metrics. Raises ``RolloutFailure`` (after the parity
+        check, before any update) when more than ``rollout.max_error_frac`` of the rollouts failed; the
+        step's metrics are then on the exception (``.metrics``) so the caller can still log them."""
         from .algorithms import compute_advantages
 
         cfg, rc, ac = self.cfg, self.cfg.rollout, self.cfg.algorithm
@@ -178,9 +202,29 @@ class RLRunner:
         sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
                                   max_tokens=rc.max_tokens, n=rc.n, seed=_step_seed(cfg.trainer.seed, step, "sample"),
                                   stop_token_ids=(self.tokenizer.eos_token_id,))
-        samples = self._rollout(self._prompts(step), sampling, f"s{step}")
+        batch = self._rollout(self._prompts(step), sampling, f"s{step}")
+        samples = batch.samples
         t_rollout = time.perf_counter() - t0
         report = self.trainer.call("parity", samples, rc.temperature)
+        rewards = [s.reward for s in samples]
+        health = {
+            "reward/mean": sum(rewards) / len(rewards), "reward/max": max(rewards),
+            "response/length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "mismatch/bitwise_equal_frac": report.bitwise_equal_frac, "mismatch/max_abs_dlogp": report.max_abs_dlogp,
+            "mismatch/kl_k1": report.kl_k1, "mismatch/kl_k3": report.kl_k3,
+            "mismatch/tokens_compared": report.tokens_compared,
+            "mismatch/sequences_compared": report.sequences_compared,
+            "rollout/errors": len(batch.errors), "rollout/error_frac": batch.error_frac,
+        }
+        if batch.errors:
+            log.warning("step %d: %d of %d rollouts ended in an error; first: %s", step + 1, len(batch.errors),
+                        len(samples), batch.errors[0])
+        if batch.error_frac > rc.max_error_frac:
+            failure = RolloutFailure(
+                f"step {step + 1}: {len(batch.errors)} of {len(samples)} rollouts failed ({batch.error_frac:.0%} > "
+                f"rollout.max_error_frac={rc.max_error_frac:g}); first error: {batch.errors[0]}")
+            failure.metrics = {**health, "perf/rollout_s": t_rollout}  # type: ignore[attr-defined]
+            raise failure
         advantages = compute_advantages([s.reward for s in samples], [len(s.response_ids) for s in samples],
                                         [s.group for s in samples], ac.adv_estimator, ac.norm_adv_by_std_in_grpo)
         ref = self.trainer.call("reference_logprobs", samples, rc.temperature) if ac.kl_coef else None
@@ -191,22 +235,15 @@ class RLRunner:
         self._push_weights()
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        rewards = [s.reward for s in samples]
-        return {
-            "reward/mean": sum(rewards) / len(rewards), "reward/max": max(rewards),
-            "response/length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            "mismatch/bitwise_equal_frac": report.bitwise_equal_frac, "mismatch/max_abs_dlogp": report.max_abs_dlogp,
-            "mismatch/kl_k1": report.kl_k1, "mismatch/kl_k3": report.kl_k3,
-            "perf/tokens_per_s": n_tokens / elapsed, "perf/rollout_s": t_rollout, "perf/step_s": elapsed,
-            **stats,
-        }
+        return {**health, "perf/tokens_per_s": n_tokens / elapsed, "perf/rollout_s": t_rollout,
+                "perf/step_s": elapsed, **stats}
 
     def evaluate(self, step: int) -> dict[str, float]:
         ec = self.cfg.eval
         sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
                                   seed=_step_seed(self.cfg.trainer.seed, 0, "eval"),
                                   stop_token_ids=(self.tokenizer.eos_token_id,))
-        samples = self._rollout(self.eval_problems, sampling, f"e{step}")
+        samples = self._rollout(self.eval_problems, sampling, f"e{step}").samples
         name = Path(self.cfg.data.eval).stem if self.cfg.data.eval not in ("aime24", "aime25") else self.cfg.data.eval
         return {f"eval/{name}_mean@{ec.n}": sum(s.reward for s in samples) / max(len(samples), 1)}
 
@@ -227,7 +264,12 @@ class RLRunner:
         bar = tqdm(range(self.start_step, cfg.trainer.total_steps), desc="rl", unit="step",
                    initial=self.start_step, total=cfg.trainer.total_steps)
         for step in bar:
-            m = self.train_step(step)
+            try:
+                m = self.train_step(step)
+            except RolloutFailure as failure:  # log what the failed step saw, then stop with the cause
+                self.metrics.log(failure.metrics, step=step + 1)  # type: ignore[attr-defined]
+                self.metrics.close()
+                raise
             done = step + 1
             if cfg.eval.every and self.eval_problems and (done % cfg.eval.every == 0 or done == cfg.trainer.total_steps):
                 m.update(self.evaluate(done))
