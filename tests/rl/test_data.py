@@ -52,16 +52,29 @@ def _write_jsonl(path, rows):
 
 def test_missing_field_names_row_and_field(tmp_path):
     f = _write_jsonl(tmp_path / "p.jsonl", [{"question": "q0", "answer": 1}, {"question": "q1"}])
-    with pytest.raises(ValueError, match=r"row 1 has no 'answer' field"):
+    with pytest.raises(ValueError, match=r"p.jsonl: line 2 has no 'answer' field"):
         load_problems(f)
     f = _write_jsonl(tmp_path / "q.jsonl", [{"problem": "q0", "answer": 1}])
-    with pytest.raises(ValueError, match=r"row 0 has no 'question' field"):
+    with pytest.raises(ValueError, match=r"line 1 has no 'question' field"):
+        load_problems(f)
+
+
+def test_broken_json_line_names_the_line(tmp_path):
+    f = tmp_path / "b.jsonl"
+    f.write_text('{"question": "q0", "answer": 1}\n\n{"question": "q1", "answer": 2\n')
+    with pytest.raises(ValueError, match=r"b.jsonl: line 3 is not valid JSON"):
+        load_problems(f)
+    f.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"line 1 is a JSON list, not an object"):
+        load_problems(f)
+    f.write_text("")
+    with pytest.raises(ValueError, match=r"no problems"):
         load_problems(f)
 
 
 def test_non_integer_answer_names_row(tmp_path):
     f = _write_jsonl(tmp_path / "p.jsonl", [{"question": "a", "answer": "7"}, {"question": "b", "answer": "x/2"}])
-    with pytest.raises(ValueError, match=r"row 1 field 'answer' is not an integer: 'x/2'"):
+    with pytest.raises(ValueError, match=r"line 2 field 'answer' is not an integer: 'x/2'"):
         load_problems(f)
 
 

@@ -53,7 +53,7 @@ def test_malformed_recipe(tmp_path):
         load_recipe(str(tmp_path / "missing.yaml"))
     with pytest.raises(RecipeError, match="trainer.total_steps"):
         load_recipe(str(RECIPE), ["trainer.total_steps=0"])
-    with pytest.raises(RecipeError, match="bad recipe value"):
+    with pytest.raises(RecipeError, match=r"recipe key 'trainer.total_steps': .*'many'"):
         load_recipe(str(RECIPE), ["trainer.total_steps=many"])
     with pytest.raises(RecipeError, match="rollout.decode_graphs.*auto, off, static or cuda"):
         load_recipe(str(RECIPE), ["rollout.decode_graphs=yes"])
@@ -62,9 +62,10 @@ def test_malformed_recipe(tmp_path):
 
 def test_missing_data_file(tmp_path, bootstrap_dir):
     from zmrl.rl.loop import RLRunner
+    from zmrl.rl.preflight import InputError
 
     cfg = load_recipe(str(RECIPE), small_overrides(tmp_path / "run", bootstrap_dir) + [f"data.train={tmp_path}/nope.jsonl"])
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(InputError, match=r"data.train=.*nope.jsonl: file not found"):
         RLRunner(cfg)
 
 

@@ -48,20 +48,23 @@ def _step_seed(seed: int, step: int, what: str) -> int:
 
 class RLRunner:
     def __init__(self, cfg: RecipeConfig):
-        from .sources import load_eval_problems, load_train_source
-        from .tokenizer import load_tokenizer
+        from .preflight import check_inputs
+        from .sources import ProblemSource, load_train_source
 
         self.cfg = cfg
         tc = cfg.trainer
+        # Every file the recipe names is read and checked before anything heavy (bootstrap, models).
+        inputs = check_inputs(cfg)
+        self.tokenizer = inputs.tokenizer
+        self.train_source = (ProblemSource(inputs.train_problems) if inputs.train_problems is not None
+                             else load_train_source("synthetic", cfg.data.synthetic_pool, tc.seed))
+        self.eval_problems = inputs.eval_problems
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
         self.out_dir = Path(tc.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.model_path = self._model_path()
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.train_source = load_train_source(cfg.data.train, cfg.data.synthetic_pool, tc.seed)
-        self.eval_problems = load_eval_problems(cfg.data.eval, cfg.eval.limit)
         lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha)
         rc = cfg.rollout
         engine = EngineConfig(block_size=rc.block_size, num_blocks=rc.num_blocks, max_num_seqs=rc.max_num_seqs,
@@ -151,9 +154,7 @@ class RLRunner:
 
     def _model_path(self) -> str:
         if self.cfg.model.path:
-            if not Path(self.cfg.model.path, "config.json").exists():
-                raise FileNotFoundError(f"model.path={self.cfg.model.path!r} has no config.json")
-            return self.cfg.model.path
+            return str(Path(self.cfg.model.path).expanduser())  # checked by check_inputs
         from .bootstrap import bootstrap_model
 
         return str(bootstrap_model(Path(self.cfg.model.bootstrap_dir).expanduser(),

@@ -20,7 +20,10 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-__all__ = ["DEFAULT_TASK", "TaskSpec", "format_solution", "make_dataset", "make_problem", "solution_token_ids"]
+__all__ = ["DEFAULT_TASK", "HELDOUT_SEED", "TaskSpec", "format_solution", "heldout_problems", "make_dataset",
+           "make_problem", "solution_token_ids"]
+
+HELDOUT_SEED = 12345  # the held-out split (``data.eval=synthetic``): a stream no training pool draws from
 
 _QUESTION = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -63,6 +66,11 @@ def make_dataset(n: int, seed: int = 0, spec: TaskSpec = DEFAULT_TASK) -> list[d
     """``n`` problems drawn from a ``random.Random(seed)`` stream (deterministic, no global state)."""
     rng = random.Random(seed)
     return [make_problem(rng, spec) for _ in range(n)]
+
+
+def heldout_problems(limit: int | None = None, spec: "TaskSpec | None" = None) -> list[dict]:
+    """The held-out evaluation split: the first ``limit`` (default 64) problems of the held-out stream."""
+    return make_dataset(limit or 64, seed=HELDOUT_SEED, spec=spec or DEFAULT_TASK)
 
 
 def format_solution(problem: dict) -> str:
