@@ -78,7 +78,10 @@ class TrainerSection:
     seed: int = 0
     out_dir: str = "runs/aime_lora"
     save_every: int = 10
-    resume: bool = False
+    resume: bool = False  # continue the run in out_dir from its latest checkpoint
+    # A new run refuses an out_dir that already holds a run (resume it, or pick another out_dir);
+    # overwrite=true deletes that run's files first.
+    overwrite: bool = False
     num_threads: int | None = None  # torch CPU threads; None = torch's default
 
 
@@ -341,6 +344,8 @@ def _validate(cfg: RecipeConfig) -> None:
     need(t.seed >= 0, "trainer.seed", f"must be >= 0, got {t.seed}")
     need(bool(str(t.out_dir).strip()), "trainer.out_dir", "is empty")
     need(t.save_every >= 0, "trainer.save_every", f"must be >= 0 (0 = never), got {t.save_every}")
+    need(not (t.resume and t.overwrite), "trainer.overwrite",
+         "and trainer.resume=true contradict each other: resume continues the run in out_dir, overwrite deletes it")
     need(t.num_threads is None or t.num_threads >= 1, "trainer.num_threads",
          f"must be >= 1 or null (torch's default), got {t.num_threads}")
 

@@ -48,7 +48,7 @@ def _step_seed(seed: int, step: int, what: str) -> int:
 
 class RLRunner:
     def __init__(self, cfg: RecipeConfig):
-        from .preflight import check_inputs
+        from .preflight import check_inputs, clear_run
         from .sources import ProblemSource, load_train_source
 
         self.cfg = cfg
@@ -59,9 +59,11 @@ class RLRunner:
         self.train_source = (ProblemSource(inputs.train_problems) if inputs.train_problems is not None
                              else load_train_source("synthetic", cfg.data.synthetic_pool, tc.seed))
         self.eval_problems = inputs.eval_problems
+        if tc.overwrite and (gone := clear_run(tc.out_dir)):
+            log.warning("trainer.overwrite=true: deleted the previous run's %s in %s", ", ".join(gone), tc.out_dir)
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
-        self.out_dir = Path(tc.out_dir)
+        self.out_dir = Path(tc.out_dir).expanduser()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.model_path = self._model_path()

@@ -12,7 +12,8 @@ written as Python's json does (``NaN``, ``Infinity``), which ``read_metrics`` re
 Files under ``run_dir``::
 
     metrics.jsonl    the history (source of truth for the dashboard)
-    run.json         project, run name, config, start time (read by the dashboard header)
+    run.json         project, run name, config, start time, wandb run id (kept on resume, so wandb
+                     continues the same run); read by the dashboard header
     dashboard.html   self-contained dashboard, rebuilt every ``dashboard_every`` steps
     wandb/           wandb's offline run files (``wandb sync run_dir/wandb/offline-run-*``)
 """
@@ -171,11 +172,25 @@ class MetricsLogger:
     def _write_run_info(self) -> None:
         path = self.run_dir / RUN_FILE
         started = time.time()
+        try:
+            previous = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            previous = {}
+        if not isinstance(previous, dict):
+            previous = {}
         try:  # on resume keep when the run first started
-            started = float(json.loads(path.read_text(encoding="utf-8"))["started"])
-        except (OSError, ValueError, KeyError, TypeError):
+            started = float(previous["started"])
+        except (KeyError, TypeError, ValueError):
             pass
-        info = {"project": self.project, "run_name": self.run_name, "started": started,
+        # One wandb run id per run folder, kept across resumes: wandb then continues the same run.
+        wandb_id = previous.get("wandb_id")
+        if not (isinstance(wandb_id, str) and wandb_id.isalnum()):
+            import uuid
+
+            wandb_id = uuid.uuid4().hex[:12]
+        self.wandb_id = wandb_id
+        self.resumed = bool(previous)
+        info = {"project": self.project, "run_name": self.run_name, "started": started, "wandb_id": wandb_id,
                 "wandb_mode": self.wandb_mode, "config": self.config}
         try:
             text = json.dumps(info, indent=2, default=str)
@@ -200,6 +215,7 @@ class MetricsLogger:
             settings = wandb.Settings(silent=True, console="off")
             return wandb.init(project=self.project, name=self.run_name, config=self.config,
                               dir=str(self.run_dir), mode=self.wandb_mode, settings=settings,
+                              id=self.wandb_id, resume="allow",
                               reinit="create_new")
         except Exception as exc:  # a logging backend must never take the training run down
             logger.warning("wandb.init failed (%s: %s); metrics go to %s only",

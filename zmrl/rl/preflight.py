@@ -17,7 +17,12 @@ from typing import Any
 
 from .config import RecipeConfig, RecipeError
 
-__all__ = ["InputError", "RunInputs", "check_checkpoint", "check_inputs"]
+__all__ = ["RUN_FILES", "InputError", "RunInputs", "check_checkpoint", "check_inputs", "check_out_dir",
+           "clear_run"]
+
+# What a run writes into trainer.out_dir (the only entries trainer.overwrite=true deletes).
+RUN_FILES = ("metrics.jsonl", "metrics.jsonl.tmp", "run.json", "recipe.json", "dashboard.html", "dashboard.html.tmp",
+             "checkpoints", "wandb", "status.json")
 
 
 class InputError(RecipeError):
@@ -105,10 +110,66 @@ def check_checkpoint(path: str) -> None:
         raise InputError(f"{key}: the safetensors files do not match config.json: {'; '.join(parts)}")
 
 
+def _describe_run(out: Path) -> str:
+    """What an existing run folder holds, in a few words (steps logged, newest checkpoint)."""
+    facts = []
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file():
+        from .metrics import read_metrics
+
+        facts.append(f"{len({r['step'] for r in read_metrics(out)})} logged steps")
+    latest = out / "checkpoints" / "latest"
+    if latest.is_file():
+        facts.append(f"checkpoint {latest.read_text().strip()}")
+    other = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES)
+    if other:
+        facts.append(f"other files: {', '.join(other[:5])}{' ...' if len(other) > 5 else ''}")
+    return ", ".join(facts) or "files"
+
+
+def check_out_dir(cfg: RecipeConfig) -> None:
+    """A new run never writes over an old one: an ``out_dir`` that is not empty needs ``trainer.resume=true``
+    (continue it) or ``trainer.overwrite=true`` (delete that run's files first; other files are kept)."""
+    tc = cfg.trainer
+    out = Path(tc.out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise InputError(f"trainer.out_dir={tc.out_dir}: exists and is not a folder")
+    if tc.resume or not out.is_dir() or not any(out.iterdir()):
+        return
+    if tc.overwrite:
+        other = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES)
+        if other:
+            raise InputError(f"trainer.out_dir={tc.out_dir}: trainer.overwrite=true deletes only a run's files, and "
+                             f"this folder holds others ({', '.join(other[:5])}): pick another trainer.out_dir")
+        return
+    raise InputError(f"trainer.out_dir={tc.out_dir}: already holds a run ({_describe_run(out)}); continue it with "
+                     f"trainer.resume=true, start a new one elsewhere with trainer.out_dir=NEW_DIR, or replace it "
+                     f"with trainer.overwrite=true")
+
+
+def clear_run(out_dir: str) -> list[str]:
+    """Delete the run files of ``out_dir`` (``trainer.overwrite=true``); returns what was deleted."""
+    import shutil
+
+    out = Path(out_dir).expanduser()
+    gone = []
+    for name in RUN_FILES:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+        else:
+            continue
+        gone.append(name)
+    return gone
+
+
 def check_inputs(cfg: RecipeConfig) -> RunInputs:
     """Read and check every file the recipe names; raises ``InputError`` naming the key, file and line."""
     from .tokenizer import load_tokenizer
 
+    check_out_dir(cfg)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
     else:
