@@ -88,6 +88,7 @@ class TrainerSection:
 @dataclass
 class EvalSection:
     every: int = 15  # steps; 0 = never
+    before_training: bool = True  # also evaluate the policy before the first update (step 0 of the curve)
     n: int = 8  # mean@n
     max_tokens: int = 20
     temperature: float = 1.0

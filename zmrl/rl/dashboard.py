@@ -27,9 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from zmrl.rl.metrics import METRICS_FILE, RUN_FILE, read_metrics
-
-DASHBOARD_FILE = "dashboard.html"
+from zmrl.rl.run_files import DASHBOARD_FILE, METRICS_FILE, RUN_FILE, RunStatus, read_metrics, read_status
 REFRESH_S = 30          # live dashboards (written while the run is going) reload themselves
 MAX_MARKERS = 400       # markers per series; the line always uses every point
 COLORS = ("#2563eb", "#f59e0b", "#10b981", "#8b5cf6", "#ef4444", "#0ea5e9")
@@ -367,6 +365,8 @@ h1 small{color:var(--muted);font-weight:500;font-size:15px;margin-left:8px}
 .meta{color:var(--muted);font-size:12.5px;margin-top:4px;word-break:break-all}
 .live{display:inline-block;background:#eff6ff;color:#1d4ed8;border-radius:999px;padding:0 8px;margin-left:6px;
 font-weight:600}
+.live.state-finished{background:var(--okbg);color:var(--ok)}
+.live.state-failed,.live.state-interrupted,.live.state-stale{background:var(--badbg);color:var(--bad)}
 .summary{display:flex;flex-wrap:wrap;gap:12px;margin-top:16px;align-items:stretch}
 .card{background:var(--card);border:1px solid var(--line);border-radius:10px;padding:10px 16px;min-width:140px}
 .card .k{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
@@ -437,8 +437,36 @@ def _badge(v: ParityVerdict, series: dict[str, list[Point]]) -> str:
             f'<div class="bt">{title}</div><div class="bs">{sub}</div></div>')
 
 
+def _status_tag(status: RunStatus | None, live: bool, now: _dt.datetime) -> tuple[str, bool]:
+    """The header's run-state tag (``#run-status``) and whether the page reloads itself.
+
+    With a status file the loop's word is shown: running (reloads), finished, failed or interrupted
+    with the reason; a "running" status whose process is gone or silent for an hour shows as stale
+    (no reload). Without one (an older run) ``live`` decides, as before."""
+    if status is None:
+        if not live:
+            return "", False
+        return f'<span class="live" id="run-status" data-state="live">live · reloads every {REFRESH_S} s</span>', True
+    state = status.state
+    when = _dt.datetime.fromtimestamp(status.updated, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    steps = f"step {status.step}/{status.total_steps}" if status.total_steps else f"step {status.step}"
+    reload = False
+    if state == "running" and status.is_stale(now.timestamp()):
+        state, text = "stale", f"not running: no update since {when} at {steps} (killed?)"
+    elif state == "running":
+        text, reload = f"running · {steps} · reloads every {REFRESH_S} s", True
+    elif state == "finished":
+        text = f"finished · {steps} · {when}"
+    else:
+        text = f"{state} at {steps} · {when}"
+    if status.message and state != "running":
+        text += f" · {status.message}"
+    return (f'<span class="live state-{state}" id="run-status" data-state="{state}">{html.escape(text)}</span>',
+            reload)
+
+
 def render_html(records: Sequence[dict], run_info: dict | None = None, run_dir: str = "",
-                live: bool = False, now: _dt.datetime | None = None) -> str:
+                live: bool = False, now: _dt.datetime | None = None, status: RunStatus | None = None) -> str:
     """The dashboard page of ``records`` (``read_metrics`` output) as one HTML string."""
     run_info = run_info or {}
     series = collect_series(records)
@@ -495,8 +523,8 @@ def render_html(records: Sequence[dict], run_info: dict | None = None, run_dir: 
         cfg = json.dumps(run_info["config"], indent=2, sort_keys=True, default=str)
         body.append(f"<details><summary>Run config</summary><pre>{html.escape(cfg)}</pre></details>")
 
-    refresh = f'<meta http-equiv="refresh" content="{REFRESH_S}">' if live else ""
-    live_tag = f'<span class="live">live · reloads every {REFRESH_S} s</span>' if live else ""
+    live_tag, reload = _status_tag(status, live, now)
+    refresh = f'<meta http-equiv="refresh" content="{REFRESH_S}">' if reload else ""
     project = html.escape(str(run_info.get("project") or "zmrl"))
     return (
         "<!DOCTYPE html>\n"
@@ -528,7 +556,7 @@ def build_dashboard(run_dir: str | os.PathLike, live: bool = False) -> Path:
             run_info = json.loads(info_path.read_text(encoding="utf-8"))
         except ValueError:
             run_info = {}
-    page = render_html(records, run_info, str(run_dir.resolve()), live=live)
+    page = render_html(records, run_info, str(run_dir.resolve()), live=live, status=read_status(run_dir))
     out = run_dir / DASHBOARD_FILE
     tmp = out.with_suffix(".html.tmp")
     tmp.write_text(page, encoding="utf-8")

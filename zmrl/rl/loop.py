@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,11 +80,15 @@ class RLRunner:
         self.cluster: RayCluster | None = None
         self.trainer: WorkerHandle
         self.rollouts: list[WorkerHandle]
+        t0 = time.perf_counter()
+        log.info("loading %s into the trainer and the rollout engine%s", self.model_path,
+                 " (Ray actors)" if cfg.distributed.ray else "")
         if cfg.distributed.ray:
             self._start_cluster(trainer_args, rollout_args)
         else:
             self.trainer = LocalHandle(TrainerWorker(*trainer_args))
             self.rollouts = [LocalHandle(RolloutWorker(*rollout_args))]
+        log.info("workers ready in %.0f s", time.perf_counter() - t0)
         try:
             self._finish_init()
         except BaseException:
@@ -98,6 +103,7 @@ class RLRunner:
         self.policy_loss = PolicyLoss(cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio)
         self.kl_penalty = KLPenalty(cfg.algorithm.kl_penalty)
         self.start_step = 0
+        self.initial_eval: dict[str, float] | None = None
         if tc.resume:
             self._resume()
         self.metrics = MetricsLogger(self.out_dir, project=cfg.logging.project, run_name=cfg.logging.run_name,
@@ -146,11 +152,13 @@ class RLRunner:
             raise RuntimeError(f"rollout workers disagree on the weights version after an update: {versions}")
         return versions[0]
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str]) -> list[dict]:
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str],
+                  progress: bool = False) -> list[dict]:
         """The prompts split contiguously over the rollout workers (run in parallel), outputs in prompt
-        order; request ids are global, so the samples do not depend on the number of workers."""
+        order; request ids are global, so the samples do not depend on the number of workers.
+        ``progress``: a bar of finished requests (in-process workers; Ray actors do not show theirs)."""
         pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], sampling,
-                                           [request_ids[i] for i in part])
+                                           [request_ids[i] for i in part], use_tqdm=progress and self.cluster is None)
                    for w, part in enumerate(shard(len(prompts), len(self.rollouts)))]
         return [o for outs in gather(pending) for o in outs]
 
@@ -179,11 +187,12 @@ class RLRunner:
     def _prompts(self, step: int) -> list[dict]:
         return self.train_source.batch(step, self.cfg.data.prompts_per_step)
 
-    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str) -> StepRollouts:
+    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str, progress: bool = False
+                 ) -> StepRollouts:
         from .reward import aime_reward
 
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(p["question"])) for p in problems]
-        outs = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))])
+        outs = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))], progress)
         samples, errors = [], []
         for o in outs:
             group = int(o["request_id"].split("-")[1])
@@ -246,9 +255,13 @@ class RLRunner:
         sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
                                   seed=_step_seed(self.cfg.trainer.seed, 0, "eval"),
                                   stop_token_ids=(self.tokenizer.eos_token_id,))
-        samples = self._rollout(self.eval_problems, sampling, f"e{step}").samples
+        t0 = time.perf_counter()
+        samples = self._rollout(self.eval_problems, sampling, f"e{step}", progress=True).samples
         name = Path(self.cfg.data.eval).stem if self.cfg.data.eval not in ("aime24", "aime25") else self.cfg.data.eval
-        return {f"eval/{name}_mean@{ec.n}": sum(s.reward for s in samples) / max(len(samples), 1)}
+        key, value = f"eval/{name}_mean@{ec.n}", sum(s.reward for s in samples) / max(len(samples), 1)
+        log.info("eval at step %d: %s = %.3f (%d problems x %d samples, %.0f s)", step, key, value,
+                 len(self.eval_problems), ec.n, time.perf_counter() - t0)
+        return {key: value}
 
     # ------------------------------------------------------------------ loop
     def run(self) -> list[dict[str, float]]:
@@ -259,28 +272,57 @@ class RLRunner:
         finally:
             self.close()
 
+    def _status(self, state: str, step: int, message: str = "") -> None:
+        from .run_files import RunStatus, write_status
+
+        write_status(self.out_dir, RunStatus(state, step=step, total_steps=self.cfg.trainer.total_steps,
+                                             updated=time.time(), message=message, pid=os.getpid()))
+
+    def _eval_due(self, done: int) -> bool:
+        ec = self.cfg.eval
+        if not (ec.every and self.eval_problems):
+            return False
+        if done == 0:
+            return ec.before_training
+        return done % ec.every == 0 or done == self.cfg.trainer.total_steps
+
     def _run(self) -> list[dict[str, float]]:
         from tqdm import tqdm
 
         cfg = self.cfg
-        history = []
-        bar = tqdm(range(self.start_step, cfg.trainer.total_steps), desc="rl", unit="step",
-                   initial=self.start_step, total=cfg.trainer.total_steps)
-        for step in bar:
-            try:
-                m = self.train_step(step)
-            except RolloutFailure as failure:  # log what the failed step saw, then stop with the cause
-                self.metrics.log(failure.metrics, step=step + 1)  # type: ignore[attr-defined]
-                self.metrics.close()
-                raise
-            done = step + 1
-            if cfg.eval.every and self.eval_problems and (done % cfg.eval.every == 0 or done == cfg.trainer.total_steps):
-                m.update(self.evaluate(done))
-            self.metrics.log(m, step=done)
-            history.append({"step": done, **m})
-            bar.set_postfix(reward=f"{m['reward/mean']:.3f}", eq=f"{m['mismatch/bitwise_equal_frac']:.3f}",
-                            k3=f"{m['mismatch/kl_k3']:.1e}")
-            if cfg.trainer.save_every and (done % cfg.trainer.save_every == 0 or done == cfg.trainer.total_steps):
-                self.trainer.call("save", str(self.ckpt_dir), done)
-        self.metrics.close()
+        history: list[dict[str, float]] = []
+        done = self.start_step
+        self._status("running", done)
+        try:
+            if done == 0 and self._eval_due(0):  # where the held-out curve starts: the policy before any update
+                self.initial_eval = self.evaluate(0)
+                self.metrics.log(self.initial_eval, step=0)
+            bar = tqdm(range(self.start_step, cfg.trainer.total_steps), desc="rl", unit="step",
+                       initial=self.start_step, total=cfg.trainer.total_steps, dynamic_ncols=True)
+            for step in bar:
+                try:
+                    m = self.train_step(step)
+                except RolloutFailure as failure:  # log what the failed step saw, then stop with the cause
+                    self.metrics.log(failure.metrics, step=step + 1)  # type: ignore[attr-defined]
+                    raise
+                done = step + 1
+                if self._eval_due(done):
+                    m.update(self.evaluate(done))
+                self.metrics.log(m, step=done)
+                history.append({"step": done, **m})
+                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", eq=f"{m['mismatch/bitwise_equal_frac']:.3f}",
+                                k3=f"{m['mismatch/kl_k3']:.1e}", err=int(m["rollout/errors"]))
+                if cfg.trainer.save_every and (done % cfg.trainer.save_every == 0 or done == cfg.trainer.total_steps):
+                    self.trainer.call("save", str(self.ckpt_dir), done)
+            bar.close()
+        except KeyboardInterrupt:
+            self._status("interrupted", done, "continue with trainer.resume=true")
+            raise
+        except BaseException as e:
+            self._status("failed", done, " ".join(f"{type(e).__name__}: {e}".split())[:500])
+            raise
+        else:
+            self._status("finished", done)
+        finally:
+            self.metrics.close()  # the final dashboard, with the status just written
         return history

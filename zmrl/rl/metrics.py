@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from .run_files import METRICS_FILE, RUN_FILE, read_metrics  # noqa: F401 -- read_metrics re-exported
+
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-RUN_FILE = "run.json"
 WANDB_MODES = ("offline", "online", "disabled")
 
 _warned_no_wandb = False
@@ -50,41 +50,6 @@ def _scalar(value: Any) -> float | int | bool | str | None:
     if callable(item) and size == 1:
         return _scalar(item())
     return None
-
-
-def _parse_lines(text: str, path: Path) -> tuple[list[dict], int]:
-    """Records of a JSONL text, and the byte length of its complete lines (those ending in a newline).
-
-    A final fragment without a newline (a run killed mid-write) is returned as a record when it
-    happens to be valid JSON and dropped otherwise; malformed complete lines are skipped with a
-    warning (someone edited the file).
-    """
-    records: list[dict] = []
-    *complete, fragment = text.split("\n")
-    good_bytes = sum(len(line.encode()) + 1 for line in complete)
-    for i, line in enumerate(complete + [fragment]):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            rec = None
-        if not isinstance(rec, dict) or "step" not in rec:
-            if i < len(complete):
-                logger.warning("%s: skipping malformed line %d", path, i + 1)
-            continue
-        records.append(rec)
-    return records, good_bytes
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All records of ``run_dir/metrics.jsonl`` in file order; a truncated last line is dropped.
-
-    Raises ``FileNotFoundError`` when the file is missing.
-    """
-    path = Path(run_dir) / METRICS_FILE
-    records, _ = _parse_lines(path.read_text(encoding="utf-8", errors="replace"), path)
-    return records
 
 
 class MetricsLogger:
@@ -258,7 +223,7 @@ class MetricsLogger:
 
     def rebuild_dashboard(self, live: bool = False) -> Path | None:
         """Write ``run_dir/dashboard.html``; failures are logged, never raised (it's a side view)."""
-        from zmrl.rl.dashboard import build_dashboard
+        from .dashboard import build_dashboard
 
         try:
             return build_dashboard(self.run_dir, live=live)

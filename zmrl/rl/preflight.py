@@ -17,12 +17,10 @@ from typing import Any
 
 from .config import RecipeConfig, RecipeError
 
-__all__ = ["RUN_FILES", "InputError", "RunInputs", "check_checkpoint", "check_inputs", "check_out_dir",
+__all__ = ["InputError", "RunInputs", "check_checkpoint", "check_inputs", "check_out_dir",
            "clear_run"]
 
-# What a run writes into trainer.out_dir (the only entries trainer.overwrite=true deletes).
-RUN_FILES = ("metrics.jsonl", "metrics.jsonl.tmp", "run.json", "recipe.json", "dashboard.html", "dashboard.html.tmp",
-             "checkpoints", "wandb", "status.json")
+from .run_files import RUN_FILES
 
 
 class InputError(RecipeError):
@@ -115,7 +113,7 @@ def _describe_run(out: Path) -> str:
     facts = []
     metrics = out / "metrics.jsonl"
     if metrics.is_file():
-        from .metrics import read_metrics
+        from .run_files import read_metrics
 
         facts.append(f"{len({r['step'] for r in read_metrics(out)})} logged steps")
     latest = out / "checkpoints" / "latest"
