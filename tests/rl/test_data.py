@@ -196,7 +196,9 @@ def test_synthetic_answers_are_correct():
         ops.add(op)
         assert p["answer"] == eval(f"{a} {op} {b}")  # noqa: S307 -- the expression is digits and one operator
         assert type(p["answer"]) is int and 0 <= p["answer"] <= 999
-    assert ops == {"+", "-", "*"}
+    assert ops == {"+", "-"}  # the default task: single-digit sums and differences
+    assert {op for p in make_dataset(200, 0, TaskSpec(mul_weight=1.0)) for op in "+-*" if op in p["question"]} \
+        == {"+", "-", "*"}
 
 
 def test_synthetic_is_deterministic_and_seeded():
@@ -225,3 +227,11 @@ def test_solution_format_earns_the_reward():
         assert len(ids) <= 18  # the rollout max_tokens the default task needs
     assert format_solution({"question": "What is 7 * 8?", "answer": 56}) == "7*8=56 \\boxed{56}"
     assert format_solution({"question": "An AIME problem.", "answer": 25}) == "\\boxed{25}"
+
+
+def test_unboxed_solution_earns_nothing():
+    """The bootstrap teacher's other format: the work without the box, which the grader cannot read."""
+    for p in make_dataset(50, seed=2):
+        text = format_solution(p, boxed=False)
+        assert text.endswith(f"={p['answer']}") and "boxed" not in text
+        assert aime_reward(text, p["answer"]) == 0.0

@@ -15,7 +15,7 @@ class ModelSection:
     path: str | None = None  # HF-style folder (config.json + safetensors + tokenizer); None = embedded default
     dtype: str = "float32"
     bootstrap_dir: str = "~/.cache/zmrl/bootstrap"  # where the embedded default model is built and cached
-    bootstrap_time_s: float = 150.0
+    bootstrap_steps: int = 120  # SFT steps of the embedded default (a step budget: the same model everywhere)
     # "bitwise": batch-invariant kernels, rollout log-probs equal the trainer's bit for bit (the
     # contract). "fast": stock kernels where an op has them, for measuring what bitwise costs; the
     # rollout/trainer parity metrics are then expected to be < 1. Applies to the engine and the trainer.
@@ -25,7 +25,9 @@ class ModelSection:
 @dataclass
 class DataSection:
     train: str = "synthetic"  # "synthetic" (embedded arithmetic task) or a jsonl/parquet path
-    eval: str = "aime25"  # "aime24" | "aime25" | a path | "synthetic" | "none"
+    # "auto": the synthetic task's held-out split for the embedded default model, aime25 for a real one;
+    # or "aime24" | "aime25" | "synthetic" | "none" | a .jsonl/.json/.parquet path
+    eval: str = "auto"
     prompts_per_step: int = 8
     synthetic_pool: int = 40  # data.train=synthetic: problems per epoch (40 = an epoch every 5 steps)
 
@@ -141,6 +143,14 @@ class RecipeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def eval_set(cfg: RecipeConfig) -> str:
+    """``data.eval`` with ``auto`` resolved: the synthetic held-out split for the embedded default model
+    (AIME is far beyond it), aime25 for a real checkpoint."""
+    if cfg.data.eval != "auto":
+        return cfg.data.eval
+    return "synthetic" if cfg.model.path is None else "aime25"
 
 
 def valid_keys(cls: type = RecipeConfig, prefix: str = "") -> list[str]:
@@ -287,7 +297,7 @@ def _validate(cfg: RecipeConfig) -> None:
          f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), got {m.kernel_mode!r}")
     need(m.path is None or str(m.path).strip() != "", "model.path",
          "is empty: give a checkpoint folder, or leave it unset (null) for the embedded default model")
-    need(m.bootstrap_time_s > 0, "model.bootstrap_time_s", f"must be > 0, got {m.bootstrap_time_s}")
+    at_least("model.bootstrap_steps", m.bootstrap_steps, 1)
 
     at_least("data.prompts_per_step", d.prompts_per_step, 1)
     at_least("data.synthetic_pool", d.synthetic_pool, 1)

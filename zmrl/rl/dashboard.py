@@ -62,13 +62,20 @@ LEARNING = "Learning"
 PARITY = "Rollout / trainer parity"
 
 
+def _eval_metrics(keys: Iterable[str]) -> list[str]:
+    """The eval/* metrics (held-out split, AIME sets, a file), aime25 first as the headline when logged."""
+    evals = sorted(k for k in keys if k.startswith("eval/"))
+    return [k for k in evals if k.startswith("eval/aime25")] + [k for k in evals if not k.startswith("eval/aime25")]
+
+
 def _learning_specs(keys: Iterable[str]) -> list[ChartSpec]:
-    aime = sorted(k for k in keys if k.startswith("eval/aime") and k.endswith("mean@8"))
-    aime = [k for k in aime if k == "eval/aime25_mean@8"] + [k for k in aime if k != "eval/aime25_mean@8"]
+    evals = _eval_metrics(keys)
+    title = "AIME mean@8" if evals and all(k.startswith("eval/aime") for k in evals) else "Held-out eval"
     return [
         ChartSpec("Reward", ("reward/mean", "reward/max"), "mean (and max) reward of the step's rollouts"),
-        ChartSpec("AIME mean@8", tuple(aime) or ("eval/aime25_mean@8",), "eval: mean accuracy over 8 samples",
-                  include_zero=True, eval_points=True),
+        ChartSpec(title, tuple(evals) or ("eval/aime25_mean@8",),
+                  "eval: mean reward over n samples of problems never trained on (step 0: before any update)",
+                  include_zero=True, y_bounds=(0.0, 1.0), eval_points=True),
         ChartSpec("Policy loss", ("loss/policy",), "PPO/GRPO clipped surrogate"),
         ChartSpec("Response length", ("response/length_mean",), "mean tokens per response", include_zero=True),
         ChartSpec("Throughput", ("perf/tokens_per_s",), "tokens per second", include_zero=True),
@@ -488,9 +495,14 @@ def render_html(records: Sequence[dict], run_info: dict | None = None, run_dir: 
         cards.append(_card("Reward (mean)", _fmt_value(rew[-1][1]), sub, "card-reward"))
     else:
         cards.append(_card("Reward (mean)", "–", "no data", "card-reward"))
-    aime = last("eval/aime25_mean@8")
-    if aime:
-        cards.append(_card("AIME25 mean@8", _fmt_value(aime[1]), f"step {aime[0]}", "card-aime"))
+    evals = _eval_metrics(series)
+    if evals:
+        pts = series[evals[0]]
+        label = evals[0].removeprefix("eval/").replace("_mean@", " mean@").replace("aime25", "AIME25")
+        sub = (f"{_fmt_value(pts[0][1])} at step {pts[0][0]} → step {pts[-1][0]}" if len(pts) > 1
+               else f"step {pts[-1][0]}")
+        cards.append(_card(label, _fmt_value(pts[-1][1]), sub, "card-eval" if evals[0] != "eval/aime25_mean@8"
+                           else "card-aime"))
     tps = last("perf/tokens_per_s")
     if tps:
         cards.append(_card("Tokens / s", _fmt_value(tps[1]), f"step {tps[0]}", "card-tps"))

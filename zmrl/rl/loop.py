@@ -18,7 +18,7 @@ from zmrl.lora import LoraConfig
 from zmrl.rollout import EngineConfig, SamplingParams
 
 from .cluster import ActorEnv, LocalHandle, RayCluster, WorkerHandle, gather, shard
-from .config import RecipeConfig
+from .config import RecipeConfig, eval_set
 from .workers import RolloutWorker, Sample, TrainerWorker
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class RLRunner:
         from .bootstrap import bootstrap_model
 
         return str(bootstrap_model(Path(self.cfg.model.bootstrap_dir).expanduser(),
-                                   time_budget_s=self.cfg.model.bootstrap_time_s))
+                                   max_steps=self.cfg.model.bootstrap_steps))
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> None:
@@ -257,7 +257,8 @@ class RLRunner:
                                   stop_token_ids=(self.tokenizer.eos_token_id,))
         t0 = time.perf_counter()
         samples = self._rollout(self.eval_problems, sampling, f"e{step}", progress=True).samples
-        name = Path(self.cfg.data.eval).stem if self.cfg.data.eval not in ("aime24", "aime25") else self.cfg.data.eval
+        spec = eval_set(self.cfg)
+        name = {"synthetic": "heldout"}.get(spec, spec) if spec in ("aime24", "aime25", "synthetic") else Path(spec).stem
         key, value = f"eval/{name}_mean@{ec.n}", sum(s.reward for s in samples) / max(len(samples), 1)
         log.info("eval at step %d: %s = %.3f (%d problems x %d samples, %.0f s)", step, key, value,
                  len(self.eval_problems), ec.n, time.perf_counter() - t0)

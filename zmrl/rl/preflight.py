@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import RecipeConfig, RecipeError
+from .config import RecipeConfig, RecipeError, eval_set
 
 __all__ = ["InputError", "RunInputs", "check_checkpoint", "check_inputs", "check_out_dir",
            "clear_run"]
@@ -177,14 +177,15 @@ def check_inputs(cfg: RecipeConfig) -> RunInputs:
     except (ValueError, OSError) as e:
         raise InputError(f"model.path={cfg.model.path}: tokenizer: {' '.join(str(e).split())}") from None
     train = None if cfg.data.train == "synthetic" else _problems("data.train", cfg.data.train)
-    if cfg.data.eval == "none":
+    spec = eval_set(cfg)
+    if spec == "none":
         evals: list[dict] = []
-    elif cfg.data.eval == "synthetic":
+    elif spec == "synthetic":
         from .synthetic import heldout_problems
 
         evals = heldout_problems(cfg.eval.limit)
     else:
-        evals = _problems("data.eval", cfg.data.eval, cfg.eval.limit)
+        evals = _problems("data.eval", spec, cfg.eval.limit)
     return RunInputs(train, evals, tokenizer)
 
 
