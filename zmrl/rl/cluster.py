@@ -42,6 +42,20 @@ log = logging.getLogger(__name__)
 ROLES: tuple[str, ...] = ("rollout", "trainer")
 
 
+def _loopback_only() -> None:
+    """Make the Ray that the runner starts listen on the loopback interface only.
+
+    Ray rewrites a loopback ``_node_ip_address`` to the machine's reachable address and its servers then
+    listen on every interface; its own switch for single-machine Ray (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+    off: the node address is localhost) keeps the GCS, raylets and workers on 127.0.0.1. The variable is
+    read when ray is imported, so the imported constant is set as well; the processes Ray starts inherit
+    the variable. A multi-node cluster is started with ``ray start`` and joined through ray_address."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 class ClusterError(RuntimeError):
     """The Ray cluster cannot host the requested groups, or a worker cannot use what it was given;
     the message says what was asked for and what is there."""
@@ -254,6 +268,7 @@ class RayCluster:
             if dc.ray_address:
                 ray.init(address=dc.ray_address, log_to_driver=False)
             else:
+                _loopback_only()
                 ray.init(num_cpus=dc.ray_num_cpus, num_gpus=dc.ray_num_gpus, include_dashboard=False,
                          log_to_driver=False)
             self._started_ray = True
