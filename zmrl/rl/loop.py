@@ -10,8 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
+from zmrl.kernels_batch_invariant import apply_numerics, check_same_numerics, current_numerics
 from zmrl.lora import LoraConfig
 from zmrl.rollout import EngineConfig, SamplingParams
 
@@ -34,8 +33,9 @@ class RLRunner:
 
         self.cfg = cfg
         tc = cfg.trainer
-        if tc.num_threads:
-            torch.set_num_threads(tc.num_threads)
+        # The numerics contract of the run: this process's, carried to every Ray actor (ActorEnv).
+        self.numerics = current_numerics().replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=tc.num_threads)
+        apply_numerics(self.numerics)
         self.out_dir = Path(tc.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -71,6 +71,9 @@ class RLRunner:
         from .metrics import MetricsLogger
 
         cfg, tc = self.cfg, self.cfg.trainer
+        # Before the first step: every rollout process runs the trainer's numerics, or the run stops here.
+        check_same_numerics({"trainer": self.trainer.call("numerics_fingerprint"),
+                             **{f"rollout worker {i}": r.call("numerics_fingerprint") for i, r in enumerate(self.rollouts)}})
         self.policy_loss = PolicyLoss(cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio)
         self.kl_penalty = KLPenalty(cfg.algorithm.kl_penalty)
         self.start_step = 0
@@ -91,8 +94,8 @@ class RLRunner:
         cluster = RayCluster(dc)
         try:
             cluster.check(roles)
-            envs = {name: ActorEnv(device="cuda" if r.num_gpus else "cpu", num_threads=threads,
-                                   kernel_mode=cfg.model.kernel_mode) for name, r in roles.items()}
+            envs = {name: ActorEnv(device="cuda" if r.num_gpus else "cpu",
+                                   numerics=self.numerics.replace(cpu_threads=threads)) for name, r in roles.items()}
             # Both groups reserved first (a cluster that cannot host them fails before any model loads),
             # then every worker started; they build their models in parallel.
             trainer, rollout = cluster.reserve("trainer", dc.trainer), cluster.reserve("rollout", dc.rollout)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zmrl.kernels_batch_invariant import get_mode, kernel_mode, set_mode
+from zmrl.kernels_batch_invariant import Numerics, apply_numerics, current_numerics, get_mode, numerics_scope
 from zmrl.kernels_batch_invariant._dispatch import Mode
 from zmrl.model import ModelCache
 from zmrl.model.context import KDASeqState, SequenceState
@@ -168,8 +168,12 @@ class RolloutEngine:
         self._ids: set[str] = set()
         self.weights_version = 0
         self.num_steps = self.num_preemptions = 0
+        # The engine's numerics: the process's contract, with the configured kernel mode applied to the
+        # whole process (so a trainer in this process follows); None = follow the process at every step.
+        self.numerics: Numerics | None = None
         if self.config.kernel_mode is not None:
-            set_mode(self.config.kernel_mode)  # type: ignore[arg-type]
+            self.numerics = current_numerics().replace(kernel_mode=self.config.kernel_mode)
+            apply_numerics(self.numerics)
         if get_mode() != "bitwise":
             log.warning("rollout engine in %r kernel mode: rollout/trainer log-probs are not expected to be "
                         "bitwise equal", get_mode())
@@ -350,17 +354,18 @@ class RolloutEngine:
 
     def _run(self, batch: list[tuple[Request, int]]) -> None:
         mode = self.config.kernel_mode
-        if mode is None:  # follow the process mode
+        if self.numerics is None:  # follow the process's numerics
             with torch.no_grad():
                 self._run_batch(batch)
             return
-        if get_mode() != mode and not self._mode_warned:
+        if current_numerics() != self.numerics and not self._mode_warned:
             # someone changed the process mode after the engine was built: the engine keeps its own,
             # a trainer in this process now runs another one
-            log.warning("process kernel mode is %r but this engine was configured with %r; the engine keeps %r, "
-                        "a trainer in this process will not match it", get_mode(), mode, mode)
+            log.warning("process numerics are %s (kernel mode %r) but this engine was configured with kernel mode %r; "
+                        "the engine keeps %r, a trainer in this process will not match it",
+                        current_numerics(), get_mode(), mode, mode)
             self._mode_warned = True
-        with torch.no_grad(), kernel_mode(mode):  # type: ignore[arg-type]
+        with torch.no_grad(), numerics_scope(self.numerics):
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[tuple[Request, int]]) -> None:
