@@ -4,6 +4,7 @@ Single process by default; with ``distributed.ray=true`` the rollout workers and
 actors on separate placement groups (``zmrl.rl.cluster``), driven by the same code through handles."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -125,10 +126,10 @@ class RLRunner:
             raise RuntimeError(f"rollout workers disagree on the weights version after an update: {versions}")
         return versions[0]
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str]) -> list[dict]:
+    def _generate(self, prompts: list[list[int]], sampling: list[SamplingParams], request_ids: list[str]) -> list[dict]:
         """The prompts split contiguously over the rollout workers (run in parallel), outputs in prompt
-        order; request ids are global, so the samples do not depend on the number of workers."""
-        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], sampling,
+        order; each prompt's randomness is its own seed, so the samples do not depend on the number of workers."""
+        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], [sampling[i] for i in part],
                                            [request_ids[i] for i in part])
                    for w, part in enumerate(shard(len(prompts), len(self.rollouts)))]
         return [o for outs in gather(pending) for o in outs]
@@ -160,11 +161,16 @@ class RLRunner:
     def _prompts(self, step: int) -> list[dict]:
         return self.train_source.batch(step, self.cfg.data.prompts_per_step)
 
-    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str) -> list[Sample]:
+    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str, seed_step: int,
+                 seed_use: str) -> list[Sample]:
         from .reward import aime_reward
 
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(p["question"])) for p in problems]
-        outs = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))])
+        # Prompt i samples with a seed derived from (recipe seed, step, i): the same tokens wherever it
+        # runs (any rollout worker, any batch), and again after a resume.
+        params = [dataclasses.replace(sampling, seed=_step_seed(self.cfg.trainer.seed, seed_step, f"{seed_use}:{i}"))
+                  for i in range(len(prompts))]
+        outs = self._generate(prompts, params, [f"{tag}-{i}" for i in range(len(prompts))])
         samples = []
         for o in outs:
             group = int(o["request_id"].split("-")[1])
@@ -176,12 +182,11 @@ class RLRunner:
     def train_step(self, step: int) -> dict[str, float]:
         from .algorithms import compute_advantages
 
-        cfg, rc, ac = self.cfg, self.cfg.rollout, self.cfg.algorithm
+        rc, ac = self.cfg.rollout, self.cfg.algorithm
         t0 = time.perf_counter()
         sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_tokens=rc.max_tokens, n=rc.n, seed=_step_seed(cfg.trainer.seed, step, "sample"),
-                                  stop_token_ids=(self.tokenizer.eos_token_id,))
-        samples = self._rollout(self._prompts(step), sampling, f"s{step}")
+                                  max_tokens=rc.max_tokens, n=rc.n, stop_token_ids=(self.tokenizer.eos_token_id,))
+        samples = self._rollout(self._prompts(step), sampling, f"s{step}", step, "sample")
         t_rollout = time.perf_counter() - t0
         report = self.trainer.call("parity", samples, rc.temperature)
         advantages = compute_advantages([s.reward for s in samples], [len(s.response_ids) for s in samples],
@@ -207,9 +212,8 @@ class RLRunner:
     def evaluate(self, step: int) -> dict[str, float]:
         ec = self.cfg.eval
         sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
-                                  seed=_step_seed(self.cfg.trainer.seed, 0, "eval"),
                                   stop_token_ids=(self.tokenizer.eos_token_id,))
-        samples = self._rollout(self.eval_problems, sampling, f"e{step}")
+        samples = self._rollout(self.eval_problems, sampling, f"e{step}", 0, "eval")
         name = Path(self.cfg.data.eval).stem if self.cfg.data.eval not in ("aime24", "aime25") else self.cfg.data.eval
         return {f"eval/{name}_mean@{ec.n}": sum(s.reward for s in samples) / max(len(samples), 1)}
 

@@ -50,9 +50,10 @@ class RolloutWorker:
         apply_lora(self.model, lora)
         self.engine = RolloutEngine(self.model, engine)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str],
-                 use_tqdm: bool = False) -> list[dict]:
-        outs = self.engine.generate(prompts, [sampling] * len(prompts), request_ids=request_ids, use_tqdm=use_tqdm)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 request_ids: list[str], use_tqdm: bool = False) -> list[dict]:
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        outs = self.engine.generate(prompts, params, request_ids=request_ids, use_tqdm=use_tqdm)
         return [dict(request_id=o.request_id, prompt_ids=o.prompt_token_ids, response_ids=o.token_ids,
                      logprobs=o.logprobs.cpu(), finish_reason=o.finish_reason, error=o.error) for o in outs]
 
