@@ -180,6 +180,7 @@ def evaluate_accuracy(model, problems: list[dict], tok=None, temperature: float 
                       max_tokens: int = 16) -> float:
     """Fraction of ``problems`` answered correctly (``aime_reward``) by the rollout engine."""
     from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
+    from zmrl.rollout.sampling import derive_seed
 
     from .reward import aime_reward
 
@@ -189,8 +190,8 @@ def evaluate_accuracy(model, problems: list[dict], tok=None, temperature: float 
     blocks_per_seq = -(-longest // 64)
     engine = RolloutEngine(model, EngineConfig(block_size=64, num_blocks=blocks_per_seq * len(prompts) + 1,
                                                max_num_seqs=len(prompts), max_num_batched_tokens=4096))
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
-                            stop_token_ids=tok.stop_token_ids)
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=derive_seed(seed, i),
+                             stop_token_ids=tok.stop_token_ids) for i in range(len(prompts))]  # own noise per prompt
     outs = engine.generate(prompts, params)
     rewards = [aime_reward(tok.decode(o.token_ids), p["answer"]) for o, p in zip(outs, problems)]
     return sum(rewards) / len(rewards)

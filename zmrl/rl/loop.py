@@ -4,6 +4,7 @@ Single process by default; with ``distributed.ray=true`` the rollout workers and
 actors on separate placement groups (``zmrl.rl.cluster``), driven by the same code through handles."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -12,8 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from zmrl.kernels_batch_invariant import apply_numerics, check_same_numerics, current_numerics
 from zmrl.lora import LoraConfig
 from zmrl.rollout import EngineConfig, SamplingParams
 
@@ -62,8 +62,9 @@ class RLRunner:
         self.eval_problems = inputs.eval_problems
         if tc.overwrite and (gone := clear_run(tc.out_dir)):
             log.warning("trainer.overwrite=true: deleted the previous run's %s in %s", ", ".join(gone), tc.out_dir)
-        if tc.num_threads:
-            torch.set_num_threads(tc.num_threads)
+        # The numerics contract of the run: this process's, carried to every Ray actor (ActorEnv).
+        self.numerics = current_numerics().replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=tc.num_threads)
+        apply_numerics(self.numerics)
         self.out_dir = Path(tc.out_dir).expanduser()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -100,6 +101,9 @@ class RLRunner:
         from .metrics import MetricsLogger
 
         cfg, tc = self.cfg, self.cfg.trainer
+        # Before the first step: every rollout process runs the trainer's numerics, or the run stops here.
+        check_same_numerics({"trainer": self.trainer.call("numerics_fingerprint"),
+                             **{f"rollout worker {i}": r.call("numerics_fingerprint") for i, r in enumerate(self.rollouts)}})
         self.policy_loss = PolicyLoss(cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio)
         self.kl_penalty = KLPenalty(cfg.algorithm.kl_penalty)
         self.start_step = 0
@@ -121,8 +125,8 @@ class RLRunner:
         cluster = RayCluster(dc)
         try:
             cluster.check(roles)
-            envs = {name: ActorEnv(device="cuda" if r.num_gpus else "cpu", num_threads=threads,
-                                   kernel_mode=cfg.model.kernel_mode) for name, r in roles.items()}
+            envs = {name: ActorEnv(device="cuda" if r.num_gpus else "cpu",
+                                   numerics=self.numerics.replace(cpu_threads=threads)) for name, r in roles.items()}
             # Both groups reserved first (a cluster that cannot host them fails before any model loads),
             # then every worker started; they build their models in parallel.
             trainer, rollout = cluster.reserve("trainer", dc.trainer), cluster.reserve("rollout", dc.rollout)
@@ -152,12 +156,12 @@ class RLRunner:
             raise RuntimeError(f"rollout workers disagree on the weights version after an update: {versions}")
         return versions[0]
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str],
+    def _generate(self, prompts: list[list[int]], sampling: list[SamplingParams], request_ids: list[str],
                   progress: bool = False) -> list[dict]:
         """The prompts split contiguously over the rollout workers (run in parallel), outputs in prompt
-        order; request ids are global, so the samples do not depend on the number of workers.
+        order; each prompt's randomness is its own seed, so the samples do not depend on the number of workers.
         ``progress``: a bar of finished requests (in-process workers; Ray actors do not show theirs)."""
-        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], sampling,
+        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], [sampling[i] for i in part],
                                            [request_ids[i] for i in part], use_tqdm=progress and self.cluster is None)
                    for w, part in enumerate(shard(len(prompts), len(self.rollouts)))]
         return [o for outs in gather(pending) for o in outs]
@@ -187,12 +191,16 @@ class RLRunner:
     def _prompts(self, step: int) -> list[dict]:
         return self.train_source.batch(step, self.cfg.data.prompts_per_step)
 
-    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str, progress: bool = False
-                 ) -> StepRollouts:
+    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str, seed_step: int, seed_use: str,
+                 progress: bool = False) -> StepRollouts:
         from .reward import aime_reward
 
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(p["question"])) for p in problems]
-        outs = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))], progress)
+        # Prompt i samples with a seed derived from (recipe seed, step, i): the same tokens wherever it
+        # runs (any rollout worker, any batch), and again after a resume.
+        params = [dataclasses.replace(sampling, seed=_step_seed(self.cfg.trainer.seed, seed_step, f"{seed_use}:{i}"))
+                  for i in range(len(prompts))]
+        outs = self._generate(prompts, params, [f"{tag}-{i}" for i in range(len(prompts))], progress)
         samples, errors = [], []
         for o in outs:
             group = int(o["request_id"].split("-")[1])
@@ -209,12 +217,11 @@ class RLRunner:
         step's metrics are then on the exception (``.metrics``) so the caller can still log them."""
         from .algorithms import compute_advantages
 
-        cfg, rc, ac = self.cfg, self.cfg.rollout, self.cfg.algorithm
+        rc, ac = self.cfg.rollout, self.cfg.algorithm
         t0 = time.perf_counter()
         sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_tokens=rc.max_tokens, n=rc.n, seed=_step_seed(cfg.trainer.seed, step, "sample"),
-                                  stop_token_ids=(self.tokenizer.eos_token_id,))
-        batch = self._rollout(self._prompts(step), sampling, f"s{step}")
+                                  max_tokens=rc.max_tokens, n=rc.n, stop_token_ids=(self.tokenizer.eos_token_id,))
+        batch = self._rollout(self._prompts(step), sampling, f"s{step}", step, "sample")
         samples = batch.samples
         t_rollout = time.perf_counter() - t0
         report = self.trainer.call("parity", samples, rc.temperature)
@@ -253,10 +260,9 @@ class RLRunner:
     def evaluate(self, step: int) -> dict[str, float]:
         ec = self.cfg.eval
         sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
-                                  seed=_step_seed(self.cfg.trainer.seed, 0, "eval"),
                                   stop_token_ids=(self.tokenizer.eos_token_id,))
         t0 = time.perf_counter()
-        samples = self._rollout(self.eval_problems, sampling, f"e{step}", progress=True).samples
+        samples = self._rollout(self.eval_problems, sampling, f"e{step}", 0, "eval", progress=True).samples
         spec = eval_set(self.cfg)
         name = {"synthetic": "heldout"}.get(spec, spec) if spec in ("aime24", "aime25", "synthetic") else Path(spec).stem
         key, value = f"eval/{name}_mean@{ec.n}", sum(s.reward for s in samples) / max(len(samples), 1)

@@ -36,12 +36,13 @@ sequences share the launch:
   so rows j > i of Y add exact zeros to row i whatever they hold; every other product is row-wise;
 * the recurrence advances the state only when the chunk is complete, in ascending chunk order.
 
-Dots run on fp32 operands with ``input_precision`` = ``ZMRL_KDA_DOT_PRECISION``: "tf32x3" (default:
+Dots run on fp32 operands with ``input_precision`` = the process's ``Numerics.kda_dot_precision``
+(zmrl/kernels_batch_invariant/numerics.py; ``ZMRL_KDA_DOT_PRECISION`` sets its default): "tf32x3" (default:
 three TF32 tensor-core passes, fp32-level accuracy, ~1e-6 relative), "ieee" (fp32 FMA, slowest) or
 "tf32" (one pass, fastest, ~1e-3 relative: still 8x finer than the bf16 operands fla-core uses).
 The precision changes the bits but not the invariance: it is a compile-time constant of the kernel,
-read once at import, so the rollout and trainer processes must run with the same value (the
-default unless someone sets it).
+read from the applied numerics contract at every launch; the rollout and trainer processes compare
+their contracts (``numerics.fingerprint``) before the first step.
 
 Decode step (``kda_chunk_step``, the CUDA-graph entry): the same two kernels on a fixed layout, N
 chunks of 64 rows, sequence i's chunk at rows [64 i, 64 i + num_rows[i]) of the [N*64, H, d] inputs.
@@ -57,7 +58,6 @@ torch backend.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +66,11 @@ import triton.language as tl
 
 from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step
 from ..kda.decode import KDADecodeCache, check_decode_args, kda_decode_prime, kda_decode_step
+from ..numerics import kda_dot_precision
 from ._common import cdiv, next_pow2
 from ._autograd import with_reference_backward
 
 _SUB = 16  # sub-block rows of the intra-chunk A products (the off-diagonal factorisation)
-_DOT_PRECISIONS = ("tf32x3", "ieee", "tf32")
-DOT_PRECISION: str = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
-if DOT_PRECISION not in _DOT_PRECISIONS:
-    raise ValueError(f"ZMRL_KDA_DOT_PRECISION must be one of {_DOT_PRECISIONS}, got {DOT_PRECISION!r}")
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -475,6 +472,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     n = tab.seq_info.shape[0]
     dev = q.device
     cfg = _launch_config(dk, dv)
+    dot_prec = kda_dot_precision()
     c = CHUNK_SIZE
     nc = tab.n_chunks
     qg = torch.empty(nc, h, c, dk, dtype=torch.float32, device=dev)
@@ -486,14 +484,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     _kda_intra_kernel[(nc, h)](
         q, k, v, g, beta, tab.chunk_info, qg, kd, a_qk, w, u, dec, tt, scale, h,
         DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
-        DOT_PREC=DOT_PRECISION, num_warps=cfg["intra_warps"], num_stages=1,
+        DOT_PREC=dot_prec, num_warps=cfg["intra_warps"], num_stages=1,
     )
     _kda_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
         qg, kd, a_qk, w, u, dec, ve,
         h0 if h0 is not None else ht, o, ht, chunk_states if chunk_states is not None else ht,
         tab.chunk_info, tab.seq_info, h,
         DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, HAS_H0=h0 is not None,
-        STORE_CS=chunk_states is not None, DOT_PREC=DOT_PRECISION,
+        STORE_CS=chunk_states is not None, DOT_PREC=dot_prec,
         num_warps=cfg["inter_warps"], num_stages=1,
     )
 
@@ -650,11 +648,11 @@ def kda_decode_step_triton(
     _kda_intra_kernel[(n, h)](
         q, cache.k, cache.v, cache.g, cache.beta, info[0], qg, kd, a_qk, w, u, dec, cache.solved_t, scale, h,
         DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
-        DOT_PREC=DOT_PRECISION, num_warps=cfg["intra_warps"], num_stages=1,
+        DOT_PREC=kda_dot_precision(), num_warps=cfg["intra_warps"], num_stages=1,
     )
     _kda_decode_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
         qg, kd, a_qk, w, u, dec, cache.v_e, cache.state, o, info[0], h,
-        DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, BC=_SUB, DOT_PREC=DOT_PRECISION,
+        DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, BC=_SUB, DOT_PREC=kda_dot_precision(),
         num_warps=4, num_stages=1,
     )
     return o
