@@ -8,16 +8,17 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from zmrl.lora import LoraConfig
-from zmrl.rollout import EngineConfig, SamplingParams
+from zmrl.rollout import SamplingParams
+from zmrl.trainer import Sample, TrainBatch
 
-from .cluster import ActorEnv, LocalHandle, RayCluster, WorkerHandle, gather, shard
+from .cluster import ActorEnv, LocalHandle, RayCluster, gather, shard
 from .config import RecipeConfig
-from .workers import RolloutWorker, Sample, TrainerWorker
+from .workers import ModelSpec, RolloutHandle, RolloutWorker, TrainerHandle, TrainerWorker
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +44,18 @@ class RLRunner:
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.train_source = load_train_source(cfg.data.train, cfg.data.synthetic_pool, tc.seed)
         self.eval_problems = load_eval_problems(cfg.data.eval, cfg.eval.limit)
-        lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha)
-        rc = cfg.rollout
-        engine = EngineConfig(block_size=rc.block_size, num_blocks=rc.num_blocks, max_num_seqs=rc.max_num_seqs,
-                              max_num_batched_tokens=rc.max_num_batched_tokens,
-                              enable_prefix_caching=rc.enable_prefix_caching, latent_format=rc.latent_format,
-                              kernel_mode=cfg.model.kernel_mode, decode_graphs=rc.decode_graphs)
-        trainer_args = (self.model_path, cfg.model.dtype, lora, tc.lr, tc.weight_decay, tc.micro_batch_tokens,
-                        rc.latent_format, tc.num_threads, cfg.model.kernel_mode)
-        rollout_args = (self.model_path, cfg.model.dtype, lora, engine, tc.num_threads)
+        model = ModelSpec(self.model_path, cfg.model.dtype, cfg.lora.lora_config())
+        trainer_args = (model, tc.trainer_config(cfg.rollout.latent_format), cfg.algorithm.objective(),
+                        cfg.model.kernel_mode)
+        rollout_args = (model, cfg.rollout.engine_config(cfg.model.kernel_mode))
         self.cluster: RayCluster | None = None
-        self.trainer: WorkerHandle
-        self.rollouts: list[WorkerHandle]
+        self.trainer: TrainerHandle
+        self.rollouts: list[RolloutHandle]
         if cfg.distributed.ray:
             self._start_cluster(trainer_args, rollout_args)
         else:
-            self.trainer = LocalHandle(TrainerWorker(*trainer_args))
-            self.rollouts = [LocalHandle(RolloutWorker(*rollout_args))]
+            self.trainer = TrainerHandle(LocalHandle(TrainerWorker(*trainer_args)))
+            self.rollouts = [RolloutHandle(LocalHandle(RolloutWorker(*rollout_args)))]
         try:
             self._finish_init()
         except BaseException:
@@ -67,12 +63,9 @@ class RLRunner:
             raise
 
     def _finish_init(self) -> None:
-        from .algorithms import KLPenalty, PolicyLoss
         from .metrics import MetricsLogger
 
         cfg, tc = self.cfg, self.cfg.trainer
-        self.policy_loss = PolicyLoss(cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio)
-        self.kl_penalty = KLPenalty(cfg.algorithm.kl_penalty)
         self.start_step = 0
         if tc.resume:
             self._resume()
@@ -96,17 +89,18 @@ class RLRunner:
             # Both groups reserved first (a cluster that cannot host them fails before any model loads),
             # then every worker started; they build their models in parallel.
             trainer, rollout = cluster.reserve("trainer", dc.trainer), cluster.reserve("rollout", dc.rollout)
-            cluster.launch(trainer, dc.trainer, envs["trainer"], TrainerWorker, trainer_args,
-                           {"device": envs["trainer"].device})
-            cluster.launch(rollout, dc.rollout, envs["rollout"], RolloutWorker, rollout_args,
-                           {"device": envs["rollout"].device})
+            # each role loads the model onto its own device
+            cluster.launch(trainer, dc.trainer, envs["trainer"], TrainerWorker,
+                           (replace(trainer_args[0], device=envs["trainer"].device), *trainer_args[1:]))
+            cluster.launch(rollout, dc.rollout, envs["rollout"], RolloutWorker,
+                           (replace(rollout_args[0], device=envs["rollout"].device), *rollout_args[1:]))
             cluster.wait_ready()
         except BaseException:
             cluster.close()
             raise
         self.cluster = cluster
-        self.trainer = trainer.handles[0]
-        self.rollouts = list(rollout.handles)
+        self.trainer = TrainerHandle(trainer.handles[0])
+        self.rollouts = [RolloutHandle(h) for h in rollout.handles]
 
     def close(self) -> None:
         """Release the Ray actors and placement groups (nothing to do in single-process mode)."""
@@ -116,17 +110,18 @@ class RLRunner:
     def _push_weights(self) -> int:
         """Trainer LoRA state -> every rollout engine. Through Ray the state is one object in the store,
         fetched by each rollout worker from there (it never passes through the driver)."""
-        state = self.trainer.submit("lora_state")
-        versions = gather([r.submit("update_weights", state) for r in self.rollouts])
+        state = self.trainer.lora_state()
+        versions = gather([r.update_weights(state) for r in self.rollouts])
         if len(set(versions)) != 1:
             raise RuntimeError(f"rollout workers disagree on the weights version after an update: {versions}")
         return versions[0]
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str]) -> list[dict]:
-        """The prompts split contiguously over the rollout workers (run in parallel), outputs in prompt
-        order; request ids are global, so the samples do not depend on the number of workers."""
-        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], sampling,
-                                           [request_ids[i] for i in part])
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str]) -> list[Sample]:
+        """The prompts split contiguously over the rollout workers (run in parallel), samples in prompt
+        order, each with its prompt's index as its group; request ids are global, so the samples do not
+        depend on the number of workers."""
+        pending = [self.rollouts[w].generate([prompts[i] for i in part], list(part), sampling,
+                                             [request_ids[i] for i in part])
                    for w, part in enumerate(shard(len(prompts), len(self.rollouts)))]
         return [o for outs in gather(pending) for o in outs]
 
@@ -148,7 +143,7 @@ class RLRunner:
         if path is None:
             log.info("trainer.resume=true but no checkpoint under %s: starting from step 0", self.ckpt_dir)
             return
-        state = self.trainer.call("restore", str(path))
+        state = self.trainer.restore(str(path))
         self.start_step = int(state["step"])
         self._push_weights()
         log.info("resumed from %s at step %d", path, self.start_step)
@@ -161,33 +156,25 @@ class RLRunner:
         from .reward import aime_reward
 
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(p["question"])) for p in problems]
-        outs = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))])
-        samples = []
-        for o in outs:
-            group = int(o["request_id"].split("-")[1])
-            text = self.tokenizer.decode(o["response_ids"])
-            reward = aime_reward(text, problems[group]["answer"]) if o["error"] is None else 0.0
-            samples.append(Sample(o["prompt_ids"], o["response_ids"], o["logprobs"], group, reward, o["finish_reason"]))
+        samples = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))])
+        for s in samples:
+            answer = problems[s.group]["answer"]
+            s.reward = aime_reward(self.tokenizer.decode(s.response_ids), answer) if s.error is None else 0.0
         return samples
 
     def train_step(self, step: int) -> dict[str, float]:
         from .algorithms import compute_advantages
 
-        cfg, rc, ac = self.cfg, self.cfg.rollout, self.cfg.algorithm
+        cfg, ac = self.cfg, self.cfg.algorithm
         t0 = time.perf_counter()
-        sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_tokens=rc.max_tokens, n=rc.n, seed=_step_seed(cfg.trainer.seed, step, "sample"),
-                                  stop_token_ids=(self.tokenizer.eos_token_id,))
+        sampling = cfg.rollout.sampling(_step_seed(cfg.trainer.seed, step, "sample"), (self.tokenizer.eos_token_id,))
         samples = self._rollout(self._prompts(step), sampling, f"s{step}")
         t_rollout = time.perf_counter() - t0
-        report = self.trainer.call("parity", samples, rc.temperature)
         advantages = compute_advantages([s.reward for s in samples], [len(s.response_ids) for s in samples],
                                         [s.group for s in samples], ac.adv_estimator, ac.norm_adv_by_std_in_grpo)
-        ref = self.trainer.call("reference_logprobs", samples, rc.temperature) if ac.kl_coef else None
-        stats: dict[str, float] = {}
-        for _ in range(ac.ppo_epochs):
-            stats = self.trainer.call("update", samples, advantages, rc.temperature, self.policy_loss, ref,
-                                      ac.kl_coef, self.kl_penalty)
+        ref = self.trainer.reference_logprobs(samples) if ac.kl_coef else None
+        result = self.trainer.train(TrainBatch(samples, advantages, ref))
+        report, stats = result.parity, result.stats
         self._push_weights()
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -203,9 +190,7 @@ class RLRunner:
 
     def evaluate(self, step: int) -> dict[str, float]:
         ec = self.cfg.eval
-        sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
-                                  seed=_step_seed(self.cfg.trainer.seed, 0, "eval"),
-                                  stop_token_ids=(self.tokenizer.eos_token_id,))
+        sampling = ec.sampling(_step_seed(self.cfg.trainer.seed, 0, "eval"), (self.tokenizer.eos_token_id,))
         samples = self._rollout(self.eval_problems, sampling, f"e{step}")
         name = Path(self.cfg.data.eval).stem if self.cfg.data.eval not in ("aime24", "aime25") else self.cfg.data.eval
         return {f"eval/{name}_mean@{ec.n}": sum(s.reward for s in samples) / max(len(samples), 1)}
@@ -236,6 +221,6 @@ class RLRunner:
             bar.set_postfix(reward=f"{m['reward/mean']:.3f}", eq=f"{m['mismatch/bitwise_equal_frac']:.3f}",
                             k3=f"{m['mismatch/kl_k3']:.1e}")
             if cfg.trainer.save_every and (done % cfg.trainer.save_every == 0 or done == cfg.trainer.total_steps):
-                self.trainer.call("save", str(self.ckpt_dir), done)
+                self.trainer.save(str(self.ckpt_dir), done)
         self.metrics.close()
         return history
