@@ -161,7 +161,7 @@ def build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
 def weight_bytes_per_decode_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
     """Bytes of weights one decode token must read at batch 1: every weight except the routed
     experts it does not pick (top-k of each MoE layer are read) and the embedding table (one row)."""
-    from zmrl.model.sizing import _is_active, weight_shapes
+    from zmrl.capacity.sizing import _is_active, weight_shapes
 
     total = 0
     for name, shape in weight_shapes(cfg).items():

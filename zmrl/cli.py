@@ -7,7 +7,7 @@ import sys
 
 
 def _smoke(args: argparse.Namespace) -> int:
-    from zmrl.smoke import run_smoke
+    from zmrl.parity.smoke import run_smoke
 
     r = run_smoke(preset=args.preset, dtype=args.dtype, num_prompts=args.num_prompts,
                   max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_smoke)
 
-    from zmrl.rollout.planner import add_plan_subcommand
+    from zmrl.capacity.planner import add_plan_subcommand
     from zmrl.train import add_train_arguments, run_train
 
     add_plan_subcommand(sub)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Sequence
 
-from zmrl.model.sizing import INDEX_FORMATS, LATENT_FORMATS, weight_shapes
+from zmrl.capacity.sizing import INDEX_FORMATS, LATENT_FORMATS, weight_shapes
 
 if TYPE_CHECKING:
     from zmrl.model.config import ModelConfig
@@ -527,7 +527,7 @@ def add_plan_subcommand(subparsers: "argparse._SubParsersAction") -> argparse.Ar
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m zmrl.rollout.planner [plan options]`` (no subcommand word)."""
+    """Standalone entry: ``python -m zmrl.capacity.planner [plan options]`` (no subcommand word)."""
     parser = argparse.ArgumentParser(prog="zmrl")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_subcommand(sub)

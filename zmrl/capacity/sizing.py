@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # avoid a runtime import cycle: config.py delegates to this module
-    from .config import ModelConfig
+    from zmrl.model.config import ModelConfig
 
 Shapes = dict[str, tuple[int, ...]]
 
