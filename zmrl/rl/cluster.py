@@ -11,7 +11,7 @@ Data flow of one RL step (the driver is the process running ``RLRunner``)::
     driver --prompt shards-------------------------> rollout workers (data-parallel engines, in parallel)
     driver <--token ids + recorded log-probs (CPU)-- rollout workers
     driver: rewards, advantages
-    driver --samples + advantages------------------> trainer: parity recompute, optimiser step
+    driver --samples + advantages------------------> trainer: one training forward (loss + parity), optimiser step
     trainer --LoRA state (an ObjectRef)------------> every rollout worker, through the object store
 
 Each prompt keeps its global request id when the step's prompts are split over several rollout
