@@ -62,7 +62,8 @@ class Request:
     def num_computed(self) -> int:
         return self.seq.num_tokens
 
-    def finish(self, reason: str, weights_version: int, device: torch.device, error: str | None = None) -> RolloutOutput:
+    def finish(self, reason: str, weights_version: int, device: torch.device,
+               error: str | None = None) -> RolloutOutput:
         # log-probs on the model's device, like the trainer's (torch.equal needs one device)
         lp = torch.cat(self.logprobs) if self.logprobs else torch.zeros(0, dtype=torch.float32, device=device)
         return RolloutOutput(
