@@ -163,7 +163,7 @@ def weight_bytes_per_decode_token(cfg: ModelConfig, dtype_bytes: int = 2, batch:
     experts no token picks and the embedding rows no token looks up. At batch 1 each MoE layer reads its
     top-k experts; at batch B the expected number of distinct experts hit by B independent uniform
     top-k choices, ``E * (1 - (1 - k/E)^B)`` (all of them at the batches RL decodes at)."""
-    from zmrl.model.sizing import _EXPERT_RE, weight_shapes
+    from zmrl.capacity.sizing import _EXPERT_RE, weight_shapes
 
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     hit = k if batch == 1 or not e else e * (1.0 - (1.0 - k / e) ** batch)

@@ -61,7 +61,7 @@ class Shape:
 
 
 def bench_shapes() -> list[Shape]:
-    """Projection shapes of the bench preset (the same numbers zmrl/model/sizing.py enumerates)."""
+    """Projection shapes of the bench preset (the same numbers zmrl/capacity/sizing.py enumerates)."""
     from zmrl.model import ModelConfig
 
     c = ModelConfig.preset("bench")

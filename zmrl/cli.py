@@ -12,9 +12,9 @@ import sys
 
 # name -> (module, function registering the subcommand on a subparsers object, one-line help)
 _LAZY = {
-    "plan": ("zmrl.rollout.planner", "add_plan_subcommand", "KV-cache capacity: tokens and full-length contexts "
+    "plan": ("zmrl.capacity.planner", "add_plan_subcommand", "KV-cache capacity: tokens and full-length contexts "
              "that fit"),
-    "parity": ("zmrl.parity", "add_parity_subcommand", "randomized rollout/trainer log-prob parity audit on the "
+    "parity": ("zmrl.parity.audit", "add_parity_subcommand", "randomized rollout/trainer log-prob parity audit on the "
                "tiny model"),
 }
 
@@ -24,7 +24,7 @@ def _smoke(args: argparse.Namespace) -> int:
           f"{args.max_new_tokens} tokens with the engine, recomputing them with the trainer ...", file=sys.stderr,
           flush=True)
     from zmrl.model.config import ConfigError
-    from zmrl.smoke import run_smoke
+    from zmrl.parity.smoke import run_smoke
 
     try:
         r = run_smoke(preset=args.preset, dtype=args.dtype, num_prompts=args.num_prompts,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import zmrl.parity as parity
+import zmrl.parity.audit as parity
 from zmrl.parity import FEATURES, ParityReport, add_parity_subcommand, compare_logprobs, run_audit
 
 from tests.device import TEST_DEVICE

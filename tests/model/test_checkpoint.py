@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zmrl.model import CheckpointError, ModelConfig, build_model, load_pretrained, save_pretrained
-from zmrl.model.sizing import weight_shapes
+from zmrl.capacity.sizing import weight_shapes
 
 
 @pytest.fixture(scope="module")

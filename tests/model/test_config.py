@@ -1,4 +1,4 @@
-"""Config presets, validation, (de)serialisation and the sizing math of zmrl.model.sizing."""
+"""Config presets, validation, (de)serialisation and the sizing math of zmrl.capacity.sizing."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ import pytest
 
 from zmrl.model.config import ConfigError, LinearAttnConfig, ModelConfig
 from zmrl.model.presets import PRESETS
-from zmrl.model.sizing import (
+from zmrl.capacity.sizing import (
     format_param_breakdown,
     kda_state_bytes_per_request,
     kv_bytes_per_token_per_layer,

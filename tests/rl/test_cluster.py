@@ -121,9 +121,9 @@ def _perturb_lora(runner) -> None:
     """Give the trainer's LoRA random non-zero values (B starts at zero) and push them to the rollout
     side: from then on parity holds only if the weights really arrived in every engine."""
     gen = torch.Generator().manual_seed(0)
-    state = runner.trainer.call("lora_state")
-    runner.trainer.call("load_lora_state", {k: v + 0.05 * torch.randn(v.shape, generator=gen)
-                                            for k, v in sorted(state.items())})
+    state = runner.trainer.lora_state().result()
+    runner.trainer.load_lora_state({k: v + 0.05 * torch.randn(v.shape, generator=gen)
+                                    for k, v in sorted(state.items())})
     runner._push_weights()
 
 

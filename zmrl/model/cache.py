@@ -5,25 +5,32 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .context import ForwardContext, LatentFormat, PagedLatentStore, SequenceState, cu_seqlens_from_lens
+from .context import ForwardContext, LatentFormat, PagedLatentStore, SequenceState, paged_context
 
 
 class CacheFullError(RuntimeError):
     """No free page for a sequence's next tokens (the engine preempts; direct users see this)."""
 
 
+def latent_store(cfg: ModelConfig, num_pages: int, page_size: int = 64, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> PagedLatentStore:
+    """The page pool of every MLA layer of ``cfg`` (latents, and index keys when the model has a DSA indexer)."""
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    mla_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i)]
+    return PagedLatentStore(mla_layers, num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                            cfg.index_head_dim if cfg.has_indexer else None, dtype, device)
+
+
 class ModelCache:
+    """A page pool with its own free list, for direct users of ``forward_incremental``. (The rollout engine
+    uses ``latent_store`` with its block manager as the only allocator.)"""
+
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int = 64, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", latent_format: LatentFormat = "native"):
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.cfg, self.page_size, self.latent_format = cfg, page_size, latent_format
         self.device = torch.device(device)
-        mla_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i)]
-        self.store = PagedLatentStore(
-            mla_layers, num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-            cfg.index_head_dim if cfg.has_indexer else None, dtype, device,
-        )
+        self.store = latent_store(cfg, num_pages, page_size, dtype, device)
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
 
     @property
@@ -44,34 +51,15 @@ class ModelCache:
         self.free_pages.extend(reversed(seq.pages))
         seq.reset()
 
-    def context(self, seqs: list[SequenceState], num_new: list[int], record_snapshots: bool = False,
-                allocate: bool = True) -> ForwardContext:
-        """Describe the batch (allocating pages for ``num_new`` tokens of each sequence unless the caller,
-        e.g. the engine's block manager, already did)."""
+    def context(self, seqs: list[SequenceState], num_new: list[int], record_snapshots: bool = False) -> ForwardContext:
+        """Allocate pages for ``num_new`` tokens of each sequence and describe the batch."""
         for s, n in zip(seqs, num_new):
             if s.num_tokens + n > self.cfg.max_position_embeddings:
                 raise ValueError(f"sequence would reach {s.num_tokens + n} tokens, more than "
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
-            if allocate:
-                self.allocate(s, n)
-            elif self.pages_needed(s, n):
-                raise CacheFullError(f"sequence has {len(s.pages)} pages, needs {self.pages_needed(s, n)} more")
-        dev = self.device
-        max_pages = max((len(s.pages) for s in seqs), default=1) or 1
-        block_table = torch.zeros(len(seqs), max_pages, dtype=torch.int64)
-        positions, seq_idx = [], []
-        for i, (s, n) in enumerate(zip(seqs, num_new)):
-            block_table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int64)
-            positions.append(torch.arange(s.num_tokens, s.num_tokens + n))
-            seq_idx.append(torch.full((n,), i, dtype=torch.int64))
-        positions_t = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
-        seq_idx_t = torch.cat(seq_idx) if seq_idx else torch.zeros(0, dtype=torch.int64)
-        slots = block_table[seq_idx_t, positions_t // self.page_size] * self.page_size + positions_t % self.page_size
-        return ForwardContext(
-            cu_seqlens=cu_seqlens_from_lens(num_new, dev), positions=positions_t.to(dev), seq_idx=seq_idx_t.to(dev),
-            block_table=block_table.to(dev), slot_mapping=slots.to(dev), store=self.store, kda_states=seqs,
-            latent_format=self.latent_format, record_snapshots=record_snapshots,
-        )
+            self.allocate(s, n)
+        return paged_context([s.pages for s in seqs], [s.num_tokens for s in seqs], num_new, self.store, self.device,
+                             kda_states=seqs, latent_format=self.latent_format, record_snapshots=record_snapshots)
 
 
 @torch.no_grad()

@@ -230,18 +230,18 @@ class ModelConfig:
     # ------------------------------------------------------------------ sizing (see sizing.py)
     def param_counts(self) -> tuple[int, int]:
         """(total, active) parameter counts, embeddings and lm_head included (sizing.param_counts)."""
-        from .sizing import param_counts
+        from zmrl.capacity.sizing import param_counts
 
         return param_counts(self)
 
     def kv_bytes_per_token_per_layer(self, latent: str = "bf16", index: str = "fp8") -> tuple[int, int]:
         """(latent_bytes, index_key_bytes) per token per MLA layer (sizing.kv_bytes_per_token_per_layer)."""
-        from .sizing import kv_bytes_per_token_per_layer
+        from zmrl.capacity.sizing import kv_bytes_per_token_per_layer
 
         return kv_bytes_per_token_per_layer(self, latent=latent, index=index)
 
     def kda_state_bytes_per_request(self) -> int:
         """KDA recurrent + short-conv state bytes of one request (sizing.kda_state_bytes_per_request)."""
-        from .sizing import kda_state_bytes_per_request
+        from zmrl.capacity.sizing import kda_state_bytes_per_request
 
         return kda_state_bytes_per_request(self)

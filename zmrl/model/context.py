@@ -8,9 +8,8 @@ reach the same layer code and the same ops.
 from __future__ import annotations
 
 import abc
-
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
 
@@ -26,7 +25,7 @@ class KDASeqState:
 
     ``state`` is the fp32 delta-rule state at the start of the current 64-token chunk; ``pending``
     holds the rows of that chunk seen so far (k, v, g, beta), so the next call re-runs the chunk
-    from its boundary and computes every token with the full-chunk arithmetic (DESIGN §2).
+    from its boundary and computes every token with the full-chunk arithmetic (docs/design.md, KDA).
     """
 
     conv: torch.Tensor | None = None  # [W-1, 3*H*dk] last short-conv inputs
@@ -171,26 +170,41 @@ def cu_seqlens_from_lens(lens: list[int], device: torch.device | str = "cpu") ->
     return cu
 
 
+def paged_context(pages: Sequence[Sequence[int]], starts: Sequence[int], lens: Sequence[int], store: LatentStore,
+                  device: torch.device | str = "cpu", kda_states: list[SequenceState] | None = None,
+                  latent_format: LatentFormat = "native", record_snapshots: bool = False,
+                  cu_seqlens: torch.Tensor | None = None) -> ForwardContext:
+    """The one builder of an eager ``ForwardContext``: sequence i has ``lens[i]`` new tokens at positions
+    ``starts[i]...`` over the pages ``pages[i]`` of ``store``. Built on the host, moved in one copy per
+    tensor. (The CUDA-graph decode step fills fixed device buffers instead: rollout/graph_runner.py.)"""
+    ps = store.page_size
+    max_pages = max((len(p) for p in pages), default=1) or 1
+    block_table = torch.zeros(len(pages), max_pages, dtype=torch.int64)
+    positions, seq_idx = [], []
+    for i, (p, s, n) in enumerate(zip(pages, starts, lens)):
+        block_table[i, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
+        positions.append(torch.arange(s, s + n))
+        seq_idx.append(torch.full((n,), i, dtype=torch.int64))
+    positions_t = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
+    seq_idx_t = torch.cat(seq_idx) if seq_idx else torch.zeros(0, dtype=torch.int64)
+    slots = block_table[seq_idx_t, positions_t // ps] * ps + positions_t % ps
+    return ForwardContext(
+        cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_from_lens(list(lens), device),
+        positions=positions_t.to(device), seq_idx=seq_idx_t.to(device), block_table=block_table.to(device),
+        slot_mapping=slots.to(device), store=store, kda_states=kda_states, latent_format=latent_format,
+        record_snapshots=record_snapshots,
+    )
+
+
 def packed_context(cu_seqlens: torch.Tensor, page_size: int = 64,
                    latent_format: LatentFormat = "native") -> ForwardContext:
-    """Context for whole sequences starting at position 0 (the trainer's packed varlen batch)."""
-    device = cu_seqlens.device
+    """Context for whole sequences starting at position 0 (the trainer's packed varlen batch): sequence i
+    gets the next ``ceil(len_i / page_size)`` pages of an ephemeral store."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    n_pages = [(n + page_size - 1) // page_size for n in lens]
-    max_pages = max(n_pages, default=0) or 1
-    block_table = torch.zeros(len(lens), max_pages, dtype=torch.int64, device=device)
-    positions, seq_idx, slots = [], [], []
-    first = 0
-    for i, (n, p) in enumerate(zip(lens, n_pages)):
-        block_table[i, :p] = torch.arange(first, first + p, device=device)
-        pos = torch.arange(n, device=device)
-        positions.append(pos)
-        seq_idx.append(torch.full((n,), i, dtype=torch.int64, device=device))
-        slots.append(first * page_size + pos)
+    pages, first = [], 0
+    for n in lens:
+        p = (n + page_size - 1) // page_size
+        pages.append(range(first, first + p))
         first += p
-    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64, device=device)  # noqa: E731
-    return ForwardContext(
-        cu_seqlens=cu_seqlens, positions=cat(positions), seq_idx=cat(seq_idx), block_table=block_table,
-        slot_mapping=cat(slots), store=EphemeralLatentStore(max(first, 1), page_size), kda_states=None,
-        latent_format=latent_format,
-    )
+    return paged_context(pages, [0] * len(lens), lens, EphemeralLatentStore(max(first, 1), page_size),
+                         device=cu_seqlens.device, latent_format=latent_format, cu_seqlens=cu_seqlens)

@@ -37,11 +37,6 @@ def compute_advantages(rewards: list[float], lengths: list[int], groups: list[in
     return [adv[i, :n].clone() for i, n in enumerate(lengths)]
 
 
-def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence 1-D tensors -> ([B, L] values, [B, L] response mask)."""
-    return _pad(rows, max((r.numel() for r in rows), default=1) or 1)
-
-
 class PolicyLoss:
     """verl's registered policy loss (``vanilla`` = PPO clip), token-mean over a micro-batch."""
 

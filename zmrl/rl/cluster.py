@@ -11,7 +11,7 @@ Data flow of one RL step (the driver is the process running ``RLRunner``)::
     driver --prompt shards-------------------------> rollout workers (data-parallel engines, in parallel)
     driver <--token ids + recorded log-probs (CPU)-- rollout workers
     driver: rewards, advantages
-    driver --samples + advantages------------------> trainer: parity recompute, optimiser step
+    driver --samples + advantages------------------> trainer: one training forward (loss + parity), optimiser step
     trainer --LoRA state (an ObjectRef)------------> every rollout worker, through the object store
 
 Each prompt keeps its global request id when the step's prompts are split over several rollout
@@ -31,7 +31,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -128,10 +128,11 @@ class WorkerHost:
                 **process_info()}
 
 
-# ---------------------------------------------------------------------------------------- handles
+# ---------------------------------------------------------------------------------------- transports
 class WorkerHandle(Protocol):
-    """How the loop talks to a worker wherever it lives: ``submit`` starts a call and returns something
-    ``gather`` resolves; ``call`` is submit + resolve."""
+    """How a call reaches a worker wherever it lives: ``submit`` starts a call by method name and returns
+    what ``Pending`` wraps; ``call`` is submit + resolve. Only the typed handles of ``zmrl.rl.workers``
+    (``RolloutHandle``, ``TrainerHandle``) name the methods."""
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -143,6 +144,20 @@ class Done:
     """The result of a call that already ran (in-process)."""
 
     value: Any
+
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """The result of a submitted call: ``Done`` in-process, a Ray ObjectRef for an actor. ``result()``
+    waits for one; ``gather`` for several at once."""
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+
+    def result(self) -> T:
+        return gather([self])[0]
 
 
 class LocalHandle:
@@ -175,17 +190,18 @@ class RayHandle:
         return self.ray.get(self.submit(method, *args, **kwargs))
 
 
-def gather(pending: Sequence[Any]) -> list[Any]:
-    """Resolve what ``submit`` returned (in order); Ray refs are fetched together, so calls on different
-    actors run in parallel."""
-    refs = [p for p in pending if not isinstance(p, Done)]
+def gather(pending: Sequence[Pending[T]]) -> list[T]:
+    """Resolve pending results (in order); Ray refs are fetched together, so calls on different actors
+    run in parallel."""
+    raws = [p.raw for p in pending]
+    refs = [r for r in raws if not isinstance(r, Done)]
     fetched: list[Any] = []
     if refs:
         import ray
 
         fetched = ray.get(refs)
     it = iter(fetched)
-    return [p.value if isinstance(p, Done) else next(it) for p in pending]
+    return [r.value if isinstance(r, Done) else next(it) for r in raws]
 
 
 def shard(n_items: int, n_workers: int) -> list[range]:

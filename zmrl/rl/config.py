@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zmrl.lora import LoraConfig
+    from zmrl.rollout import EngineConfig, SamplingParams
+    from zmrl.trainer import Objective, TrainerConfig
 
 
 class RecipeError(ValueError):
@@ -37,6 +42,11 @@ class LoraSection:
     r: int = 32
     alpha: float = 32.0
 
+    def lora_config(self) -> "LoraConfig":
+        from zmrl.lora import LoraConfig
+
+        return LoraConfig(r=self.r, alpha=self.alpha)
+
 
 @dataclass
 class RolloutSection:
@@ -58,6 +68,20 @@ class RolloutSection:
     # request that cannot fit the cache) stops the run with the first error; 1.0 never stops.
     max_error_frac: float = 0.5
 
+    def engine_config(self, kernel_mode: str) -> "EngineConfig":
+        from zmrl.rollout import EngineConfig
+
+        return EngineConfig(block_size=self.block_size, num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            enable_prefix_caching=self.enable_prefix_caching, latent_format=self.latent_format,
+                            kernel_mode=kernel_mode, decode_graphs=self.decode_graphs)
+
+    def sampling(self, seed: int, stop_token_ids: tuple[int, ...]) -> "SamplingParams":
+        from zmrl.rollout import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_tokens, n=self.n, seed=seed, stop_token_ids=stop_token_ids)
+
 
 @dataclass
 class AlgorithmSection:
@@ -69,6 +93,15 @@ class AlgorithmSection:
     kl_coef: float = 0.0  # KL to the reference policy (the base model, LoRA off); 0 = off
     kl_penalty: str = "low_var_kl"
     norm_adv_by_std_in_grpo: bool = True
+
+    def objective(self) -> "Objective":
+        """The trainer's loss: verl's policy loss and KL penalty by name, over ``ppo_epochs`` passes."""
+        from zmrl.trainer import Objective
+
+        from .algorithms import KLPenalty, PolicyLoss
+
+        return Objective(PolicyLoss(self.policy_loss, self.clip_ratio), kl_coef=self.kl_coef,
+                         kl_penalty=KLPenalty(self.kl_penalty), epochs=self.ppo_epochs)
 
 
 @dataclass
@@ -86,6 +119,12 @@ class TrainerSection:
     overwrite: bool = False
     num_threads: int | None = None  # torch CPU threads; None = torch's default
 
+    def trainer_config(self, latent_format: str) -> "TrainerConfig":
+        from zmrl.trainer import TrainerConfig
+
+        return TrainerConfig(lr=self.lr, weight_decay=self.weight_decay, micro_batch_tokens=self.micro_batch_tokens,
+                             latent_format=latent_format)
+
 
 @dataclass
 class EvalSection:
@@ -95,6 +134,12 @@ class EvalSection:
     max_tokens: int = 20
     temperature: float = 1.0
     limit: int | None = None  # evaluate the first `limit` problems only
+
+    def sampling(self, seed: int, stop_token_ids: tuple[int, ...]) -> "SamplingParams":
+        from zmrl.rollout import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens, n=self.n, seed=seed,
+                              stop_token_ids=stop_token_ids)
 
 
 @dataclass

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zmrl.kernels_batch_invariant import apply_numerics, check_same_numerics, current_numerics
-from zmrl.lora import LoraConfig
-from zmrl.rollout import EngineConfig, SamplingParams
+from zmrl.parity import ParityReport
+from zmrl.rollout import SamplingParams
+from zmrl.trainer import Sample, TrainBatch
 
-from .cluster import ActorEnv, LocalHandle, RayCluster, WorkerHandle, gather, shard
+from .cluster import ActorEnv, LocalHandle, RayCluster, gather, shard
 from .config import RecipeConfig, eval_set
-from .workers import RolloutWorker, Sample, TrainerWorker
+from .workers import ModelSpec, RolloutHandle, RolloutWorker, TrainerHandle, TrainerWorker
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,13 @@ class StepRollouts:
     @property
     def error_frac(self) -> float:
         return len(self.errors) / len(self.samples) if self.samples else 0.0
+
+
+def _parity_metrics(report: ParityReport) -> dict[str, float]:
+    return {"mismatch/bitwise_equal_frac": report.bitwise_equal_frac, "mismatch/max_abs_dlogp": report.max_abs_dlogp,
+            "mismatch/kl_k1": report.kl_k1, "mismatch/kl_k3": report.kl_k3,
+            "mismatch/tokens_compared": report.tokens_compared,
+            "mismatch/sequences_compared": report.sequences_compared}
 
 
 def _step_seed(seed: int, step: int, what: str) -> int:
@@ -69,26 +77,21 @@ class RLRunner:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.model_path = self._model_path()
-        lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha)
-        rc = cfg.rollout
-        engine = EngineConfig(block_size=rc.block_size, num_blocks=rc.num_blocks, max_num_seqs=rc.max_num_seqs,
-                              max_num_batched_tokens=rc.max_num_batched_tokens,
-                              enable_prefix_caching=rc.enable_prefix_caching, latent_format=rc.latent_format,
-                              kernel_mode=cfg.model.kernel_mode, decode_graphs=rc.decode_graphs)
-        trainer_args = (self.model_path, cfg.model.dtype, lora, tc.lr, tc.weight_decay, tc.micro_batch_tokens,
-                        rc.latent_format, tc.num_threads, cfg.model.kernel_mode)
-        rollout_args = (self.model_path, cfg.model.dtype, lora, engine, tc.num_threads)
+        model = ModelSpec(self.model_path, cfg.model.dtype, cfg.lora.lora_config())
+        trainer_args = (model, tc.trainer_config(cfg.rollout.latent_format), cfg.algorithm.objective(),
+                        cfg.model.kernel_mode)
+        rollout_args = (model, cfg.rollout.engine_config(cfg.model.kernel_mode))
         self.cluster: RayCluster | None = None
-        self.trainer: WorkerHandle
-        self.rollouts: list[WorkerHandle]
+        self.trainer: TrainerHandle
+        self.rollouts: list[RolloutHandle]
         t0 = time.perf_counter()
         log.info("loading %s into the trainer and the rollout engine%s", self.model_path,
                  " (Ray actors)" if cfg.distributed.ray else "")
         if cfg.distributed.ray:
             self._start_cluster(trainer_args, rollout_args)
         else:
-            self.trainer = LocalHandle(TrainerWorker(*trainer_args))
-            self.rollouts = [LocalHandle(RolloutWorker(*rollout_args))]
+            self.trainer = TrainerHandle(LocalHandle(TrainerWorker(*trainer_args)))
+            self.rollouts = [RolloutHandle(LocalHandle(RolloutWorker(*rollout_args)))]
         log.info("workers ready in %.0f s", time.perf_counter() - t0)
         try:
             self._finish_init()
@@ -97,15 +100,12 @@ class RLRunner:
             raise
 
     def _finish_init(self) -> None:
-        from .algorithms import KLPenalty, PolicyLoss
         from .metrics import MetricsLogger
 
         cfg, tc = self.cfg, self.cfg.trainer
         # Before the first step: every rollout process runs the trainer's numerics, or the run stops here.
-        check_same_numerics({"trainer": self.trainer.call("numerics_fingerprint"),
-                             **{f"rollout worker {i}": r.call("numerics_fingerprint") for i, r in enumerate(self.rollouts)}})
-        self.policy_loss = PolicyLoss(cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio)
-        self.kl_penalty = KLPenalty(cfg.algorithm.kl_penalty)
+        check_same_numerics({"trainer": self.trainer.numerics_fingerprint(),
+                             **{f"rollout worker {i}": r.numerics_fingerprint() for i, r in enumerate(self.rollouts)}})
         self.start_step = 0
         self.initial_eval: dict[str, float] | None = None
         if tc.resume:
@@ -130,17 +130,18 @@ class RLRunner:
             # Both groups reserved first (a cluster that cannot host them fails before any model loads),
             # then every worker started; they build their models in parallel.
             trainer, rollout = cluster.reserve("trainer", dc.trainer), cluster.reserve("rollout", dc.rollout)
-            cluster.launch(trainer, dc.trainer, envs["trainer"], TrainerWorker, trainer_args,
-                           {"device": envs["trainer"].device})
-            cluster.launch(rollout, dc.rollout, envs["rollout"], RolloutWorker, rollout_args,
-                           {"device": envs["rollout"].device})
+            # each role loads the model onto its own device
+            cluster.launch(trainer, dc.trainer, envs["trainer"], TrainerWorker,
+                           (dataclasses.replace(trainer_args[0], device=envs["trainer"].device), *trainer_args[1:]))
+            cluster.launch(rollout, dc.rollout, envs["rollout"], RolloutWorker,
+                           (dataclasses.replace(rollout_args[0], device=envs["rollout"].device), *rollout_args[1:]))
             cluster.wait_ready()
         except BaseException:
             cluster.close()
             raise
         self.cluster = cluster
-        self.trainer = trainer.handles[0]
-        self.rollouts = list(rollout.handles)
+        self.trainer = TrainerHandle(trainer.handles[0])
+        self.rollouts = [RolloutHandle(h) for h in rollout.handles]
 
     def close(self) -> None:
         """Release the Ray actors and placement groups (nothing to do in single-process mode)."""
@@ -150,19 +151,20 @@ class RLRunner:
     def _push_weights(self) -> int:
         """Trainer LoRA state -> every rollout engine. Through Ray the state is one object in the store,
         fetched by each rollout worker from there (it never passes through the driver)."""
-        state = self.trainer.submit("lora_state")
-        versions = gather([r.submit("update_weights", state) for r in self.rollouts])
+        state = self.trainer.lora_state()
+        versions = gather([r.update_weights(state) for r in self.rollouts])
         if len(set(versions)) != 1:
             raise RuntimeError(f"rollout workers disagree on the weights version after an update: {versions}")
         return versions[0]
 
     def _generate(self, prompts: list[list[int]], sampling: list[SamplingParams], request_ids: list[str],
-                  progress: bool = False) -> list[dict]:
-        """The prompts split contiguously over the rollout workers (run in parallel), outputs in prompt
-        order; each prompt's randomness is its own seed, so the samples do not depend on the number of workers.
+                  progress: bool = False) -> list[Sample]:
+        """The prompts split contiguously over the rollout workers (run in parallel), samples in prompt
+        order, each with its prompt's index as its group; each prompt's randomness is its own seed, so the
+        samples do not depend on the number of workers.
         ``progress``: a bar of finished requests (in-process workers; Ray actors do not show theirs)."""
-        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], [sampling[i] for i in part],
-                                           [request_ids[i] for i in part], use_tqdm=progress and self.cluster is None)
+        pending = [self.rollouts[w].generate([prompts[i] for i in part], list(part), [sampling[i] for i in part],
+                                             [request_ids[i] for i in part], use_tqdm=progress and self.cluster is None)
                    for w, part in enumerate(shard(len(prompts), len(self.rollouts)))]
         return [o for outs in gather(pending) for o in outs]
 
@@ -182,7 +184,7 @@ class RLRunner:
         if path is None:
             log.info("trainer.resume=true but no checkpoint under %s: starting from step 0", self.ckpt_dir)
             return
-        state = self.trainer.call("restore", str(path))
+        state = self.trainer.restore(str(path))
         self.start_step = int(state["step"])
         self._push_weights()
         log.info("resumed from %s at step %d", path, self.start_step)
@@ -200,21 +202,21 @@ class RLRunner:
         # runs (any rollout worker, any batch), and again after a resume.
         params = [dataclasses.replace(sampling, seed=_step_seed(self.cfg.trainer.seed, seed_step, f"{seed_use}:{i}"))
                   for i in range(len(prompts))]
-        outs = self._generate(prompts, params, [f"{tag}-{i}" for i in range(len(prompts))], progress)
-        samples, errors = [], []
-        for o in outs:
-            group = int(o["request_id"].split("-")[1])
-            text = self.tokenizer.decode(o["response_ids"])
-            reward = aime_reward(text, problems[group]["answer"]) if o["error"] is None else 0.0
-            if o["error"] is not None or o["finish_reason"] == "error":
-                errors.append(str(o["error"] or "unknown error"))
-            samples.append(Sample(o["prompt_ids"], o["response_ids"], o["logprobs"], group, reward, o["finish_reason"]))
+        samples = self._generate(prompts, params, [f"{tag}-{i}" for i in range(len(prompts))], progress)
+        errors = []
+        for s in samples:
+            failed = s.error is not None or s.finish_reason == "error"
+            s.reward = 0.0 if failed else aime_reward(self.tokenizer.decode(s.response_ids), problems[s.group]["answer"])
+            if failed:
+                errors.append(str(s.error or "unknown error"))
         return StepRollouts(samples, errors)
 
     def train_step(self, step: int) -> dict[str, float]:
-        """One RL step (0-based ``step``); its metrics. Raises ``RolloutFailure`` (after the parity
-        check, before any update) when more than ``rollout.max_error_frac`` of the rollouts failed; the
-        step's metrics are then on the exception (``.metrics``) so the caller can still log them."""
+        """One RL step (0-based ``step``); its metrics. The parity numbers come from the update's own
+        training forward (the same bits as a separate recompute: one forward per update). Raises
+        ``RolloutFailure`` before any update when more than ``rollout.max_error_frac`` of the rollouts failed;
+        the step's metrics (with a no-grad parity check of what did come back) are on the exception
+        (``.metrics``) so the caller can still log them."""
         from .algorithms import compute_advantages
 
         rc, ac = self.cfg.rollout, self.cfg.algorithm
@@ -224,15 +226,10 @@ class RLRunner:
         batch = self._rollout(self._prompts(step), sampling, f"s{step}", step, "sample")
         samples = batch.samples
         t_rollout = time.perf_counter() - t0
-        report = self.trainer.call("parity", samples, rc.temperature)
         rewards = [s.reward for s in samples]
         health = {
             "reward/mean": sum(rewards) / len(rewards), "reward/max": max(rewards),
             "response/length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            "mismatch/bitwise_equal_frac": report.bitwise_equal_frac, "mismatch/max_abs_dlogp": report.max_abs_dlogp,
-            "mismatch/kl_k1": report.kl_k1, "mismatch/kl_k3": report.kl_k3,
-            "mismatch/tokens_compared": report.tokens_compared,
-            "mismatch/sequences_compared": report.sequences_compared,
             "rollout/errors": len(batch.errors), "rollout/error_frac": batch.error_frac,
         }
         if batch.errors:
@@ -242,20 +239,18 @@ class RLRunner:
             failure = RolloutFailure(
                 f"step {step + 1}: {len(batch.errors)} of {len(samples)} rollouts failed ({batch.error_frac:.0%} > "
                 f"rollout.max_error_frac={rc.max_error_frac:g}); first error: {batch.errors[0]}")
-            failure.metrics = {**health, "perf/rollout_s": t_rollout}  # type: ignore[attr-defined]
+            failure.metrics = {**health, **_parity_metrics(self.trainer.parity(samples)),  # type: ignore[attr-defined]
+                               "perf/rollout_s": t_rollout}
             raise failure
         advantages = compute_advantages([s.reward for s in samples], [len(s.response_ids) for s in samples],
                                         [s.group for s in samples], ac.adv_estimator, ac.norm_adv_by_std_in_grpo)
-        ref = self.trainer.call("reference_logprobs", samples, rc.temperature) if ac.kl_coef else None
-        stats: dict[str, float] = {}
-        for _ in range(ac.ppo_epochs):
-            stats = self.trainer.call("update", samples, advantages, rc.temperature, self.policy_loss, ref,
-                                      ac.kl_coef, self.kl_penalty)
+        ref = self.trainer.reference_logprobs(samples) if ac.kl_coef else None
+        result = self.trainer.train(TrainBatch(samples, advantages, ref))
         self._push_weights()
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        return {**health, "perf/tokens_per_s": n_tokens / elapsed, "perf/rollout_s": t_rollout,
-                "perf/step_s": elapsed, **stats}
+        return {**health, **_parity_metrics(result.parity), "perf/tokens_per_s": n_tokens / elapsed,
+                "perf/rollout_s": t_rollout, "perf/step_s": elapsed, **result.stats}
 
     def evaluate(self, step: int) -> dict[str, float]:
         ec = self.cfg.eval
@@ -320,7 +315,7 @@ class RLRunner:
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", eq=f"{m['mismatch/bitwise_equal_frac']:.3f}",
                                 k3=f"{m['mismatch/kl_k3']:.1e}", err=int(m["rollout/errors"]))
                 if cfg.trainer.save_every and (done % cfg.trainer.save_every == 0 or done == cfg.trainer.total_steps):
-                    self.trainer.call("save", str(self.ckpt_dir), done)
+                    self.trainer.save(str(self.ckpt_dir), done)
             bar.close()
         except KeyboardInterrupt:
             self._status("interrupted", done, "continue with trainer.resume=true")

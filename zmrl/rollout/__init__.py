@@ -1,6 +1,9 @@
 """Rollout engine: paged cache, continuous batching, prefix caching, preemption, deterministic sampling.
 
-Imports are lazy so that light tools (``zmrl plan``) do not load the engine.
+Roles: ``request.py`` (a request's state and its output), ``scheduler.py`` (what runs next; no tensors),
+``model_runner.py`` (the forward: eager, and fixed-shape decode from ``graph_runner.py``), ``sampler.py``
+(logits -> tokens, with ``sampling.py``'s arithmetic), ``engine.py`` (composes them). Imports are lazy so
+that ``import zmrl.rollout`` stays light.
 """
 from __future__ import annotations
 
@@ -10,7 +13,11 @@ __all__ = ["EngineConfig", "RolloutEngine", "RolloutOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("EngineConfig", "RolloutEngine", "RolloutOutput"):
+    if name == "EngineConfig":
+        from .config import EngineConfig
+
+        return EngineConfig
+    if name in ("RolloutEngine", "RolloutOutput"):
         from . import engine
 
         return getattr(engine, name)

@@ -13,7 +13,14 @@ from collections import OrderedDict
 
 import torch
 
+from zmrl.model.context import KDASeqState
+
 KDASnapshot = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (state, conv inputs)
+
+
+def restore_kda(snapshot: KDASnapshot) -> dict[int, KDASeqState]:
+    """Per-layer KDA states of a sequence resuming at a cached block end (copies: the cache keeps its own)."""
+    return {layer: KDASeqState(conv=conv.clone(), state=state.clone()) for layer, (state, conv) in snapshot.items()}
 
 
 def block_hash(parent: int | None, tokens: list[int], salt: int = 0) -> int:

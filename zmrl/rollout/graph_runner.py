@@ -32,7 +32,7 @@ from zmrl.model.context import ForwardContext, PagedLatentStore
 from zmrl.model.kda_pool import KDAStatePool
 
 if TYPE_CHECKING:
-    from .engine import Request
+    from .request import Request
 
 log = logging.getLogger(__name__)
 

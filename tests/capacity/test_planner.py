@@ -8,8 +8,8 @@ import math
 import pytest
 
 from zmrl.model.config import ModelConfig
-from zmrl.model.sizing import weight_shapes
-from zmrl.rollout.planner import (
+from zmrl.capacity.sizing import weight_shapes
+from zmrl.capacity.planner import (
     ARTICLE_TOKENS,
     GB,
     GiB,

@@ -4,7 +4,7 @@ One memory model of one GPU, the same for every scenario (docs/capacity.md deriv
 
     budget   = gpu_memory_utilization · HBM
     cache    = budget − weights/GPU − activations+graphs − prefill exchange − DCP workspace
-    rows     = floor(cache / row_bytes)               # packed block rows (DESIGN §5)
+    rows     = floor(cache / row_bytes)               # packed block rows (docs/capacity.md)
     kv_rows  = rows − max_num_seqs · n_kda_groups     # one row per request per KDA group
     tokens   = kv_rows · block_size · (W under DCP-W, 1 under TP)
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Sequence
 
-from zmrl.model.sizing import INDEX_FORMATS, LATENT_FORMATS, weight_shapes
+from zmrl.capacity.sizing import INDEX_FORMATS, LATENT_FORMATS, weight_shapes
 
 if TYPE_CHECKING:
     from zmrl.model.config import ModelConfig
@@ -73,7 +73,7 @@ DCP_WORKSPACE_GIB = 5.0
 # rows cost more).
 MAX_NUM_SEQS = 16
 
-MIN_BLOCK_SIZE = 64  # DESIGN §5: block_size is a power of two and a multiple of 64
+MIN_BLOCK_SIZE = 64  # the engine's block_size is a power of two and a multiple of 64 (rollout/block_manager.py)
 DEFAULT_CONTEXT = 1_048_576  # K3.1 Pro's 1M-token window
 LAYOUTS = ("tp", "dcp")
 
@@ -527,7 +527,7 @@ def add_plan_subcommand(subparsers: "argparse._SubParsersAction") -> argparse.Ar
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry: ``python -m zmrl.rollout.planner [plan options]`` (no subcommand word)."""
+    """Standalone entry: ``python -m zmrl.capacity.planner [plan options]`` (no subcommand word)."""
     parser = argparse.ArgumentParser(prog="zmrl")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_subcommand(sub)

@@ -1,6 +1,6 @@
 import torch
 
-import zmrl.smoke as smoke
+import zmrl.parity.smoke as smoke
 
 
 def test_smoke_passes():

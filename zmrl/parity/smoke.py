@@ -10,7 +10,7 @@ import torch
 
 from zmrl.kernels_batch_invariant.logprob import token_logprobs
 from zmrl.model import ModelCache, ModelConfig, SequenceState, build_model, forward_incremental
-from zmrl.parity import compare_logprobs
+from .metric import compare_logprobs
 from zmrl.trainer import compute_logprobs
 
 log = logging.getLogger(__name__)

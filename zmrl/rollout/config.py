@@ -1,0 +1,50 @@
+"""The rollout engine's settings."""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+
+from zmrl.kernels_batch_invariant._dispatch import Mode
+
+from .graph_runner import DECODE_GRAPH_MODES
+
+KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)  # ("bitwise", "fast")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 64
+    num_blocks: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    latent_format: str = "native"  # "native" (model dtype) or "fp8"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # Kernel mode of the engine's ops: "bitwise" (the batch-invariant kernels: rollout log-probs equal
+    # the trainer's bit for bit) or "fast" (stock kernels where an op has them: faster, parity NOT
+    # expected). A value is applied process-wide when the engine is built (set_mode, so a trainer in
+    # this process follows) and every engine step runs under it. None (default) follows the process
+    # mode, which is "bitwise" unless set_mode changed it. The trainer must use the same mode (the
+    # recipe's model.kernel_mode sets both).
+    kernel_mode: str | None = None
+    # Decode steps (one new token per sequence) through the fixed-shape path of graph_runner.py:
+    # "cuda" captures one CUDA graph per (batch, context) bucket and replays it (needs the model on a GPU);
+    # "static" runs the same fixed-shape code without capture (any device: tests, debugging); "off" runs
+    # decode like prefill; "auto" (default) is "cuda" for a model on a GPU, else "off". Bitwise the same
+    # tokens and log-probs in every setting.
+    decode_graphs: str = "auto"
+
+    def validate(self) -> "EngineConfig":
+        for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.latent_format not in ("native", "fp8"):
+            raise ValueError(f"EngineConfig.latent_format must be 'native' or 'fp8', got {self.latent_format!r}")
+        if self.kernel_mode is not None and self.kernel_mode not in KERNEL_MODES:
+            raise ValueError(f"EngineConfig.kernel_mode must be None (follow the process mode) or one of "
+                             f"{', '.join(map(repr, KERNEL_MODES))} ('bitwise' = rollout/trainer log-prob parity), "
+                             f"got {self.kernel_mode!r}")
+        if self.decode_graphs not in DECODE_GRAPH_MODES:
+            raise ValueError(f"EngineConfig.decode_graphs must be one of {', '.join(map(repr, DECODE_GRAPH_MODES))}, "
+                             f"got {self.decode_graphs!r}")
+        return self
