@@ -5,6 +5,8 @@ import argparse
 import logging
 import sys
 
+from zmrl.extras import MissingExtraError
+
 
 def _smoke(args: argparse.Namespace) -> int:
     from zmrl.smoke import run_smoke
@@ -48,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MissingExtraError as e:  # names the pip extra to install
+        print(f"zmrl: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

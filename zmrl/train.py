@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from zmrl.extras import MissingExtraError
+
 
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?", default=None, help="YAML recipe (default: the embedded default)")
@@ -25,12 +27,13 @@ def run_train(args: argparse.Namespace) -> int:
     except RecipeError as e:
         print(f"zmrl train: error: {e}", file=sys.stderr)
         return 2
+    from zmrl.kernels_batch_invariant import NumericsError
     from zmrl.rl.cluster import ClusterError
     from zmrl.rl.loop import RLRunner
 
     try:
         history = RLRunner(cfg).run()
-    except ClusterError as e:  # the Ray cluster cannot host the recipe's groups: say what is missing
+    except (ClusterError, NumericsError) as e:  # the cluster cannot host the groups / the two sides' numerics differ
         print(f"zmrl train: error: {e}", file=sys.stderr)
         return 2
     if history:
@@ -46,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = add_train_arguments(argparse.ArgumentParser(prog="python -m zmrl.train", description=__doc__))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return run_train(args)
+    try:
+        return run_train(args)
+    except MissingExtraError as e:  # names the pip extra to install
+        print(f"zmrl train: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -36,16 +36,19 @@ def test_defaults_and_mkl_mode_set_at_import():
 @pytest.mark.parametrize("field,value", [("kernel_mode", "turbo"), ("kda_dot_precision", "fp16"),
                                          ("cpu_gemm_cnr", "AVX2"), ("cpu_threads", 0)])
 def test_bad_values_name_the_field(field: str, value: object):
+    before = kbi.current_numerics()
     with pytest.raises(ValueError, match=rf"Numerics\.{field} must be"):
         kbi.apply_numerics(kbi.Numerics().replace(**{field: value}))
-    assert kbi.current_numerics() == kbi.Numerics(), "a rejected contract changes nothing"
+    assert kbi.current_numerics() == before, "a rejected contract changes nothing"
 
 
 def test_apply_sets_every_field_and_scope_restores():
+    kbi.apply_numerics(kbi.Numerics())
     n = kbi.Numerics(kernel_mode="fast", kda_dot_precision="ieee", cpu_threads=2)
     with kbi.numerics_scope(n):
         assert kbi.current_numerics() == n
         assert kbi.get_mode() == "fast" and nm.kda_dot_precision() == "ieee" and torch.get_num_threads() == 2
+    assert kbi.current_numerics() == kbi.Numerics()
     assert kbi.get_mode() == "bitwise" and nm.kda_dot_precision() == kbi.Numerics().kda_dot_precision
 
 

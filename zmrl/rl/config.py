@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from zmrl.extras import require
+
 
 class RecipeError(ValueError):
     """A recipe key or value is wrong; the message names it and lists what is allowed."""
@@ -164,7 +166,7 @@ def _check_keys(data: Any, cls: type, prefix: str, source: str) -> None:
 def load_recipe(path: str | None, overrides: list[str] | None = None) -> RecipeConfig:
     """YAML recipe (OmegaConf) + ``key=value`` overrides -> a typed RecipeConfig."""
     import yaml
-    from omegaconf import OmegaConf
+    OmegaConf = require("omegaconf", "rl", "loading a recipe").OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     schema = OmegaConf.structured(RecipeConfig)

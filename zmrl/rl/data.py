@@ -12,6 +12,8 @@ import numbers
 import os
 from pathlib import Path
 
+from zmrl.extras import require
+
 __all__ = ["AIME_SETS", "default_aime_path", "load_problems"]
 
 AIME_SETS = ("aime24", "aime25")
@@ -50,7 +52,7 @@ def load_problems(path: str | os.PathLike) -> list[dict]:
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"{path}: unsupported problem file type {path.suffix!r}; use .jsonl, .json or .parquet")
-    from datasets import load_dataset
+    load_dataset = require("datasets", "rl", "loading a problem file").load_dataset
 
     try:
         ds = load_dataset(fmt, data_files=str(path), split="train")
