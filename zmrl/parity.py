@@ -1,7 +1,7 @@
 """Rollout/trainer log-prob parity: the measurement (``compare_logprobs``), a self-contained audit on
 the tiny model (``run_audit``) and the ``zmrl parity`` subcommand.
 
-DESIGN §2: mismatch is measured, never assumed. ``compare_logprobs`` is the one place that turns
+docs/numerics.md: mismatch is measured, never assumed. ``compare_logprobs`` is the one place that turns
 two lists of per-token log-probs into the numbers every RL step logs: the fraction of response
 tokens whose log-probs are bitwise equal, max |Δlogp|, and the k1 / k3 KL estimators between the
 rollout policy (the sampler) and the trainer policy,

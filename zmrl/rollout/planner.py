@@ -4,7 +4,7 @@ One memory model of one GPU, the same for every scenario (docs/capacity.md deriv
 
     budget   = gpu_memory_utilization · HBM
     cache    = budget − weights/GPU − activations+graphs − prefill exchange − DCP workspace
-    rows     = floor(cache / row_bytes)               # packed block rows (DESIGN §5)
+    rows     = floor(cache / row_bytes)               # packed block rows (README.md, "Rollout engine")
     kv_rows  = rows − max_num_seqs · n_kda_groups     # one row per request per KDA group
     tokens   = kv_rows · block_size · (W under DCP-W, 1 under TP)
 
@@ -73,7 +73,7 @@ DCP_WORKSPACE_GIB = 5.0
 # rows cost more).
 MAX_NUM_SEQS = 16
 
-MIN_BLOCK_SIZE = 64  # DESIGN §5: block_size is a power of two and a multiple of 64
+MIN_BLOCK_SIZE = 64  # the engine's block_size is a power of two and a multiple of 64
 DEFAULT_CONTEXT = 1_048_576  # K3.1 Pro's 1M-token window
 LAYOUTS = ("tp", "dcp")
 
