@@ -74,7 +74,8 @@ def test_restoring_a_contract_does_not_reset_threads():
 
 def test_fingerprint_fields_and_digest():
     fp = kbi.fingerprint(kbi.Numerics())
-    assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "cpu_gemm_cnr", "torch", "triton", "cpu_vector_path"}
+    assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "cpu_gemm_cnr", "torch", "triton", "cpu_vector_path",
+                              "cpu_vendor"}
     assert fp.fields["torch"] == torch.__version__ and len(fp.digest) == 12
     assert kbi.fingerprint(kbi.Numerics(cpu_threads=3)) == fp, "the thread count does not change bits"
     other = kbi.fingerprint(kbi.Numerics(kda_dot_precision="ieee"))
