@@ -84,17 +84,6 @@ def test_fingerprint_fields_and_digest():
         assert kbi.fingerprint().fields["kernel_mode"] == "fast"
 
 
-def test_fingerprint_is_stable_across_processes():
-    code = ("import json, zmrl.kernels_batch_invariant as k; fp = k.fingerprint(k.Numerics(kernel_mode='fast')); "
-            "print(json.dumps([fp.digest, fp.fields]))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("ZMRL_KDA_DOT_PRECISION", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    digest, fields = json.loads(out.stdout.strip().splitlines()[-1])
-    here = kbi.fingerprint(kbi.Numerics(kernel_mode="fast", kda_dot_precision="tf32x3"))
-    assert (digest, fields) == (here.digest, here.fields)
-
-
 def test_mismatch_stops_naming_the_field():
     a = kbi.fingerprint(kbi.Numerics())
     kbi.check_same_numerics({"trainer": a, "rollout worker 0": a, "rollout worker 1": a})
@@ -131,16 +120,22 @@ else:
     assert out.startswith("RAISED") and "cpu_gemm_cnr='AVX2,STRICT' is not in effect" in out, out
 
 
-def test_cnr_set_after_torch_import_takes_effect():
-    """A contract applied after torch was imported (but before any GEMM) still sets MKL's mode."""
+def test_cnr_set_after_torch_import_takes_effect_and_fingerprints_are_stable_across_processes():
+    """A contract applied after torch was imported (but before any GEMM) still sets MKL's mode; the
+    fingerprint of a contract is the same in another process."""
     code = """
-import os, torch
+import json, os, torch
 os.environ["MKL_CBWR"] = "AUTO"   # a user's value: the starting contract says "off"...
-from zmrl.kernels_batch_invariant import numerics as nm, Numerics, apply_numerics, current_numerics
+from zmrl.kernels_batch_invariant import numerics as nm, Numerics, apply_numerics, current_numerics, fingerprint
 assert current_numerics().cpu_gemm_cnr == "off"
 apply_numerics(Numerics(cpu_gemm_cnr="AVX2,STRICT"))  # ...and applying CNR before MKL's first GEMM works
-print(os.environ["MKL_CBWR"], nm._probe_gemm_thread_invariance())
+fp = fingerprint(Numerics(kernel_mode="fast", kda_dot_precision="tf32x3", cpu_gemm_cnr="AVX2,STRICT"))
+print(json.dumps([os.environ["MKL_CBWR"], nm._probe_gemm_thread_invariance(), fp.digest, fp.fields]))
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ZMRL_KDA_DOT_PRECISION", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["AVX2,STRICT", "True"]
+    mkl, invariant, digest, fields = json.loads(out.strip().splitlines()[-1])
+    assert (mkl, invariant) == ("AVX2,STRICT", True)
+    here = kbi.fingerprint(kbi.Numerics(kernel_mode="fast", kda_dot_precision="tf32x3", cpu_gemm_cnr="AVX2,STRICT"))
+    assert (digest, fields) == (here.digest, here.fields)
