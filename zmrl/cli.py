@@ -10,6 +10,8 @@ import importlib
 import logging
 import sys
 
+from zmrl.extras import MissingExtraError
+
 # name -> (module, function registering the subcommand on a subparsers object, one-line help)
 _LAZY = {
     "plan": ("zmrl.capacity.planner", "add_plan_subcommand", "KV-cache capacity: tokens and full-length contexts "
@@ -85,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     from zmrl.train import setup_logging
 
     setup_logging(logging.DEBUG if args.verbose or getattr(args, "debug", False) else logging.INFO)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MissingExtraError as e:  # names the pip extra to install
+        print(f"zmrl: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

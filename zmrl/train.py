@@ -9,6 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
+from zmrl.extras import MissingExtraError
+
 # The README's recipe: what ``zmrl train`` runs when no recipe file is given.
 DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "aime_lora.yaml"
 
@@ -85,6 +87,7 @@ def run_train(args: argparse.Namespace) -> int:
             raise
         print(f"zmrl train: error: {e}", file=sys.stderr)
         return 2
+    from zmrl.kernels_batch_invariant import NumericsError
     from zmrl.rl.loop import RLRunner, RolloutFailure
 
     try:
@@ -96,7 +99,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"\nzmrl train: interrupted; the run in {cfg.trainer.out_dir} continues from its last checkpoint "
               f"with:\n  {resume_command(args)}", file=sys.stderr)
         return 130
-    except _user_errors() as e:
+    except (*_user_errors(), NumericsError) as e:
         if debug:
             raise
         print(f"zmrl train: error: {e}", file=sys.stderr)
@@ -136,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = add_train_arguments(argparse.ArgumentParser(prog="python -m zmrl.train", description=__doc__))
     args = parser.parse_args(argv)
     setup_logging(logging.DEBUG if args.debug else logging.INFO)
-    return run_train(args)
+    try:
+        return run_train(args)
+    except MissingExtraError as e:  # names the pip extra to install
+        print(f"zmrl train: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -96,7 +96,6 @@ def probe_copy():
 
 
 def probe_model():
-    from zmrl.lora import LoraConfig, apply_lora
     from zmrl.model import ModelConfig, build_model
     from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
     from zmrl.trainer import compute_logprobs

@@ -1,4 +1,4 @@
-"""The bitwise parity suite (DESIGN §2): every log-prob the rollout engine records equals, bit for
+"""The bitwise parity suite (docs/numerics.md): every log-prob the rollout engine records equals, bit for
 bit, the one the trainer recomputes with autograd enabled, however the engine scheduled the request
 and however the trainer packs its micro-batches.
 

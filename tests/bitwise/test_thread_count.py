@@ -5,7 +5,6 @@ CPU bundles) stay bitwise equal. (Gradients are not covered: autograd's weight-g
 tokens depend on the thread count, see docs/numerics.md.)"""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from zmrl.model import ModelConfig, build_model

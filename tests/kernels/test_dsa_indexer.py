@@ -16,6 +16,8 @@ from zmrl.kernels_batch_invariant.dsa_indexer import (
 from zmrl.kernels_batch_invariant.fp8 import quantize_fp8
 from zmrl.kernels_batch_invariant.hadamard import hadamard_matrix, hadamard_rotate
 
+from .invariance import THREAD_COUNTS, num_threads
+
 U32 = 2.0 ** -24
 
 
@@ -169,13 +171,9 @@ def test_index_scores_invariance(monkeypatch):
         monkeypatch.setattr(dsa_mod, "QUERY_GROUP", group)
         assert torch.equal(dsa_index_scores(**case), full)
     monkeypatch.undo()
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = dsa_index_scores(**case)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(single, full)
+    for threads in THREAD_COUNTS:
+        with num_threads(threads):
+            assert torch.equal(dsa_index_scores(**case), full), threads
 
 
 # ----------------------------------------------------------------------------- top-k

@@ -1,4 +1,4 @@
-"""KDA chunked forward: accuracy against float64 references and the bitwise contract (DESIGN §2).
+"""KDA chunked forward: accuracy against float64 references and the bitwise contract (docs/numerics.md).
 
 The invariance tests are the point: a token's KDA output must be bitwise the same whether its chunk
 is complete (trainer), partial with zero padding (decode), prefilled in pieces (chunked prefill), or

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, kda_chunk, kda_chunk_ref, kda_chunk_step, kda_recurrent_ref
 
+from .invariance import THREAD_COUNTS, num_threads
+
 C = CHUNK_SIZE
 
 
@@ -217,6 +219,17 @@ def test_batch_invariance():
         for j, i in enumerate(order):
             assert torch.equal(o[j], alone[i][0][0]), f"rows of sequence {i} at position {j} of {order}"
             assert torch.equal(nxt[j], alone[i][1][0]), f"state of sequence {i} at position {j} of {order}"
+
+
+def test_thread_count():
+    rows = [1, 64, 63, 30, 9]
+    inputs = make_step_inputs(rows, 2, 16, 8, seed=14)
+    with num_threads(1):
+        ref = step(*inputs)
+    for threads in THREAD_COUNTS[1:]:
+        with num_threads(threads):
+            o, nxt = step(*inputs)
+        assert torch.equal(o, ref[0]) and torch.equal(nxt, ref[1]), threads
 
 
 # ----------------------------------------------------------------------------- API

@@ -15,6 +15,8 @@ from zmrl.kernels_batch_invariant.mla_attention import (
     mla_attention_ref,
 )
 
+from .invariance import THREAD_COUNTS, num_threads
+
 
 # ----------------------------------------------------------------------------- fixtures
 def make_paged_cache(seq_lens, page_size, dim, dtype, seed, extra_pages=3):
@@ -176,13 +178,10 @@ def test_query_grouping(inv_case, monkeypatch, group):
 
 def test_thread_count(inv_case):
     c = inv_case
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        out = mla_attention(c["q_lat"], c["q_pe"], c["cache"], c["bt"], c["sidx"], c["kp"], **c["args"])
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(out, c["full"])
+    for threads in THREAD_COUNTS:
+        with num_threads(threads):
+            out = mla_attention(c["q_lat"], c["q_pe"], c["cache"], c["bt"], c["sidx"], c["kp"], **c["args"])
+        assert torch.equal(out, c["full"]), threads
 
 
 def test_physical_pages_do_not_matter(inv_case):

@@ -36,16 +36,19 @@ def test_defaults_and_mkl_mode_set_at_import():
 @pytest.mark.parametrize("field,value", [("kernel_mode", "turbo"), ("kda_dot_precision", "fp16"),
                                          ("cpu_gemm_cnr", "AVX2"), ("cpu_threads", 0)])
 def test_bad_values_name_the_field(field: str, value: object):
+    before = kbi.current_numerics()
     with pytest.raises(ValueError, match=rf"Numerics\.{field} must be"):
         kbi.apply_numerics(kbi.Numerics().replace(**{field: value}))
-    assert kbi.current_numerics() == kbi.Numerics(), "a rejected contract changes nothing"
+    assert kbi.current_numerics() == before, "a rejected contract changes nothing"
 
 
 def test_apply_sets_every_field_and_scope_restores():
+    kbi.apply_numerics(kbi.Numerics())
     n = kbi.Numerics(kernel_mode="fast", kda_dot_precision="ieee", cpu_threads=2)
     with kbi.numerics_scope(n):
         assert kbi.current_numerics() == n
         assert kbi.get_mode() == "fast" and nm.kda_dot_precision() == "ieee" and torch.get_num_threads() == 2
+    assert kbi.current_numerics() == kbi.Numerics()
     assert kbi.get_mode() == "bitwise" and nm.kda_dot_precision() == kbi.Numerics().kda_dot_precision
 
 
@@ -71,24 +74,14 @@ def test_restoring_a_contract_does_not_reset_threads():
 
 def test_fingerprint_fields_and_digest():
     fp = kbi.fingerprint(kbi.Numerics())
-    assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "cpu_gemm_cnr", "torch", "triton", "cpu_vector_path"}
+    assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "cpu_gemm_cnr", "torch", "triton", "cpu_vector_path",
+                              "cpu_vendor"}
     assert fp.fields["torch"] == torch.__version__ and len(fp.digest) == 12
     assert kbi.fingerprint(kbi.Numerics(cpu_threads=3)) == fp, "the thread count does not change bits"
     other = kbi.fingerprint(kbi.Numerics(kda_dot_precision="ieee"))
     assert other.digest != fp.digest and fp.differences(other) == ["kda_dot_precision"]
     with kbi.numerics_scope(kbi.Numerics(kernel_mode="fast")):
         assert kbi.fingerprint().fields["kernel_mode"] == "fast"
-
-
-def test_fingerprint_is_stable_across_processes():
-    code = ("import json, zmrl.kernels_batch_invariant as k; fp = k.fingerprint(k.Numerics(kernel_mode='fast')); "
-            "print(json.dumps([fp.digest, fp.fields]))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("ZMRL_KDA_DOT_PRECISION", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    digest, fields = json.loads(out.stdout.strip().splitlines()[-1])
-    here = kbi.fingerprint(kbi.Numerics(kernel_mode="fast", kda_dot_precision="tf32x3"))
-    assert (digest, fields) == (here.digest, here.fields)
 
 
 def test_mismatch_stops_naming_the_field():
@@ -127,16 +120,22 @@ else:
     assert out.startswith("RAISED") and "cpu_gemm_cnr='AVX2,STRICT' is not in effect" in out, out
 
 
-def test_cnr_set_after_torch_import_takes_effect():
-    """A contract applied after torch was imported (but before any GEMM) still sets MKL's mode."""
+def test_cnr_set_after_torch_import_takes_effect_and_fingerprints_are_stable_across_processes():
+    """A contract applied after torch was imported (but before any GEMM) still sets MKL's mode; the
+    fingerprint of a contract is the same in another process."""
     code = """
-import os, torch
+import json, os, torch
 os.environ["MKL_CBWR"] = "AUTO"   # a user's value: the starting contract says "off"...
-from zmrl.kernels_batch_invariant import numerics as nm, Numerics, apply_numerics, current_numerics
+from zmrl.kernels_batch_invariant import numerics as nm, Numerics, apply_numerics, current_numerics, fingerprint
 assert current_numerics().cpu_gemm_cnr == "off"
 apply_numerics(Numerics(cpu_gemm_cnr="AVX2,STRICT"))  # ...and applying CNR before MKL's first GEMM works
-print(os.environ["MKL_CBWR"], nm._probe_gemm_thread_invariance())
+fp = fingerprint(Numerics(kernel_mode="fast", kda_dot_precision="tf32x3", cpu_gemm_cnr="AVX2,STRICT"))
+print(json.dumps([os.environ["MKL_CBWR"], nm._probe_gemm_thread_invariance(), fp.digest, fp.fields]))
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("ZMRL_KDA_DOT_PRECISION", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["AVX2,STRICT", "True"]
+    mkl, invariant, digest, fields = json.loads(out.strip().splitlines()[-1])
+    assert (mkl, invariant) == ("AVX2,STRICT", True)
+    here = kbi.fingerprint(kbi.Numerics(kernel_mode="fast", kda_dot_precision="tf32x3", cpu_gemm_cnr="AVX2,STRICT"))
+    assert (digest, fields) == (here.digest, here.fields)

@@ -88,3 +88,23 @@ def test_same_bits_at_every_thread_count(name: str) -> None:
         with num_threads(threads):
             got = _flat(op(*args))
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"{name}: {threads} threads differ from 1"
+
+
+# Ops whose thread sweep lives with their paged/packed inputs (named in the comment above CASES).
+SWEPT_ELSEWHERE = {"mla_attention", "mla_attention_dense", "dsa_index_scores", "dsa_topk", "kda_chunk", "kda_chunk_step"}
+
+
+def test_every_op_is_swept() -> None:
+    """A new op of the package (or the sampler) must be added to CASES or SWEPT_ELSEWHERE."""
+    import importlib
+    import pkgutil
+
+    import zmrl.kernels_batch_invariant as kbi
+    from zmrl.kernels_batch_invariant import InvariantOp
+    from zmrl.rollout import sampling
+
+    modules = [importlib.import_module(m.name) for m in pkgutil.walk_packages(kbi.__path__, kbi.__name__ + ".")
+               if ".triton" not in m.name]
+    ops = {v.name for m in [*modules, sampling] for v in vars(m).values() if isinstance(v, InvariantOp)}
+    swept = {getattr(op, "name", getattr(op, "__name__", "")) for op, _ in CASES.values()} | SWEPT_ELSEWHERE
+    assert len(ops) >= 20 and not ops - swept, f"ops without a thread sweep: {sorted(ops - swept)}"

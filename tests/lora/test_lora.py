@@ -1,5 +1,5 @@
 """zmrl.lora: where adapters go, that they start as an exact no-op, that the unfused math is right
-(one Linear, MLA's absorbed kv_b, batched expert LoRA), and config validation (DESIGN §6)."""
+(one Linear, MLA's absorbed kv_b, batched expert LoRA), and config validation (docs/model.md, LoRA)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,4 @@
-"""PEFT-format adapters (DESIGN §6): ``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT
+"""PEFT-format adapters (docs/model.md, LoRA): ``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT
 tensor names, a bitwise round trip through save/load, clear errors, and files that peft itself reads
 (and applies with the same math)."""
 from __future__ import annotations

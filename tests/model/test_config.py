@@ -76,7 +76,7 @@ def test_k3_param_counts_near_published(k3_counts: tuple[int, int]) -> None:
 
 
 def test_k3_counts_exact(k3: ModelConfig, k3_counts: tuple[int, int]) -> None:
-    # Closed form written independently of weight_shapes, from DESIGN §4 shapes.
+    # Closed form written independently of weight_shapes, from the released tensor shapes (docs/model.md).
     D, V, H, dk, E, k, I, Lt = 7168, 163840, 96, 128, 896, 16, 3072, 3584
     hk = H * dk
     kda = 3 * hk * D + 3 * hk * 4 + dk * D + hk * dk + H + hk + H * D + hk * D + dk + D * hk

@@ -1,4 +1,4 @@
-"""Model-level bitwise parity (DESIGN §2): the logits of every token are identical between the trainer
+"""Model-level bitwise parity (docs/numerics.md): the logits of every token are identical between the trainer
 path (packed varlen, any order, alone or together) and the engine path (token by token, random
 prefill chunks straddling 64-token boundaries, staggered arrivals)."""
 import pytest

@@ -1,5 +1,5 @@
-"""Gradient correctness of the training forward (DESIGN §2: "Backward need not be invariant; it must be
-correct (gradient-checked against autograd of a float64 reference) and preferably deterministic").
+"""Gradient correctness of the training forward (docs/numerics.md: the backward need not be invariant; it
+must be correct, gradient-checked against autograd of a float64 reference, and preferably deterministic).
 
 1. The float64 reference is right: torch.autograd.gradcheck of the float64 model along random
    directions in each group of LoRA parameters (finite differences vs autograd).

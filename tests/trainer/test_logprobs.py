@@ -1,4 +1,4 @@
-"""zmrl.trainer: micro-batch packing, and the log-prob forward (DESIGN §2, §6): it equals token_logprobs
+"""zmrl.trainer: micro-batch packing, and the log-prob forward (docs/numerics.md): it equals token_logprobs
 over one plain packed forward, bitwise, whatever the micro-batching and packing order; per-sequence
 temperatures; argument errors; gradients that reach the LoRA parameters only."""
 from __future__ import annotations

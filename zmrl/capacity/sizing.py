@@ -1,10 +1,10 @@
 """Parameter counts and cache byte math for a ``ModelConfig`` (planning only; builds no tensors).
 
 ``weight_shapes`` is the single source of truth: it enumerates every weight tensor the model
-modules create (the names and shapes of zmrl/model/, plus the K3 extensions below) and every count here
+modules create (the names of the released checkpoints, docs/model.md, plus the K3 extensions below) and every count here
 is a sum over it. A test holds the built tiny model's ``state_dict`` to the same dict.
 
-K3 extensions (the choices for the tensors the published configs leave open):
+K3 extensions (the base tensors follow the released names; these are the choices for the rest):
 
 - latent MoE (``moe_latent_size`` = L set): per MoE layer ``mlp.latent_down_proj.weight`` [L, D],
   ``mlp.latent_norm.weight`` [L], ``mlp.latent_up_proj.weight`` [D, L]; routed experts map

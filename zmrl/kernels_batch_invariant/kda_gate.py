@@ -1,6 +1,6 @@
 """KDA forget gate: per-token, per-channel log-decay ``g`` (natural log, fp32).
 
-Two variants (reference/architecture.md §1.2):
+Two variants (docs/model.md, KDA):
 
 * Kimi Linear:   ``g = -exp(A_log[h]) * softplus(z + dt_bias)``             (g <= 0, unbounded)
 * lower bound:   ``g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias))``        (g in (lb, 0))

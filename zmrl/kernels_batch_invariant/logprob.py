@@ -1,6 +1,6 @@
 """Token log-probabilities and log-softmax of temperature-scaled logits, row-invariant.
 
-This is the op both sides of the bitwise contract (DESIGN §2) end in: the rollout engine records
+This is the op both sides of the bitwise contract (docs/numerics.md) end in: the rollout engine records
 ``token_logprobs`` for every sampled token and the trainer recomputes it, so it must be a function
 of the row alone. torch's ``logsumexp``/``log_softmax`` choose their reduction split from the
 shape; here the max is ``amax`` (exact) and the sum is ``tree_sum`` (fixed tree). Fixed order:

@@ -4,7 +4,7 @@ limiting) and the fixed-order combine of the selected experts' outputs.
 Invariance: the router logits come from the row-invariant ``linear``; every other step is per row
 and exact (sorting moves values, it does not round them), with every tie broken by the lower index,
 so a token's experts and weights are a function of that token alone. Stock ``topk`` breaks ties
-arbitrarily and is avoided. Fixed semantics (DESIGN §4, reference/architecture.md §4):
+arbitrarily and is avoided. Fixed semantics (docs/model.md, MoE):
 
     logits = linear(x, W_gate) in fp32;  s = sigmoid(logits);  sb = s + bias   (bias: selection only)
     n_group > 1: group score = top1 + top2 of sb in the group (one rounding); keep the topk_group

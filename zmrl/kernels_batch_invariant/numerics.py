@@ -3,8 +3,8 @@
 A rollout engine and a trainer give bitwise equal log-probs only if they run the same ops with the
 same settings. Those settings live in one frozen record, ``Numerics``, applied to the process by one
 function, ``apply_numerics``; nothing else in zmrl changes them. ``fingerprint()`` summarises the
-applied contract plus the parts of the software environment that also change bits (torch and Triton
-versions, the CPU vector path); the two sides of an RL run exchange fingerprints and
+applied contract plus the parts of the environment that also change bits (torch and Triton versions,
+the CPU vector path and vendor); the two sides of an RL run exchange fingerprints and
 ``check_same_numerics`` stops the run, naming the field, if they differ. See docs/numerics.md.
 
 Fields:
@@ -21,7 +21,8 @@ Fields:
   variable at its first GEMM: zmrl's package ``__init__`` sets it unless the user did (a user's value
   outside the modes here makes the default "off"), and ``apply_numerics`` verifies with a probe GEMM
   that the mode took effect. "off" leaves MKL alone (faster on AVX-512; bits then depend on the thread
-  count and the CPU).
+  count and the CPU). MKL's CNR branches are defined for Intel CPUs; on other vendors MKL runs its
+  AUTO branch, which is why the fingerprint records the CPU vendor.
 * ``cpu_threads``: torch intra-op threads (None leaves torch's choice). Not part of the fingerprint:
   with the default ``cpu_gemm_cnr`` no op's bits depend on it (tests/kernels sweep 1, 2 and 4 threads).
 """
@@ -32,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import platform
 import typing
 from dataclasses import dataclass
 from typing import Iterator
@@ -131,7 +133,9 @@ def _apply_cpu_gemm_cnr(mode: str) -> None:
         raise NumericsError(
             f"cpu_gemm_cnr={mode!r} is not in effect: MKL gives different bits at 1 and 2 threads. MKL reads "
             f"MKL_CBWR at its first GEMM (now {os.environ.get('MKL_CBWR')!r}); import zmrl before running any "
-            f"torch matmul, or export MKL_CBWR={mode} before starting Python")
+            f"torch matmul, or export MKL_CBWR={mode} before starting Python. On a non-Intel CPU (this one: "
+            f"{_cpu_vendor()}) MKL ignores the CNR branch: export MKL_CBWR=AUTO to run without it, and give "
+            f"every process the same thread count")
     _cnr_verified.add(mode)
 
 
@@ -167,6 +171,18 @@ def _cpu_vector_path() -> str:
     return "avx2-or-avx512" if cap in ("AVX2", "AVX512") else cap.lower()
 
 
+def _cpu_vendor() -> str:
+    """The CPU vendor id (GenuineIntel, AuthenticAMD, ...): MKL's CNR branches apply to Intel CPUs only."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("vendor_id", "CPU implementer")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
+
+
 def _triton_version() -> str:
     try:
         import triton
@@ -180,7 +196,8 @@ def fingerprint(numerics: Numerics | None = None) -> NumericsFingerprint:
     torch and Triton versions and CPU vector path."""
     n = numerics or _current
     fields = {f.name: str(getattr(n, f.name)) for f in dataclasses.fields(n) if f.metadata.get("bits", True)}
-    fields.update(torch=torch.__version__, triton=_triton_version(), cpu_vector_path=_cpu_vector_path())
+    fields.update(torch=torch.__version__, triton=_triton_version(), cpu_vector_path=_cpu_vector_path(),
+                  cpu_vendor=_cpu_vendor())
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     return NumericsFingerprint(digest=digest, fields=fields)
 

@@ -1,7 +1,7 @@
 """LoRA adapters: ``delta(x) = scale * B(A(x))`` in fp32 through the invariant ``linear``.
 
 They are never merged into base weights: engine and trainer both add the unfused delta, so the
-two sides stay bitwise equal (DESIGN §2, LoRA bullet).
+two sides stay bitwise equal (docs/model.md, LoRA; docs/numerics.md).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ class KDASeqState:
 
     ``state`` is the fp32 delta-rule state at the start of the current 64-token chunk; ``pending``
     holds the rows of that chunk seen so far (k, v, g, beta), so the next call re-runs the chunk
-    from its boundary and computes every token with the full-chunk arithmetic (docs/design.md, KDA).
+    from its boundary and computes every token with the full-chunk arithmetic (docs/numerics.md, KDA).
     """
 
     conv: torch.Tensor | None = None  # [W-1, 3*H*dk] last short-conv inputs

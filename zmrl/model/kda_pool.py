@@ -53,7 +53,7 @@ class KDAStatePool:
             raise ValueError(f"KDAStatePool needs num_slots >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.scratch_slot = num_slots
-        s, c = num_slots + 1, CHUNK_SIZE
+        s = num_slots + 1
         self.layers: dict[Hashable, KDALayerPool] = {}
         for m in model.modules():
             if not isinstance(m, KimiDeltaAttention):

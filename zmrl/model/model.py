@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zmrl.kernels_batch_invariant import linear
 
 from .attn_res import AttnResState, depth_attention
 from .config import ModelConfig

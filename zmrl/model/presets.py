@@ -1,4 +1,4 @@
-"""Named model configurations (DESIGN §4).
+"""Named model configurations (docs/model.md).
 
 - ``tiny``: the CPU unit-test model (architecture.md §7.1).
 - ``bench``: ≈2.6 B total, fits one H200 with the shapes real kernels want (architecture.md §7.2).

@@ -13,7 +13,7 @@ its own shards:
 
 Forward collectives move bits, never add them: an all-gather is a copy, so the values a rank
 receives are exactly the values another rank computed. The backward all-reduces are ordinary
-(degree-dependent order): backward must be correct, not bitwise invariant (DESIGN §2).
+(degree-dependent order): backward must be correct, not bitwise invariant (docs/numerics.md).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ CPU, NCCL on GPU) from the usual launcher variables (``RANK``, ``WORLD_SIZE``, `
 ``MASTER_PORT``, ``LOCAL_RANK``: torchrun sets them) and asks megatron-core for the groups. The model
 code only ever sees ``tp_group()`` / ``ep_group()`` (``None`` = a group of one, no communication).
 
-On CPU megatron-core needs two shims (reference/dependencies.md): ``torch.cuda.current_device`` must
+On CPU megatron-core needs two shims: ``torch.cuda.current_device`` must
 answer ``"cpu"`` (its global memory buffer allocates there) and the CUDA RNG tracker must be replaced
 by one that forks the CPU generator. zmrl's own layers use neither, but a user who mixes in
 megatron-core modules on a CPU run gets working ones; the shims are installed only when CUDA is absent.

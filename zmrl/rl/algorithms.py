@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zmrl.extras import require
+
 
 def _pad(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -21,7 +23,7 @@ def _pad(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tens
 def compute_advantages(rewards: list[float], lengths: list[int], groups: list[int], estimator: str = "grpo",
                        norm_adv_by_std_in_grpo: bool = True) -> list[torch.Tensor]:
     """Outcome rewards -> per-token advantages through verl's registered estimator."""
-    from verl.trainer.ppo import core_algos
+    core_algos = require("verl.trainer.ppo.core_algos", "rl", "the RL algorithms (verl)")
 
     width = max(max(lengths, default=1), 1)
     token_rewards = torch.zeros(len(rewards), width)
@@ -41,8 +43,8 @@ class PolicyLoss:
     """verl's registered policy loss (``vanilla`` = PPO clip), token-mean over a micro-batch."""
 
     def __init__(self, name: str = "vanilla", clip_ratio: float = 0.2):
-        from omegaconf import OmegaConf
-        from verl.trainer.ppo import core_algos
+        OmegaConf = require("omegaconf", "rl", "verl's algorithm config").OmegaConf
+        core_algos = require("verl.trainer.ppo.core_algos", "rl", "the RL algorithms (verl)")
 
         self.fn = core_algos.get_policy_loss_fn(name)
         self.config = OmegaConf.create({"clip_ratio": clip_ratio, "clip_ratio_low": clip_ratio,
@@ -61,7 +63,7 @@ class KLPenalty:
     """KL to the reference policy through verl's ``kl_penalty`` (k1/k2/k3 = "kl"/"mse"/"low_var_kl")."""
 
     def __init__(self, name: str = "low_var_kl"):
-        from verl.trainer.ppo import core_algos
+        core_algos = require("verl.trainer.ppo.core_algos", "rl", "the RL algorithms (verl)")
 
         self.core, self.name = core_algos, name
 

@@ -14,9 +14,10 @@ Data flow of one RL step (the driver is the process running ``RLRunner``)::
     driver --samples + advantages------------------> trainer: one training forward (loss + parity), optimiser step
     trainer --LoRA state (an ObjectRef)------------> every rollout worker, through the object store
 
-Each prompt keeps its global request id when the step's prompts are split over several rollout
-workers, and sampling randomness derives from (seed, request id, position) only, so a run with N
-rollout workers samples bitwise the same tokens as a run with one.
+Each prompt carries its own seed (derived from the recipe seed, the step and the prompt's index) when
+the step's prompts are split over several rollout workers, and sampling randomness derives from (seed,
+sample index, position) only, so a run with N rollout workers samples bitwise the same tokens as a run
+with one.
 
 Every actor sets up its process before it builds its worker (``ActorEnv``): the driver's numerics contract
 (kernel mode, dot precisions, CPU GEMM mode, thread count: both sides must run the same ops with the same
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, Sequence, TypeVar
 
 import torch
 
+from zmrl.extras import require
 from zmrl.kernels_batch_invariant.numerics import Numerics, apply_numerics, current_numerics, fingerprint
 
 if TYPE_CHECKING:
@@ -269,7 +271,7 @@ class RayCluster:
     Use ``close()`` (or ``with``) to release everything; it is safe to call more than once."""
 
     def __init__(self, dc: "DistributedSection"):
-        import ray
+        ray = require("ray", "rl", "distributed.ray=true (rollout and trainer as Ray actors)")
 
         self.ray = ray
         self.dc = dc

@@ -10,6 +10,8 @@ if TYPE_CHECKING:
     from zmrl.rollout import EngineConfig, SamplingParams
     from zmrl.trainer import Objective, TrainerConfig
 
+from zmrl.extras import require
+
 
 class RecipeError(ValueError):
     """A recipe key or value is wrong; the message names it and lists what is allowed."""
@@ -259,7 +261,7 @@ def _type_error(e: Exception) -> RecipeError:
 def load_recipe(path: str | None, overrides: list[str] | None = None) -> RecipeConfig:
     """YAML recipe (OmegaConf) + ``key=value`` overrides -> a typed RecipeConfig, every value checked."""
     import yaml
-    from omegaconf import OmegaConf
+    OmegaConf = require("omegaconf", "rl", "loading a recipe").OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     schema = OmegaConf.structured(RecipeConfig)

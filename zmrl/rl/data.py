@@ -12,6 +12,8 @@ import numbers
 import os
 from pathlib import Path
 
+from zmrl.extras import require
+
 __all__ = ["AIME_SETS", "default_aime_path", "load_problems"]
 
 AIME_SETS = ("aime24", "aime25")
@@ -72,7 +74,7 @@ def load_problems(path: str | os.PathLike) -> list[dict]:
     if path.suffix.lower() == ".jsonl":
         rows = _jsonl_rows(path)
     else:
-        from datasets import load_dataset
+        load_dataset = require("datasets", "rl", "loading a problem file").load_dataset
 
         try:
             ds = load_dataset(fmt, data_files=str(path), split="train")

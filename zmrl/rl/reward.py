@@ -1,4 +1,4 @@
-"""AIME answer extraction and the 0/1 reward (DESIGN §7).
+"""AIME answer extraction and the 0/1 reward (README.md, "The RL loop").
 
 An AIME answer is an integer in 0..999. The rule that decides:
 

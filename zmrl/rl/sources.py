@@ -40,8 +40,6 @@ def load_eval_problems(spec: str, limit: int | None = None) -> list[dict]:
     if spec == "none":
         return []
     if spec == "synthetic":
-        from .synthetic import make_dataset
-
         from .synthetic import heldout_problems
 
         return heldout_problems(limit)

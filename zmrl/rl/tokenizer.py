@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from zmrl.extras import require
+
 __all__ = ["BYTE_TOKENIZER_FILE", "ByteTokenizer", "HFTokenizer", "PROMPT_TEMPLATE", "load_tokenizer"]
 
 # Every prompt byte costs CPU time in rollout and training, so the instruction is as short as it can
@@ -151,7 +153,7 @@ def load_tokenizer(model_path: str | os.PathLike | None = None) -> ByteTokenizer
         return ByteTokenizer()
     if not root.exists():
         raise FileNotFoundError(f"tokenizer path {str(root)!r} does not exist")
-    from transformers import AutoTokenizer
+    AutoTokenizer = require("transformers", "rl", f"the tokenizer of {str(root)!r}").AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True)

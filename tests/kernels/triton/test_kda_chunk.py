@@ -1,7 +1,7 @@
 """Triton ``kda_chunk``: accuracy against float64 references, the bitwise contract on the GPU, gradients,
 and the "fast" (fla-core) backend.
 
-The invariance tests are the point (DESIGN §2, KDA bullet): a token's output must be the same bits
+The invariance tests are the point (docs/numerics.md, KDA): a token's output must be the same bits
 whether its chunk is complete (trainer / prefill), partial with zero padding (decode re-running the
 current chunk from the boundary state), and whatever other sequences share the launch. On CPU these
 run under TRITON_INTERPRET=1 with tiny shapes; on CUDA the bench shapes (H = 16, dk = dv = 128, T up

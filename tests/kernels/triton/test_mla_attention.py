@@ -1,7 +1,7 @@
 """Triton ``mla_attention`` (sparse key lists) and ``mla_attention_dense`` (causal): float64 references,
 the bitwise contract on the GPU, FP8 latents, gradients, and the "fast" (SDPA) backend.
 
-The invariance tests are the point (DESIGN §2, attention bullet): a query's output must be the same
+The invariance tests are the point (docs/numerics.md, MLA attention): a query's output must be the same
 bits alone or inside any batch (any size, order, other sequences), for any page layout and page size,
 in the sparse kernel with the full key list 0..t and in the dense kernel, and whether the launch had
 one split (a short decode batch: the output is written directly) or several (a long query elsewhere

@@ -1,6 +1,7 @@
 """Chunked KDA (Kimi Delta Attention) forward, batch-invariant, torch backend.
 
-Math: reference/architecture.md §1.5 (WY form, chunk C = 64); contract: DESIGN §2 (KDA bullet).
+Math: the token recurrence of docs/model.md (KDA) in chunked WY form, chunk C = 64; contract:
+docs/numerics.md (KDA).
 
 Sequences are packed varlen (``cu_seqlens``); every sequence segment starts at an absolute chunk
 boundary, so its chunks are rows [0, 64), [64, 128), ... of the segment. All chunks of all
@@ -456,7 +457,7 @@ def kda_chunk_step(
     product is a ``bmm_fixed`` of per-(chunk, head) shape fixed by the model dims, whose row i
     reads row i of the left operand and, through exact zeros (A_qk[i, j > i] = 0), nothing from the
     right operand's rows > i that could change a nonzero sum. The batch is N*H (chunk, head) pairs
-    instead of H; ``bmm_fixed`` and the elementwise ops are batch-invariant (DESIGN §2), and the
+    instead of H; ``bmm_fixed`` and the elementwise ops are batch-invariant (docs/numerics.md), and the
     operands are laid out contiguously exactly as ``kda_chunk``'s per-chunk gathers lay them out.
     The state advance is computed for every sequence and selected with ``torch.where(num_rows ==
     64, next, state)``: for a partial chunk the returned state is ``state``'s bits.

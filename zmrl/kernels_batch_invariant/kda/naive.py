@@ -1,4 +1,4 @@
-"""float64 references for KDA (reference/architecture.md §1.4, §1.5), one sequence at a time.
+"""float64 references for KDA (docs/model.md: the token recurrence, and its chunked form), one sequence at a time.
 
 These are for tests only: they are written for clarity, not speed, and never sit on the parity
 path. q and k are given already L2-normalised; ``scale`` (default dk^-0.5) multiplies q.

@@ -1,4 +1,4 @@
-"""Triton backend of the batch-invariant ops (DESIGN §2), registered under "triton" for CUDA tensors.
+"""Triton backend of the batch-invariant ops (docs/numerics.md), registered under "triton" for CUDA tensors.
 
 Rules every kernel here follows (the GPU form of the CPU rules):
 

@@ -1,6 +1,6 @@
 """Autograd for Triton forwards: the backward differentiates the op's torch composition.
 
-DESIGN §2 asks the backward to be correct, not invariant. Most Triton kernels here are forward-only;
+The backward must be correct, not invariant (docs/numerics.md). Most Triton kernels here are forward-only;
 ``with_reference_backward`` makes such a forward differentiable by recomputing the op's torch
 ("reference") backend under autograd in the backward pass and returning its input gradients. The
 values the rest of the graph sees are the Triton kernel's; only the gradient comes from the torch

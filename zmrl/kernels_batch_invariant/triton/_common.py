@@ -5,7 +5,7 @@ element's bits depend on its value alone (never on where it sits in a tile). The
 accuracy against float64 where a naive formula cancels (tanh and log1p near 0, softplus far below 0).
 
 Launch configurations are derived from model widths only (``row_block``), never from the number of
-rows, so every row of every call runs the same instruction sequence (DESIGN §2).
+rows, so every row of every call runs the same instruction sequence (docs/numerics.md).
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ Autograd: a hand-written backward in stock torch ops (``_mla_backward``): it rec
 each query chunk over its gathered keys in fp32 and applies the usual attention gradient; the torch
 reference composition would keep every block's gathered keys alive and needs tens of GB for 4K-token
 training sequences. The cache gradient is summed per slot deterministically (sort + segment sums, not
-atomics), so the backward is run-to-run deterministic; it is not batch-invariant (DESIGN §2 asks
+atomics), so the backward is run-to-run deterministic; it is not batch-invariant (docs/numerics.md asks
 correctness of the backward, and determinism where cheap).
 
 Fast mode (in ``mla_attention.py``): stock ``F.scaled_dot_product_attention`` over gathered keys (not

@@ -139,7 +139,7 @@ def moe_route_triton(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
 ) -> RouterOutput:
-    n_experts = _ops._check_route_inputs(x, gate_weight, top_k, n_group, topk_group)
+    _ops._check_route_inputs(x, gate_weight, top_k, n_group, topk_group)
     if x.dtype == torch.float64:  # gradchecks only: the torch backend computes in fp64
         return moe_route.impls["torch"](x, gate_weight, correction_bias, top_k, n_group, topk_group,
                                         norm_topk_prob, routed_scaling_factor)
