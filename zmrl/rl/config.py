@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from zmrl.model.recompute import RECOMPUTE_POLICIES
+
 
 class RecipeError(ValueError):
     """A recipe key or value is wrong; the message names it and lists what is allowed."""
@@ -77,6 +79,9 @@ class TrainerSection:
     save_every: int = 10
     resume: bool = False
     num_threads: int | None = None  # torch CPU threads; None = torch's default
+    # Activation recompute of the training forward: none | layer | selective | attention
+    # (zmrl/model/recompute.py). Changes memory and time, never the forward bits or the gradients.
+    recompute: str = "none"
 
 
 @dataclass
@@ -213,6 +218,8 @@ def _validate(cfg: RecipeConfig) -> None:
          f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), "
          f"got {cfg.model.kernel_mode!r}")
     need(cfg.trainer.save_every >= 0 and cfg.eval.every >= 0, "trainer.save_every", "must be >= 0")
+    need(cfg.trainer.recompute in RECOMPUTE_POLICIES, "trainer.recompute",
+         f"must be one of {', '.join(RECOMPUTE_POLICIES)}, got {cfg.trainer.recompute!r}")
     _validate_distributed(cfg.distributed)
 
 

@@ -58,7 +58,7 @@ class RLRunner:
         if cfg.distributed.ray:
             self._start_cluster(trainer_args, rollout_args)
         else:
-            self.trainer = LocalHandle(TrainerWorker(*trainer_args))
+            self.trainer = LocalHandle(TrainerWorker(*trainer_args, recompute=tc.recompute))
             self.rollouts = [LocalHandle(RolloutWorker(*rollout_args))]
         try:
             self._finish_init()
@@ -97,7 +97,7 @@ class RLRunner:
             # then every worker started; they build their models in parallel.
             trainer, rollout = cluster.reserve("trainer", dc.trainer), cluster.reserve("rollout", dc.rollout)
             cluster.launch(trainer, dc.trainer, envs["trainer"], TrainerWorker, trainer_args,
-                           {"device": envs["trainer"].device})
+                           {"device": envs["trainer"].device, "recompute": cfg.trainer.recompute})
             cluster.launch(rollout, dc.rollout, envs["rollout"], RolloutWorker, rollout_args,
                            {"device": envs["rollout"].device})
             cluster.wait_ready()

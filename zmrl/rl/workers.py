@@ -15,7 +15,7 @@ import torch
 
 from zmrl.kernels_batch_invariant import set_mode
 from zmrl.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_state_dict
-from zmrl.model import load_pretrained
+from zmrl.model import apply_recompute, load_pretrained
 from zmrl.parity import ParityReport, compare_logprobs
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from zmrl.trainer import compute_logprobs, make_optimizer, pack_micro_batches
@@ -63,12 +63,13 @@ class RolloutWorker:
 class TrainerWorker:
     def __init__(self, model_path: str, dtype: str, lora: LoraConfig, lr: float, weight_decay: float,
                  micro_batch_tokens: int | None, latent_format: str, num_threads: int | None = None,
-                 kernel_mode: str = "bitwise", device: str = "cpu"):
+                 kernel_mode: str = "bitwise", device: str = "cpu", recompute: str = "none"):
         _set_threads(num_threads)
         # The trainer's ops read the process-wide mode; it must be the engine's (EngineConfig.kernel_mode).
         set_mode(kernel_mode)  # type: ignore[arg-type]
         self.model = load_pretrained(model_path, dtype=dtype, device=device)
         apply_lora(self.model, lora)
+        apply_recompute(self.model, recompute)  # after construction and LoRA (model/recompute.py)
         self.optimizer = make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
         self.micro_batch_tokens = micro_batch_tokens
         self.latent_format = latent_format
