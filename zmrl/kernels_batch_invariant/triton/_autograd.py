@@ -5,7 +5,7 @@ DESIGN §2 asks the backward to be correct, not invariant. Most Triton kernels h
 ("reference") backend under autograd in the backward pass and returning its input gradients. The
 values the rest of the graph sees are the Triton kernel's; only the gradient comes from the torch
 composition (mathematically the same function). Ops whose recompute would be too slow register a
-hand-written backward instead.
+faster backward instead (``kda_chunk``: ``kda_chunk_bwd.py``), keeping this one as their fallback.
 """
 from __future__ import annotations
 
@@ -36,32 +36,44 @@ class _ReferenceBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        saved = iter(ctx.saved_tensors)
-        flat, needs = [], []
-        for is_t, other, need in zip(ctx.is_tensor, ctx.others, ctx.needs_input_grad[3:]):
-            if not is_t:
-                flat.append(other)
-                continue
-            t = next(saved)
-            if need:
-                t = t.detach().requires_grad_(True)
-                needs.append(t)
-            flat.append(t)
-        args, kwargs = _unflatten(ctx.spec, tuple(flat))
-        with torch.enable_grad():
-            out = ctx.ref(*args, **kwargs)
-        outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        if not pairs or not needs:
-            input_grads = [None] * len(needs)
-        else:
-            input_grads = list(torch.autograd.grad([o for o, _ in pairs], needs, [g for _, g in pairs],
-                                                   allow_unused=True))
-        it = iter(input_grads)
-        result = [next(it) if (is_t and need) else None
-                  for is_t, need in zip(ctx.is_tensor, ctx.needs_input_grad[3:])]
+        result = reference_input_grads(ctx.ref, ctx.spec, ctx.is_tensor, ctx.others, ctx.saved_tensors,
+                                       ctx.needs_input_grad[3:], grads)
         return (None, None, None, *result)
+
+
+def reference_input_grads(ref: Callable[..., Any], spec: tuple, is_tensor: list[bool], others: list[Any],
+                          saved: tuple[torch.Tensor, ...], needs_grad: tuple[bool, ...],
+                          grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+    """Input gradients of ``ref`` (the op's torch composition) at the saved inputs, by autograd.
+
+    ``spec``/``is_tensor``/``others``/``saved`` describe the flat call (tensors saved in order, the other
+    arguments kept as values), ``needs_grad`` which flat arguments want a gradient and ``grads`` the
+    output gradients (None for outputs that got none). Returns one entry per flat argument.
+    """
+    it_saved = iter(saved)
+    flat, needs = [], []
+    for is_t, other, need in zip(is_tensor, others, needs_grad):
+        if not is_t:
+            flat.append(other)
+            continue
+        t = next(it_saved)
+        if need:
+            t = t.detach().requires_grad_(True)
+            needs.append(t)
+        flat.append(t)
+    args, kwargs = _unflatten(spec, tuple(flat))
+    with torch.enable_grad():
+        out = ref(*args, **kwargs)
+    outs = out if isinstance(out, tuple) else (out,)
+    pairs = [(o, g) for o, g in zip(outs, grads)
+             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    if not pairs or not needs:
+        input_grads = [None] * len(needs)
+    else:
+        input_grads = list(torch.autograd.grad([o for o, _ in pairs], needs, [g for _, g in pairs],
+                                               allow_unused=True))
+    it = iter(input_grads)
+    return [next(it) if (is_t and need) else None for is_t, need in zip(is_tensor, needs_grad)]
 
 
 def _unflatten(spec: tuple, flat: tuple) -> tuple[tuple, dict]:
