@@ -127,3 +127,10 @@ def test_no_grad_runs_the_forward_only(fake):
     o2, st2, cs2 = REF(q, k, v, g, beta, cu, s0, output_chunk_states=True)
     assert torch.equal(o, o2) and torch.equal(st, st2) and torch.equal(cs, cs2)
     assert not o.requires_grad
+
+
+def test_all_sequences_empty(fake):
+    q, k, v, g, beta, cu, s0 = make_inputs([0, 0], 1, 4, 4, torch.device("cpu"), seed=8)
+    got = _grads(op, [q, k, v, g, beta, s0], cu, torch.zeros(v.shape))
+    assert fake.calls == []
+    assert all(x is None or not x.any() for x in got)

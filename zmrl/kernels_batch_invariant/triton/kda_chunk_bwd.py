@@ -91,6 +91,9 @@ def fla_input_grads(chunk_kda: Callable[..., Any], q: torch.Tensor, k: torch.Ten
     dt = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
     lens = (cu_cpu[1:] - cu_cpu[:-1]).tolist()
     keep = [i for i, n in enumerate(lens) if n > 0]
+    if not keep:  # no token: nothing depends on the inputs
+        return [torch.zeros_like(x) if x is not None and need else None
+                for x, need in zip((q, k, v, g, beta, initial_state), needs)]
     # fla builds its chunk index from the lengths; empty sequences are dropped (their initial state
     # influences no output, so its gradient is zero).
     cu_f = torch.tensor([0] + [lens[i] for i in keep], dtype=torch.int64).cumsum(0)
