@@ -104,3 +104,55 @@ def with_reference_backward(ref: Callable[..., Any]) -> Callable[[Callable[..., 
         return wrapper
 
     return deco
+
+
+class _AnalyticBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fwd: Callable[..., Any], grads_fn: Callable[..., Any], names: tuple[str, ...],  # type: ignore[override]
+                *flat: Any) -> Any:
+        ctx.grads_fn, ctx.names = grads_fn, names
+        ctx.is_tensor = [isinstance(a, torch.Tensor) for a in flat]
+        ctx.save_for_backward(*[a for a in flat if isinstance(a, torch.Tensor)])
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in flat]
+        ctx.set_materialize_grads(False)
+        with torch.no_grad():
+            out = fwd(*flat)
+        outs = out if isinstance(out, tuple) else (out,)
+        nondiff = [o for o in outs if isinstance(o, torch.Tensor) and not o.is_floating_point()]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        saved = iter(ctx.saved_tensors)
+        values = [next(saved) if is_t else other for is_t, other in zip(ctx.is_tensor, ctx.others)]
+        args = dict(zip(ctx.names, values))
+        needs = dict(zip(ctx.names, ctx.needs_input_grad[3:]))
+        result = ctx.grads_fn(grads, needs, args)
+        return (None, None, None, *(result.get(n) if needs[n] else None for n in ctx.names))
+
+
+def with_analytic_backward(ref: Callable[..., Any], grads_fn: Callable[..., Any]
+                           ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a Triton forward ``fwd`` with the signature of ``ref`` (the op's torch backend):
+    its backward is ``grads_fn(grads, needs, args)`` (closed forms in ``kernels_batch_invariant/grads.py``),
+    called with the output gradients (None for outputs without one), which arguments want a gradient
+    and the call's arguments by name. Without autograd ``fwd`` runs directly. The closed forms compute
+    in float64 for float64 inputs (gradcheck)."""
+    sig = inspect.signature(ref)
+    names = tuple(sig.parameters)
+
+    def deco(fwd: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fwd)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            flat = tuple(bound.arguments[n] for n in names)
+            if not (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)):
+                return fwd(*args, **kwargs)
+            return _AnalyticBackward.apply(fwd, grads_fn, names, *flat)
+
+        return wrapper
+
+    return deco

@@ -3,7 +3,7 @@
 Elementwise: every element runs the same instruction sequence wherever it sits, so the result is
 row-invariant by construction; tiles are fixed (``ELEMENTWISE_BLOCK``) over the flattened tensor.
 Order as the torch op: ``(g * sigmoid(g)) * u`` and ``((4 * tanh(g / 4)) * sigmoid(g)) * (25 * tanh(u / 25))``.
-Backward: the torch composition under autograd (``with_reference_backward``).
+Backward: the closed form in ``kernels_batch_invariant/grads.py`` (``with_analytic_backward``).
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from .. import glu as _ops
-from ._autograd import with_reference_backward
+from .. import grads as _grads
+from ._autograd import with_analytic_backward
 from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, cdiv, compute_in_fp64, sigmoid, tanh
 
 swiglu = _ops.swiglu
@@ -43,7 +44,7 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None,
 
 
 @swiglu.register("triton")
-@with_reference_backward(swiglu.impls["torch"])
+@with_analytic_backward(swiglu.impls["torch"], _grads.swiglu_grads)
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     _ops._check(gate, up, "swiglu")
     if compute_in_fp64(gate, up):
@@ -52,7 +53,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype |
 
 
 @situ_glu.register("triton")
-@with_reference_backward(situ_glu.impls["torch"])
+@with_analytic_backward(situ_glu.impls["torch"], _grads.situ_glu_grads)
 def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     _ops._check(gate, up, "situ_glu")
     if compute_in_fp64(gate, up):
