@@ -5,7 +5,7 @@
 #      backward (Triton forwards + new backwards vs float64), the KDA fallback path;
 #   2. benchmarks/trainer_throughput.py at bench size (16 layers, 4 x 4096 tokens): fwd+bwd per
 #      recompute policy with MFU and peak memory, then the KDA layer vs fla chunk_kda at T = 8K, 32K;
-#   3. benchmarks/rl_step.py, reduced RL batch (16 prompts x n=8, prompt 512, 128..512 new tokens):
+#   3. benchmarks/rl_step.py, reduced RL batch (8 prompts x n=8, prompt 512, 128..512 new tokens):
 #      phase breakdown with and without the separate parity forward, log-prob parity checked.
 #
 #   OUT=/some/dir bash benchmarks/gpu_i13.sh
@@ -42,18 +42,20 @@ step() {  # step NAME LIMIT_S CMD... : run with a time limit, log to $OUT/NAME.l
   echo "$name rc=$rc seconds=$(( $(date +%s) - t0 ))" | tee -a "$SUMMARY"
 }
 
-step gpu_tests 130 $PY -m pytest -q -p no:cacheprovider -m gpu -s \
+step gpu_tests_new 100 $PY -m pytest -q -p no:cacheprovider -m gpu -s \
   tests/kernels/triton/test_kda_chunk_bwd_gpu.py tests/kernels/triton/test_mla_attention_grads_gpu.py \
-  "tests/kernels/triton/test_kda_chunk.py::test_gradients_match_float64" \
-  tests/kernels/triton/test_mla_attention.py -k "grad or kda_chunk_bwd_gpu or mla_attention_grads_gpu" \
+  tests/trainer/test_gradients_gpu.py
+
+step gpu_tests_grads 60 $PY -m pytest -q -p no:cacheprovider -m gpu -k grad \
+  "tests/kernels/triton/test_kda_chunk.py::test_gradients_match_float64" tests/kernels/triton/test_mla_attention.py \
   tests/kernels/triton/test_norms.py tests/kernels/triton/test_l2norm.py tests/kernels/triton/test_kda_gate.py \
   tests/kernels/triton/test_glu.py tests/kernels/triton/test_short_conv.py
 
-step trainer_throughput 210 $PY benchmarks/trainer_throughput.py --layers 16 --seq-lens 4096,4096,4096,4096 \
-  --modes bitwise --recompute none,layer,selective,attention --warmup 1 --iters 2 --kda-tokens 8192,32768 \
+step trainer_throughput 190 $PY benchmarks/trainer_throughput.py --layers 16 --seq-lens 4096,4096,4096,4096 \
+  --modes bitwise --recompute none,layer,selective,attention --warmup 1 --iters 1 --kda-tokens 8192,32768 \
   --out "$OUT/trainer_throughput.json"
 
-step rl_step 150 $PY benchmarks/rl_step.py --layers 16 --prompts 16 --n 8 --prompt-len 512 --max-new 512 \
+step rl_step 140 $PY benchmarks/rl_step.py --layers 16 --prompts 8 --n 8 --prompt-len 512 --max-new 512 \
   --micro-batch-tokens 16384 --parity-pass separate,fused --out "$OUT/rl_step.json"
 
 cp -f "$OUT"/*.json benchmarks/results/ 2>/dev/null || true

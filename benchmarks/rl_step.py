@@ -181,10 +181,18 @@ def main() -> int:
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     log.info("models and engine ready in %.1fs", time.perf_counter() - t_start)
 
-    steps = []
+    out = a.out or default_out("rl_step" + ("_smoke" if a.smoke else ""))
+    steps: list[dict[str, Any]] = []
+
+    def save() -> None:  # after every step: a run cut short by a time limit keeps what it measured
+        write_json(out, {"benchmark": "rl_step", **env(), "preset": "tiny" if a.smoke else "bench",
+                         "layers": cfg.num_hidden_layers, "dtype": "bfloat16", "args": vars(a), "steps": steps,
+                         "wall_s": time.perf_counter() - t_start})
+
     for step, mode in enumerate(["fused"] + passes):  # step 0: warm-up
         r = rl_step(a, dev, engine, trainer, optimizer, prompts, step, mode)
         steps.append(r)
+        save()
         log.info("step %d (%s): %.1fs, log-prob parity %.4f", step, mode, r["total_s"], r["logprob_equal_fraction"])
     timed_steps = steps[1:]
     phases = ["rollout", "parity_forward", "train_forward_backward", "optimizer", "weight_push"]
@@ -214,10 +222,7 @@ def main() -> int:
         pf = sep["separate"]["seconds"]["parity_forward"]
         print(f"one forward per update saves the parity forward: {pf:.2f}s "
               f"({pf / sep['separate']['total_s']:.1%} of the step with it)")
-    write_json(a.out or default_out("rl_step" + ("_smoke" if a.smoke else "")),
-               {"benchmark": "rl_step", **env(), "preset": "tiny" if a.smoke else "bench",
-                "layers": cfg.num_hidden_layers, "dtype": "bfloat16", "args": vars(a), "steps": steps,
-                "wall_s": time.perf_counter() - t_start})
+    save()
     ok = all(r["logprob_equal_fraction"] == 1.0 for r in steps)
     if not ok:
         log.error("rollout/trainer log-probs differ (bitwise mode): see logprob_equal_fraction")

@@ -267,15 +267,17 @@ def main() -> int:
         a.seq_lens, a.iters, a.warmup = [100, 60, 130], 1, 1
         a.kda_tokens = [min(t, 130) for t in a.kda_tokens][:1]
     t_start = time.perf_counter()
+    out = a.out or default_out("trainer_throughput" + ("_smoke" if a.smoke else ""))
     peak = measured_matmul_peak_tflops(dev) if dev.type == "cuda" else None
-    model_rows = bench_model(a, dev, peak) if a.model else []
-    kda_rows = bench_kda(a, dev) if a.kda_tokens else []
     result = {"benchmark": "trainer_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
               "layers": a.layers, "dtype": "bfloat16", "seq_lens": a.seq_lens, "lora_r": a.lora_r,
               "warmup": a.warmup, "iters": a.iters, "matmul_peak_tflop_s": peak,
-              "flop_formula": "benchmarks/_train_flops.py", "model": model_rows, "kda_layer": kda_rows,
-              "wall_s": time.perf_counter() - t_start}
-    write_json(a.out or default_out("trainer_throughput" + ("_smoke" if a.smoke else "")), result)
+              "flop_formula": "benchmarks/_train_flops.py", "model": [], "kda_layer": []}
+    # Written after each part: a run cut short by a time limit keeps what it measured.
+    model_rows = result["model"] = bench_model(a, dev, peak) if a.model else []
+    write_json(out, {**result, "wall_s": time.perf_counter() - t_start})
+    kda_rows = result["kda_layer"] = bench_kda(a, dev) if a.kda_tokens else []
+    write_json(out, {**result, "wall_s": time.perf_counter() - t_start})
     failed = [r for r in model_rows if "error" in r] + [r for r in kda_rows if any(k.endswith("_error") for k in r)]
     return 1 if failed else 0
 
