@@ -52,7 +52,7 @@ step gpu_tests_grads 60 $PY -m pytest -q -p no:cacheprovider -m gpu -k grad \
   tests/kernels/triton/test_glu.py tests/kernels/triton/test_short_conv.py
 
 step trainer_throughput 190 $PY benchmarks/trainer_throughput.py --layers 16 --seq-lens 4096,4096,4096,4096 \
-  --modes bitwise --recompute none,layer,selective,attention --warmup 1 --iters 1 --kda-tokens 8192,32768 \
+  --modes bitwise --recompute none,layer,selective,attention --warmup 1 --iters 1 --profile 30 --kda-tokens 8192,32768 \
   --out "$OUT/trainer_throughput.json"
 
 step rl_step 140 $PY benchmarks/rl_step.py --layers 16 --prompts 8 --n 8 --prompt-len 512 --max-new 512 \

@@ -132,6 +132,13 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                 empty_cache()
             rows.append(row)
     apply_recompute(model, "none")
+    extra: list[dict[str, Any]] = [{"flops": flops.as_dict()}]
+    if a.profile and dev.type == "cuda":
+        try:
+            with kernel_mode("bitwise"):
+                extra.append({"profile": profile_kernels(forward_backward, zero, a.profile)})
+        except Exception as e:  # noqa: BLE001 (the profile is extra information)
+            log.exception("profiling failed: %s", e)
     print(f"\nTrainer forward+backward, {'tiny (smoke)' if a.smoke else 'bench'} preset "
           f"({cfg.num_hidden_layers} layers) bf16, LoRA r={a.lora_r}, packed micro-batch "
           f"{'+'.join(map(str, a.seq_lens))} = {tokens} tokens; {flops.total / 1e12:.1f} TFLOP per fwd+bwd "
@@ -142,7 +149,34 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                        ("error", "error", "s")]))
     del model
     empty_cache()
-    return rows + [{"flops": flops.as_dict()}]
+    return rows + extra
+
+
+def profile_kernels(fn: Callable[[], None], setup: Callable[[], None], top: int) -> list[dict[str, Any]]:
+    """GPU time per kernel of one ``fn()`` (bitwise, recompute none) under torch.profiler: the ``top``
+    kernels by total device time, printed and returned (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    setup()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    setup()
+
+    def dev_us(e: Any) -> float:
+        for attr in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(e, attr):
+                return float(getattr(e, attr))
+        return 0.0
+
+    events = [e for e in prof.key_averages() if dev_us(e) > 0]
+    total = sum(dev_us(e) for e in events) or 1.0
+    rows = sorted(({"kernel": e.key[:90], "calls": e.count, "ms": dev_us(e) / 1e3, "share": dev_us(e) / total}
+                   for e in events), key=lambda r: -r["ms"])[:top]
+    print(f"\nGPU time by kernel, one forward+backward (bitwise, recompute none): {total / 1e3:.0f} ms busy")
+    print(table(rows, [("kernel", "kernel", "s"), ("calls", "calls", "d"), ("ms", "ms", ".1f"), ("share", "share", ".1%")]))
+    return [{"busy_ms": total / 1e3}] + rows
 
 
 # ----------------------------------------------------------------------------- the KDA layer
@@ -253,6 +287,8 @@ def main() -> int:
                     help="T of the KDA layer comparison (empty: skip it)")
     ap.add_argument("--no-kda-old-backward", dest="kda_old_backward", action="store_false",
                     help="skip timing the previous (torch-composition) KDA backward")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile one forward+backward and list the N kernels with the most GPU time")
     ap.add_argument("--no-model", dest="model", action="store_false", help="only the KDA layer comparison")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None,
