@@ -104,7 +104,6 @@ def measured_matmul_peak_tflops(device, n: int = 8192, iters: int = 10) -> float
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     ms = cuda_time_ms(lambda: a @ b, warmup=3, iters=iters)["min_ms"]
-    del a, b
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 

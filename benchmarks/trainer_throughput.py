@@ -147,8 +147,6 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                        ("fwdbwd_ms", "fwd+bwd ms", ".0f"), ("tok_s", "tok/s", ".0f"),
                        ("tflop_s", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
                        ("error", "error", "s")]))
-    del model
-    empty_cache()
     return rows + extra
 
 

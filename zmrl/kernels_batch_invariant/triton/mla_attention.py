@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..mla_attention import KEY_BLOCK, _check_shapes, cache_slots, key_width, mla_attention, mla_attention_dense
+from ..mla_attention import KEY_BLOCK, _check_shapes, key_width, mla_attention, mla_attention_dense
 from ..mla_attention_grads import mla_attention_grads
 from ._common import INTERPRET, cdiv
 
