@@ -6,7 +6,8 @@ Tolerance. fla runs its dots on bf16 operands when ``v`` is bf16 (the model's ca
 rounded to bf16 on the way in) and on fp32/TF32 operands when ``v`` is fp32, so its gradients carry
 errors of a few units of bf16 (2^-8) resp. TF32 (2^-11) precision amplified through the 64-row solve.
 Each test measures, on the same inputs, (a) our gradient (zmrl's forward + fla's backward) and (b)
-fla's own ``chunk_kda`` forward + backward, both against the float64 torch composition (relative
+fla's own ``chunk_kda`` forward + backward, both against autograd of a float64 chunked reference
+(``reference_chunked_device`` of test_kda_chunk.py, checked there against ``kda_chunk_ref``; relative
 Frobenius error per input), and requires our error to be within 1.5x (+1e-4) of fla's own (the
 backward is fla's; a semantic mismatch of the glue (scale, decay, layout, state) gives O(1) errors)
 and under a sanity ceiling per dtype (``CEILING``: 10 % for bf16 operands, 2 % for fp32/TF32; a wrong

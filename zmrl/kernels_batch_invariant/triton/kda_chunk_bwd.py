@@ -25,8 +25,8 @@ What differs, and how it is handled:
   (exact for zmrl's definition, slow), with a warning once per process.
 * arithmetic: fla runs its tensor-core dots on bf16 operands when ``v`` is bf16/fp16 (``q``, ``k``,
   ``beta`` are cast to ``v``'s dtype, as in the 'fast' kernel mode; ``g`` stays fp32), fp32/TF32 when
-  ``v`` is fp32. The GPU test (tests/kernels/test_kda_chunk_bwd_gpu.py) measures the error of these
-  gradients against the float64 torch composition and bounds it.
+  ``v`` is fp32. The GPU test (tests/kernels/triton/test_kda_chunk_bwd_gpu.py) measures the error
+  of these gradients, next to fla's own, against a float64 reference and bounds it.
 * determinism: fla's KDA backward kernels use no atomics (every output tile is written by one
   program), so two identical backward passes give the same bits once its autotuner has settled on a
   config for the shape; the GPU test checks it.
