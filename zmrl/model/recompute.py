@@ -31,6 +31,8 @@ from typing import Literal
 
 from torch import nn
 
+from .model import DecoderLayer
+
 RecomputePolicy = Literal["none", "layer", "selective", "attention"]
 RECOMPUTE_POLICIES: tuple[str, ...] = ("none", "layer", "selective", "attention")
 
@@ -45,8 +47,6 @@ def check_recompute_policy(policy: str, key: str = "trainer.recompute") -> Recom
 
 def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
     """Set ``policy`` on every decoder layer of ``model`` (a HybridForCausalLM); returns the model."""
-    from .model import DecoderLayer
-
     policy = check_recompute_policy(policy)
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     if not layers:
