@@ -1,28 +1,44 @@
-"""Trainer throughput of the bench preset (bf16, LoRA r=32, H200): bitwise vs fast kernels.
+"""Trainer throughput of the bench preset (bf16, LoRA r=32, H200): forward + backward per
+activation-recompute policy, MFU, peak memory, bitwise vs fast kernels, and the KDA layer's
+forward + backward next to fla-core's ``chunk_kda``.
 
     python benchmarks/trainer_throughput.py [--seq-lens 4096,4096,4096,4096] [--layers 16]
-        [--modes bitwise,fast] [--iters 3] [--out FILE.json]
+        [--modes bitwise,fast] [--recompute none,layer,selective,attention] [--iters 3]
+        [--kda-tokens 8192,32768] [--out FILE.json] [--smoke]
 
 What is timed: one packed micro-batch (default 4 sequences x 4096 = 16K tokens, the second half of
 each sequence being the "response") through ``zmrl.trainer.compute_logprobs`` with autograd on
 (the RL trainer's forward: full-sequence logits, response-token log-probs), then ``backward`` of a
 REINFORCE-style loss into the LoRA parameters (rank 32 on every attention projection and expert).
-Reported: forward-only and forward+backward milliseconds and tokens/s (every packed token counts),
-CUDA events, median of ``--iters`` runs after ``--warmup``.
+Per kernel mode and recompute policy (``zmrl.model.apply_recompute``; "fast" runs policy "none"
+only): forward and forward+backward milliseconds (CUDA events, median of ``--iters`` after
+``--warmup``), tokens/s (every packed token counts), peak allocated memory of the timed runs, and
+MFU = FLOPs / time / measured bf16 matmul peak, FLOPs by the formula in ``benchmarks/_train_flops.py``
+(matmul FLOPs of the forward, input-gradient and LoRA weight-gradient passes, plus MLA attention,
+indexer and KDA FLOPs; recompute is not counted as useful work).
+
+KDA layer (``--kda-tokens``, one sequence of T tokens, H = 16, d = 128, the model's dtypes: q, k, g,
+beta fp32, v bf16): zmrl's Triton forward alone, zmrl forward + fla-core backward (what the trainer
+runs), fla ``chunk_kda`` forward and forward + backward (q, k, v, beta bf16, g fp32), and at the
+smallest T the previous backward (the torch composition under autograd) for comparison.
+
+``--smoke``: CPU, tiny preset and shapes; checks the script end to end (numbers meaningless).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from _common import (OOM_ERRORS, build_on_device, cuda_time_ms, default_out, empty_cache, env, model_config,
                      pick_device, setup_logging, table, write_json)
+from _train_flops import measured_matmul_peak_tflops, train_flops
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters
+from zmrl.model import RECOMPUTE_POLICIES, apply_recompute
 from zmrl.trainer import compute_logprobs
 
 log = logging.getLogger("benchmarks.trainer")
@@ -32,35 +48,43 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq-lens", type=_ints, default=[4096] * 4, help="packed sequences (default 4 x 4096)")
-    ap.add_argument("--layers", type=int, default=16, help="decoder layers (16 = the full bench preset)")
-    ap.add_argument("--lora-r", type=int, default=32)
-    ap.add_argument("--modes", default="bitwise,fast")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None,
-                    help="JSON result (default benchmarks/results/<date>_trainer_throughput_h200.json)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, tiny shapes: checks the script runs")
-    a = ap.parse_args()
-    setup_logging()
-    dev = pick_device("trainer_throughput.py", a.smoke)
-    if a.smoke:
-        a.seq_lens, a.iters, a.warmup = [100, 60, 130], 1, 1
-    modes = [m for m in a.modes.split(",") if m]
-    t_start = time.perf_counter()
+def _names(s: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    out = [x for x in s.split(",") if x]
+    bad = [x for x in out if x not in allowed]
+    if bad:
+        raise SystemExit(f"{flag}: unknown value(s) {bad} (allowed: {', '.join(allowed)})")
+    return out
+
+
+def _peak_reset(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(dev: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | None) -> list[dict[str, Any]]:
+    t0 = time.perf_counter()
     cfg = model_config(a.layers, a.smoke)
     model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
     apply_lora(model, LoraConfig(r=a.lora_r, alpha=float(a.lora_r), init_b_std=0.02, init_seed=a.seed))
     params = lora_parameters(model)
-    log.info("bench model: %d layers, LoRA r=%d (%.1f M trainable), built in %.1fs", cfg.num_hidden_layers, a.lora_r,
-             sum(p.numel() for p in params) / 1e6, time.perf_counter() - t_start)
+    log.info("model: %d layers, LoRA r=%d (%.1f M trainable), built in %.1fs", cfg.num_hidden_layers, a.lora_r,
+             sum(p.numel() for p in params) / 1e6, time.perf_counter() - t0)
     g = torch.Generator().manual_seed(a.seed)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in a.seq_lens]
     plens = [max(1, n // 2) for n in a.seq_lens]
     tokens = sum(a.seq_lens)
+    flops = train_flops(cfg, a.seq_lens, a.lora_r)
+    log.info("FLOPs per forward+backward: %.1f TFLOP (%s)", flops.total / 1e12,
+             ", ".join(f"{k} {v / 1e12:.2f}" for k, v in flops.as_dict().items() if k != "total"))
 
     def forward() -> list[torch.Tensor]:
         with torch.enable_grad():
@@ -76,48 +100,220 @@ def main() -> int:
         for p in params:
             p.grad = None
 
-    row: dict[str, Any] = {"tokens": tokens, "sequences": len(seqs), "lora_r": a.lora_r}
-    for mode in modes:
-        try:  # one mode failing must not hide the other
-            with kernel_mode(mode):
-                f = cuda_time_ms(forward, warmup=a.warmup, iters=a.iters, setup=zero)
-                row[f"{mode}_fwd_ms"] = f["median_ms"]
-                fb = cuda_time_ms(forward_backward, warmup=a.warmup, iters=a.iters, setup=zero)
-            row[f"{mode}_fwdbwd_ms"] = fb["median_ms"]
-            row[f"{mode}_fwdbwd_tok_s"] = tokens / (fb["median_ms"] * 1e-3)
-            log.info("%s: forward %.0f ms, forward+backward %.0f ms", mode, f["median_ms"], fb["median_ms"])
-        except OOM_ERRORS:
-            row[f"{mode}_error"] = "out of memory (try --seq-lens 2048,2048,2048,2048 or --layers 8)"
-            log.warning("%s: %s", mode, row[f"{mode}_error"])
-        except Exception as e:
-            row[f"{mode}_error"] = f"{type(e).__name__}: {e}"[:300]
-            log.exception("trainer benchmark, %s mode failed", mode)
-        finally:
-            zero()
-            if dev.type == "cuda":
-                row[f"{mode}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                torch.cuda.reset_peak_memory_stats()
+    rows: list[dict[str, Any]] = []
+    for mode in a.modes:
+        fwd_ms = None
+        for policy in (a.recompute if mode == "bitwise" else ["none"]):
+            row: dict[str, Any] = {"mode": mode, "recompute": policy, "tokens": tokens}
+            apply_recompute(model, policy)
+            try:  # one configuration failing must not hide the others
+                with kernel_mode(mode):
+                    if fwd_ms is None:  # the forward does not depend on the policy
+                        fwd_ms = cuda_time_ms(forward, warmup=a.warmup, iters=a.iters, setup=zero)["median_ms"]
+                    row["fwd_ms"] = fwd_ms
+                    zero()
+                    _peak_reset(dev)
+                    fb = cuda_time_ms(forward_backward, warmup=a.warmup, iters=a.iters, setup=zero)
+                row["fwdbwd_ms"] = fb["median_ms"]
+                row["tok_s"] = tokens / (fb["median_ms"] * 1e-3)
+                row["tflop_s"] = flops.total / (fb["median_ms"] * 1e-3) / 1e12
+                if peak_tflops:
+                    row["mfu"] = row["tflop_s"] / peak_tflops
+                log.info("%s/%s: forward %.0f ms, forward+backward %.0f ms", mode, policy, fwd_ms, fb["median_ms"])
+            except OOM_ERRORS:
+                row["error"] = "out of memory"
+                log.warning("%s/%s: out of memory", mode, policy)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                log.exception("trainer benchmark %s/%s failed", mode, policy)
+            finally:
+                zero()
+                row["peak_gib"] = _peak_gib(dev)
                 empty_cache()
-    if "bitwise_fwdbwd_ms" in row and "fast_fwdbwd_ms" in row:
-        # throughput ratio (bitwise tok/s / fast tok/s): the target is >= 0.90 in training
-        row["bitwise_over_fast"] = row["fast_fwdbwd_ms"] / row["bitwise_fwdbwd_ms"]
-
-    rows = [dict(mode=m, fwd_ms=row.get(f"{m}_fwd_ms"), fwdbwd_ms=row.get(f"{m}_fwdbwd_ms"),
-                 tok_s=row.get(f"{m}_fwdbwd_tok_s"), peak=row.get(f"{m}_peak_gib"), error=row.get(f"{m}_error"))
-            for m in modes]
+            rows.append(row)
+    apply_recompute(model, "none")
+    extra: list[dict[str, Any]] = [{"flops": flops.as_dict()}]
+    if a.profile and dev.type == "cuda":
+        try:
+            with kernel_mode("bitwise"):
+                extra.append({"profile": profile_kernels(forward_backward, zero, a.profile)})
+        except Exception as e:  # noqa: BLE001 (the profile is extra information)
+            log.exception("profiling failed: %s", e)
     print(f"\nTrainer forward+backward, {'tiny (smoke)' if a.smoke else 'bench'} preset "
-          f"({cfg.num_hidden_layers} layers) bf16, LoRA r={a.lora_r}, "
-          f"packed micro-batch {'+'.join(map(str, a.seq_lens))} = {tokens} tokens")
-    print(table(rows, [("mode", "mode", "s"), ("fwd_ms", "fwd ms", ".0f"), ("fwdbwd_ms", "fwd+bwd ms", ".0f"),
-                       ("tok_s", "fwd+bwd tok/s", ".0f"), ("peak", "peak GiB", ".1f"), ("error", "error", "s")]))
-    if "bitwise_over_fast" in row:
-        print(f"bitwise/fast throughput (fwd+bwd tok/s): {row['bitwise_over_fast']:.2f}")
-    write_json(a.out or default_out("trainer_throughput" + ("_smoke" if a.smoke else "")),
-               {"benchmark": "trainer_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
-                "layers": cfg.num_hidden_layers,
-                "dtype": "bfloat16", "seq_lens": a.seq_lens, "warmup": a.warmup, "iters": a.iters, "result": row,
-                "wall_s": time.perf_counter() - t_start})
-    return 0 if all(f"{m}_fwdbwd_ms" in row for m in modes) else 1
+          f"({cfg.num_hidden_layers} layers) bf16, LoRA r={a.lora_r}, packed micro-batch "
+          f"{'+'.join(map(str, a.seq_lens))} = {tokens} tokens; {flops.total / 1e12:.1f} TFLOP per fwd+bwd "
+          f"(benchmarks/_train_flops.py); matmul peak {peak_tflops or float('nan'):.0f} TFLOP/s measured")
+    print(table(rows, [("mode", "mode", "s"), ("recompute", "recompute", "s"), ("fwd_ms", "fwd ms", ".0f"),
+                       ("fwdbwd_ms", "fwd+bwd ms", ".0f"), ("tok_s", "tok/s", ".0f"),
+                       ("tflop_s", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
+                       ("error", "error", "s")]))
+    return rows + extra
+
+
+def profile_kernels(fn: Callable[[], None], setup: Callable[[], None], top: int) -> list[dict[str, Any]]:
+    """GPU time per kernel of one ``fn()`` (bitwise, recompute none) under torch.profiler: the ``top``
+    kernels by total device time, printed and returned (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    setup()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    setup()
+
+    def dev_us(e: Any) -> float:
+        for attr in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(e, attr):
+                return float(getattr(e, attr))
+        return 0.0
+
+    events = [e for e in prof.key_averages() if dev_us(e) > 0]
+    total = sum(dev_us(e) for e in events) or 1.0
+    rows = sorted(({"kernel": e.key[:90], "calls": e.count, "ms": dev_us(e) / 1e3, "share": dev_us(e) / total}
+                   for e in events), key=lambda r: -r["ms"])[:top]
+    print(f"\nGPU time by kernel, one forward+backward (bitwise, recompute none): {total / 1e3:.0f} ms busy")
+    print(table(rows, [("kernel", "kernel", "s"), ("calls", "calls", "d"), ("ms", "ms", ".1f"), ("share", "share", ".1%")]))
+    return [{"busy_ms": total / 1e3}] + rows
+
+
+# ----------------------------------------------------------------------------- the KDA layer
+
+
+def _kda_inputs(t: int, dev: torch.device, seed: int = 0, h: int = 16, d: int = 128):
+    """One sequence of T tokens with the model's dtypes and statistics (q, k L2-normalised, KDA's
+    lower-bound gate as in the bench preset, beta in (0, 1))."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(t, h, d, device=dev, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(t, h, d, device=dev, generator=g), dim=-1)
+    v = torch.randn(t, h, d, device=dev, generator=g).to(torch.bfloat16)
+    gate = -5.0 * torch.sigmoid(torch.randn(t, h, d, device=dev, generator=g) - 4.0)
+    beta = torch.sigmoid(torch.randn(t, h, device=dev, generator=g))
+    cu = torch.tensor([0, t], dtype=torch.int64, device=dev)
+    return q, k, v, gate, beta, cu
+
+
+def bench_kda(a: argparse.Namespace, dev: torch.device) -> list[dict[str, Any]]:
+    from zmrl.kernels_batch_invariant.kda import kda_chunk
+    from zmrl.kernels_batch_invariant.triton import kda_chunk_bwd
+
+    chunk_kda = None
+    if dev.type == "cuda":  # fla's kernels need a GPU
+        try:
+            from fla.ops.kda import chunk_kda
+        except Exception as e:  # noqa: BLE001 (any import failure: report it, time the rest)
+            log.warning("fla-core unavailable (%s): the fla columns stay empty", e)
+    h, d = (2, 16) if a.smoke else (16, 128)
+    rows = []
+    for i, t in enumerate(a.kda_tokens):
+        q, k, v, gate, beta, cu = _kda_inputs(t, dev, h=h, d=d)
+        w = torch.randn(t, h, d, device=dev, dtype=torch.float32)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gate, beta)]
+
+        def zero() -> None:
+            for x in leaves:
+                x.grad = None
+
+        def zmrl_fwd() -> None:
+            with torch.no_grad():
+                kda_chunk(q, k, v, gate, beta, cu)
+
+        def zmrl_fwdbwd() -> None:
+            o, _, _ = kda_chunk(*leaves, cu)
+            (o.float() * w).sum().backward()
+
+        row: dict[str, Any] = {"T": t, "H": h, "d": d}
+        cases: list[tuple[str, Callable[[], None]]] = [("zmrl_fwd_ms", zmrl_fwd), ("zmrl_fwd_fla_bwd_ms", zmrl_fwdbwd)]
+        if chunk_kda is not None:
+            fq, fk, fv, fb = (x.to(torch.bfloat16)[None] for x in (q, k, v, beta))
+            fg = gate[None]
+            f_leaves = [x.clone().requires_grad_(True) for x in (fq, fk, fv, fg, fb)]
+
+            def fla_fwd() -> None:
+                with torch.no_grad():
+                    chunk_kda(fq, fk, fv, fg, fb, cu_seqlens=cu)
+
+            def fla_fwdbwd() -> None:
+                o, _ = chunk_kda(*f_leaves, cu_seqlens=cu)
+                (o[0].float() * w).sum().backward()
+                for x in f_leaves:
+                    x.grad = None
+
+            cases += [("fla_fwd_ms", fla_fwd), ("fla_fwdbwd_ms", fla_fwdbwd)]
+        if i == 0 and a.kda_old_backward:
+            def old_fwdbwd() -> None:
+                saved = kda_chunk_bwd.fla_backend_for
+                kda_chunk_bwd.fla_backend_for = lambda _q: None  # the torch-composition backward
+                try:
+                    zmrl_fwdbwd()
+                finally:
+                    kda_chunk_bwd.fla_backend_for = saved
+
+            cases.append(("zmrl_fwd_torch_bwd_ms", old_fwdbwd))
+        for key, fn in cases:
+            try:
+                iters = 1 if key == "zmrl_fwd_torch_bwd_ms" else a.iters
+                row[key] = cuda_time_ms(fn, warmup=1, iters=iters, setup=zero)["median_ms"]
+            except OOM_ERRORS:
+                row[key + "_error"] = "out of memory"
+            except Exception as e:  # noqa: BLE001
+                row[key + "_error"] = f"{type(e).__name__}: {e}"[:200]
+                log.exception("KDA %s at T=%d failed", key, t)
+            finally:
+                zero()
+                empty_cache()
+        rows.append(row)
+    print("\nKDA layer, one sequence, H=%d, d=%d (zmrl: q/k/g/beta fp32, v bf16; fla: q/k/v/beta bf16, g fp32)" % (h, d))
+    print(table(rows, [("T", "T", "d"), ("zmrl_fwd_ms", "zmrl fwd", ".2f"),
+                       ("zmrl_fwd_fla_bwd_ms", "zmrl fwd + fla bwd", ".2f"), ("fla_fwd_ms", "fla fwd", ".2f"),
+                       ("fla_fwdbwd_ms", "fla fwd+bwd", ".2f"),
+                       ("zmrl_fwd_torch_bwd_ms", "zmrl fwd + torch bwd (old)", ".1f")]))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq-lens", type=_ints, default=[4096] * 4, help="packed sequences (default 4 x 4096)")
+    ap.add_argument("--layers", type=int, default=16, help="decoder layers (16 = the full bench preset)")
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--modes", default="bitwise,fast")
+    ap.add_argument("--recompute", default=",".join(RECOMPUTE_POLICIES),
+                    help=f"policies to time in bitwise mode (allowed: {', '.join(RECOMPUTE_POLICIES)})")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--kda-tokens", type=_ints, default=[8192, 32768],
+                    help="T of the KDA layer comparison (empty: skip it)")
+    ap.add_argument("--no-kda-old-backward", dest="kda_old_backward", action="store_false",
+                    help="skip timing the previous (torch-composition) KDA backward")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile one forward+backward and list the N kernels with the most GPU time")
+    ap.add_argument("--no-model", dest="model", action="store_false", help="only the KDA layer comparison")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None,
+                    help="JSON result (default benchmarks/results/<date>_trainer_throughput_<device>.json)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, tiny shapes: checks the script runs")
+    a = ap.parse_args()
+    setup_logging()
+    a.modes = _names(a.modes, ("bitwise", "fast"), "--modes")
+    a.recompute = _names(a.recompute, RECOMPUTE_POLICIES, "--recompute")
+    dev = pick_device("trainer_throughput.py", a.smoke)
+    if a.smoke:
+        a.seq_lens, a.iters, a.warmup = [100, 60, 130], 1, 1
+        a.kda_tokens = [min(t, 130) for t in a.kda_tokens][:1]
+    t_start = time.perf_counter()
+    out = a.out or default_out("trainer_throughput" + ("_smoke" if a.smoke else ""))
+    peak = measured_matmul_peak_tflops(dev) if dev.type == "cuda" else None
+    result = {"benchmark": "trainer_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
+              "layers": a.layers, "dtype": "bfloat16", "seq_lens": a.seq_lens, "lora_r": a.lora_r,
+              "warmup": a.warmup, "iters": a.iters, "matmul_peak_tflop_s": peak,
+              "flop_formula": "benchmarks/_train_flops.py", "model": [], "kda_layer": []}
+    # Written after each part: a run cut short by a time limit keeps what it measured.
+    model_rows = result["model"] = bench_model(a, dev, peak) if a.model else []
+    write_json(out, {**result, "wall_s": time.perf_counter() - t_start})
+    kda_rows = result["kda_layer"] = bench_kda(a, dev) if a.kda_tokens else []
+    write_json(out, {**result, "wall_s": time.perf_counter() - t_start})
+    failed = [r for r in model_rows if "error" in r] + [r for r in kda_rows if any(k.endswith("_error") for k in r)]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

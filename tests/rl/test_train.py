@@ -143,3 +143,10 @@ def test_ray_mode(tmp_path, bootstrap_dir):
              env={"RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")})  # short: unix socket paths
     assert r.returncode == 0, r.stderr[-3000:]
     assert _metrics(out)[0]["mismatch/bitwise_equal_frac"] == 1.0
+
+
+def test_recompute_policy_is_validated():
+    assert load_recipe(str(RECIPE), ["trainer.recompute=layer"]).trainer.recompute == "layer"
+    with pytest.raises(RecipeError, match=r"recipe key 'trainer.recompute': must be one of none, layer, "
+                                          r"selective, attention, got 'full'"):
+        load_recipe(str(RECIPE), ["trainer.recompute=full"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 from .attn_res import AttnResState, depth_attention
@@ -38,18 +39,49 @@ class DecoderLayer(nn.Module):
             self.self_attention_res_proj = Weight(cfg.hidden_size, dtype=dtype)
             self.mlp_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
             self.mlp_res_proj = Weight(cfg.hidden_size, dtype=dtype)
+        # Activation-recompute policy of the training forward (model/recompute.py sets it).
+        self.recompute: str = "none"
+
+    def _token_mixer(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), ctx)
+
+    def _channel_mixer(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h))
+
+    def _plain(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = x + self._token_mixer(x, ctx)
+        return h + self._channel_mixer(h)
+
+    def _policy(self, ctx: ForwardContext) -> str:
+        # Recompute needs a recorded graph and a forward without side effects: the trainer's
+        # (no per-sequence engine state to update twice).
+        if self.recompute == "none" or not torch.is_grad_enabled() or ctx.kda_states is not None:
+            return "none"
+        return self.recompute
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        policy = self._policy(ctx)
+        if policy == "none":
+            return self._plain(x, ctx)
+        if policy == "layer":
+            return checkpoint(self._plain, x, ctx, use_reentrant=False)
+        h = x + checkpoint(self._token_mixer, x, ctx, use_reentrant=False)
+        if policy == "attention":
+            return h + self._channel_mixer(h)
+        return h + checkpoint(self._channel_mixer, h, use_reentrant=False)
 
     def forward_attn_res(self, state: AttnResState, ctx: ForwardContext) -> None:
+        # The depth mixing reads the AttnRes state (a list of earlier outputs), so the checkpointed
+        # regions are the two sub-blocks; ``layer`` recomputes both, like ``selective``.
+        policy = self._policy(ctx)
         h = depth_attention(state.candidates(), self.self_attention_res_norm.weight,
                             self.self_attention_res_proj.weight, self.self_attention_res_norm.eps)
-        state.add(self.self_attn(self.input_layernorm(h), ctx))
+        state.add(self._token_mixer(h, ctx) if policy == "none"
+                  else checkpoint(self._token_mixer, h, ctx, use_reentrant=False))
         h = depth_attention(state.candidates(), self.mlp_res_norm.weight, self.mlp_res_proj.weight,
                             self.mlp_res_norm.eps)
-        state.add(self.mlp(self.post_attention_layernorm(h)))
+        state.add(self._channel_mixer(h) if policy in ("none", "attention")
+                  else checkpoint(self._channel_mixer, h, use_reentrant=False))
         state.end_layer(self.layer_idx)
 
 

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 from zmrl.extras import require
 
+from zmrl.model.recompute import RECOMPUTE_POLICIES
+
 
 class RecipeError(ValueError):
     """A recipe key or value is wrong; the message names it and lists what is allowed."""
@@ -120,12 +122,15 @@ class TrainerSection:
     # overwrite=true deletes that run's files first.
     overwrite: bool = False
     num_threads: int | None = None  # torch CPU threads; None = torch's default
+    # Activation recompute of the training forward: none | layer | selective | attention
+    # (zmrl/model/recompute.py). Changes memory and time, never the forward bits or the gradients.
+    recompute: str = "none"
 
     def trainer_config(self, latent_format: str) -> "TrainerConfig":
         from zmrl.trainer import TrainerConfig
 
         return TrainerConfig(lr=self.lr, weight_decay=self.weight_decay, micro_batch_tokens=self.micro_batch_tokens,
-                             latent_format=latent_format)
+                             latent_format=latent_format, recompute=self.recompute)
 
 
 @dataclass
@@ -411,6 +416,8 @@ def _validate(cfg: RecipeConfig) -> None:
     need(e.limit is None or e.limit >= 1, "eval.limit", f"must be >= 1 or null (all problems), got {e.limit}")
     need(cfg.logging.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
          f"must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
+    need(cfg.trainer.recompute in RECOMPUTE_POLICIES, "trainer.recompute",
+         f"must be one of {', '.join(RECOMPUTE_POLICIES)}, got {cfg.trainer.recompute!r}")
     _validate_distributed(cfg.distributed)
 
 

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from zmrl.model import apply_recompute
+
 from .batch import Sample, TrainBatch, pad_rows
 from .logprobs import compute_logprobs, pack_micro_batches
 from .optim import make_optimizer
@@ -36,6 +38,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     micro_batch_tokens: int | None = None  # tokens per packed micro-batch; None = one micro-batch
     latent_format: str = "native"  # the engine's EngineConfig.latent_format ("fp8" quantises here too)
+    # Activation recompute of the training forward (zmrl/model/recompute.py: none | layer | selective |
+    # attention); changes memory and time, never the forward bits or the gradients.
+    recompute: str = "none"
 
 
 @dataclass
@@ -70,6 +75,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, config: TrainerConfig | None = None):
         self.model = model
         self.config = config or TrainerConfig()
+        apply_recompute(model, self.config.recompute)  # after construction and LoRA, as torchtitan applies AC
         self.optimizer = make_optimizer(model, lr=self.config.lr, weight_decay=self.config.weight_decay)
 
     def logprobs(self, samples: list[Sample], grad: bool = False, subset: list[int] | None = None

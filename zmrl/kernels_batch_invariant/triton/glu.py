@@ -5,7 +5,7 @@ row-invariant by construction; tiles are fixed (``ELEMENTWISE_BLOCK``) over the 
 Order as the torch op: ``(g * sigmoid(g)) * u`` and
 ``((beta * tanh(g / beta)) * sigmoid(g)) * (linear_beta * tanh(u / linear_beta))`` (no cap on u when
 linear_beta is None); the betas are fp32 runtime scalars (K3: 4 and 25).
-Backward: the torch composition under autograd (``with_reference_backward``).
+Backward: the closed form in ``kernels_batch_invariant/grads.py`` (``with_analytic_backward``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from .. import glu as _ops
-from ._autograd import with_reference_backward
+from .. import grads as _grads
+from ._autograd import with_analytic_backward
 from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, cdiv, compute_in_fp64, sigmoid, tanh
 
 swiglu = _ops.swiglu
@@ -50,7 +51,7 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None,
 
 
 @swiglu.register("triton")
-@with_reference_backward(swiglu.impls["torch"])
+@with_analytic_backward(swiglu.impls["torch"], _grads.swiglu_grads)
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     _ops._check(gate, up, "swiglu")
     if compute_in_fp64(gate, up):
@@ -59,7 +60,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype |
 
 
 @situ_glu.register("triton")
-@with_reference_backward(situ_glu.impls["torch"])
+@with_analytic_backward(situ_glu.impls["torch"], _grads.situ_glu_grads)
 def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None, beta: float = 4.0,
                     linear_beta: float | None = 25.0) -> torch.Tensor:
     _ops._check(gate, up, "situ_glu")

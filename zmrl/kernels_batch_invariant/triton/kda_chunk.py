@@ -52,9 +52,9 @@ so the call can be captured. Sequence i's program runs exactly what ``kda_chunk`
 segment of num_rows[i] rows (same kernels, constexprs and launch config, masks from num_rows), hence
 the same bits; ``o`` is zero-filled first, so its rows >= num_rows are exact zeros.
 
-Autograd: the forward is the kernel; the backward differentiates the torch composition
-(``with_reference_backward``), mathematically the same function. fp64 inputs (gradcheck) run the
-torch backend.
+Autograd: the forward is the kernel; the backward is fla-core's chunked KDA backward
+(``kda_chunk_bwd.py``: why it is the gradient of the same function, and its fallback to the torch
+composition). fp64 inputs (gradcheck) run the torch backend.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step
 from ..kda.decode import KDADecodeCache, check_decode_args, kda_decode_prime, kda_decode_step
 from ..numerics import kda_dot_precision
 from ._common import cdiv, next_pow2
-from ._autograd import with_reference_backward
+from .kda_chunk_bwd import with_fla_backward
 
 _SUB = 16  # sub-block rows of the intra-chunk A products (the off-diagonal factorisation)
 
@@ -497,7 +497,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 
 @kda_chunk.register("triton")
-@with_reference_backward(kda_chunk.impls["torch"])
+@with_fla_backward(kda_chunk.impls["torch"])
 def kda_chunk_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -509,7 +509,7 @@ def kda_chunk_triton(
     scale: float | None = None,
     output_chunk_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``kda_chunk`` on the GPU: Triton forward, backward through the torch composition."""
+    """``kda_chunk`` on the GPU: Triton forward, fla-core backward (``kda_chunk_bwd.py``)."""
     return kda_chunk_triton_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
 
 

@@ -42,12 +42,11 @@ through bit for bit (see above), so the output bits equal the ``kv_len=None`` on
 Launch configuration (BLOCK_H, num_warps, num_stages) depends only on the head count and the latent
 dims, never on the number of queries or keys; there is no autotuning.
 
-Autograd: a hand-written backward in stock torch ops (``_mla_backward``): it recomputes the softmax of
-each query chunk over its gathered keys in fp32 and applies the usual attention gradient; the torch
-reference composition would keep every block's gathered keys alive and needs tens of GB for 4K-token
-training sequences. The cache gradient is summed per slot deterministically (sort + segment sums, not
-atomics), so the backward is run-to-run deterministic; it is not batch-invariant (docs/numerics.md asks
-correctness of the backward, and determinism where cheap).
+Autograd: a hand-written backward in torch ops (``mla_attention_grads.py``): per chunk of queries it
+recomputes the softmax over the union of the chunk's keys as GEMMs (the per-query key lists become a
+mask), applies the usual attention gradient and adds the key gradients onto unique cache slots, so it
+is run-to-run deterministic; it is not batch-invariant (docs/numerics.md asks correctness of the backward,
+and determinism).
 
 Fast mode (in ``mla_attention.py``): stock ``F.scaled_dot_product_attention`` over gathered keys (not
 invariant).
@@ -61,7 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..mla_attention import KEY_BLOCK, _check_shapes, cache_slots, key_width, mla_attention, mla_attention_dense
+from ..mla_attention import KEY_BLOCK, _check_shapes, key_width, mla_attention, mla_attention_dense
+from ..mla_attention_grads import mla_attention_grads
 from ._common import INTERPRET, cdiv
 
 log = logging.getLogger(__name__)
@@ -356,75 +356,8 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
 
 
 # ----------------------------------------------------------------------------- backward
-# CUDA index_add_ with repeated indices sums with atomics (run-to-run nondeterministic). The
-# deterministic form sorts the entries by slot (stable), sums each slot's run with segment_reduce
-# (one sequential loop per slot) and adds the per-slot sums, whose indices are then unique.
-DETERMINISTIC_CACHE_GRAD: bool | None = None  # None: on CUDA only (CPU index_add_ is sequential)
-
-
-def _index_add_deterministic(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    use = DETERMINISTIC_CACHE_GRAD if DETERMINISTIC_CACHE_GRAD is not None else target.device.type == "cuda"
-    if not use:
-        target.index_add_(0, index, values)
-        return
-    order = torch.argsort(index, stable=True)
-    uniq, counts = torch.unique_consecutive(index[order], return_counts=True)
-    sums = torch.segment_reduce(values[order], "sum", lengths=counts, axis=0)
-    target.index_add_(0, uniq, sums.to(target.dtype))
-
-
-def _mla_backward(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                  block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
-                  softmax_scale: float, kv_lora_rank: int, need: tuple[bool, bool, bool]
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of o = softmax(scale * q.k) @ c w.r.t. q_lat, q_pe and kv_cache, in fp32 torch ops.
-
-    Per query chunk: gather the keys [G, L, D], recompute p [G, H, L] (exact softmax, fp32),
-    dp = dO . c, ds = p * (dp - rowsum(dO * o)), dq = scale * ds @ k, dk = scale * ds^T q, dc += p^T dO.
-    The cache gradient is scattered into its slots with ``index_add_``.
-    """
-    nq, h, dc = q_lat.shape
-    num_pages, page_size, d = kv_cache.shape
-    dev = q_lat.device
-    flat = kv_cache.detach().reshape(num_pages * page_size, d)
-    kp = key_positions.to(torch.int64)
-    g_ql = torch.zeros((nq, h, dc), dtype=torch.float32, device=dev) if need[0] else None
-    g_qr = torch.zeros((nq, h, d - dc), dtype=torch.float32, device=dev) if need[1] else None
-    g_kv = torch.zeros((num_pages * page_size, d), dtype=torch.float32, device=dev) if need[2] else None
-    width = kp.shape[1]
-    chunk = max(1, BACKWARD_ELEMS // max(1, width * max(h, d)))
-    for c0 in range(0, nq, chunk):
-        sl = slice(c0, c0 + chunk)
-        slots, valid = cache_slots(block_table, seq_idx[sl], kp[sl], page_size)
-        k = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, d).to(torch.float32)
-        k = torch.where(valid.unsqueeze(-1), k, 0.0)  # [G, L, D]
-        q = torch.cat([q_lat[sl].detach(), q_pe[sl].detach()], dim=-1).to(torch.float32)  # [G, H, D]
-        s = torch.einsum("ghd,gld->ghl", q, k) * softmax_scale
-        vm = valid.unsqueeze(1)
-        s = s.masked_fill(~vm, float("-inf"))
-        has = vm.any(dim=-1, keepdim=True)
-        p = torch.softmax(torch.where(has, s, torch.zeros_like(s)), dim=-1)
-        p = torch.where(vm, p, torch.zeros_like(p))
-        c = k[..., :dc]
-        go = grad_out[sl].to(torch.float32)  # [G, H, Dc]
-        o = torch.einsum("ghl,glc->ghc", p, c)
-        dp = torch.einsum("ghc,glc->ghl", go, c)
-        delta = (go * o).sum(dim=-1, keepdim=True)
-        ds = p * (dp - delta) * softmax_scale  # [G, H, L]
-        if g_ql is not None or g_qr is not None:
-            dq = torch.einsum("ghl,gld->ghd", ds, k)
-            if g_ql is not None:
-                g_ql[sl] = dq[..., :dc]
-            if g_qr is not None:
-                g_qr[sl] = dq[..., dc:]
-        if g_kv is not None:
-            dk = torch.einsum("ghl,ghd->gld", ds, q)
-            dk[..., :dc] += torch.einsum("ghl,ghc->glc", p, go)
-            dk = torch.where(valid.unsqueeze(-1), dk, 0.0)
-            _index_add_deterministic(g_kv, slots.reshape(-1), dk.reshape(-1, d))
-    return (None if g_ql is None else g_ql.to(q_lat.dtype),
-            None if g_qr is None else g_qr.to(q_pe.dtype),
-            None if g_kv is None else g_kv.view(num_pages, page_size, d).to(kv_cache.dtype))
+# ``mla_attention_grads`` (kernels_batch_invariant/mla_attention_grads.py): dense GEMMs over each query
+# chunk's unique keys, deterministic.
 
 
 class _MLAFunction(torch.autograd.Function):
@@ -445,8 +378,8 @@ class _MLAFunction(torch.autograd.Function):
         if ctx.dense:
             kp = _dense_list(kp, ctx.kv_len)
         need = tuple(ctx.needs_input_grad[:3])
-        g = _mla_backward(grad_out, q_lat, q_pe, kv_cache, block_table, seq_idx, kp,
-                          ctx.softmax_scale, ctx.kv_lora_rank, need)  # type: ignore[arg-type]
+        g = mla_attention_grads(grad_out, q_lat, q_pe, kv_cache, block_table, seq_idx, kp,
+                                ctx.softmax_scale, ctx.kv_lora_rank, need)  # type: ignore[arg-type]
         return (*g, None, None, None, None, None, None, None)
 
 

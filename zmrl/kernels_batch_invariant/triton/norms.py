@@ -7,7 +7,7 @@ row's bits depend on the row alone, not on the number or order of rows in the ca
 follows the torch op (``zmrl/kernels_batch_invariant/norms.py``): ``y = ((x * r) * w) [+ b | * sigmoid(g)]``.
 The GPU result need not equal the CPU torch backend bitwise (different summation tree).
 
-Backward: the torch composition, differentiated under autograd (``with_reference_backward``).
+Backward: the closed form in ``kernels_batch_invariant/grads.py`` (``with_analytic_backward``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from .. import norms as _ops
-from ._autograd import with_reference_backward
+from .. import grads as _grads
+from ._autograd import with_analytic_backward
 from ._common import as_rows, compute_in_fp64, row_block, row_warps, sigmoid
 
 rms_norm = _ops.rms_norm
@@ -108,7 +109,7 @@ def _rms_launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor
 
 
 @rms_norm.register("triton")
-@with_reference_backward(rms_norm.impls["torch"])
+@with_analytic_backward(rms_norm.impls["torch"], _grads.rms_norm_grads)
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if compute_in_fp64(x, weight):
@@ -117,7 +118,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
 
 @rms_norm_gated.register("triton")
-@with_reference_backward(rms_norm_gated.impls["torch"])
+@with_analytic_backward(rms_norm_gated.impls["torch"], _grads.rms_norm_gated_grads)
 def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if compute_in_fp64(x, gate, weight):
@@ -126,7 +127,7 @@ def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 
 
 @layer_norm.register("triton")
-@with_reference_backward(layer_norm.impls["torch"])
+@with_analytic_backward(layer_norm.impls["torch"], _grads.layer_norm_grads)
 def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if compute_in_fp64(x, weight, bias):

@@ -1,0 +1,233 @@
+"""One RL step on one GPU without Ray, phase by phase: rollout, trainer log-probs + loss + backward,
+optimizer step, weight push to the engine.
+
+    python benchmarks/rl_step.py [--prompts 64] [--n 8] [--prompt-len 512] [--max-new 1024]
+        [--min-new-frac 0.25] [--layers 16] [--micro-batch-tokens 16384] [--recompute none]
+        [--parity-pass separate,fused] [--out FILE.json] [--smoke]
+
+The batch is RL-shaped: ``--prompts`` random prompts of ``--prompt-len`` tokens, ``--n`` samples each
+(temperature 1, per-request seeds), each prompt's response length drawn uniformly from
+[``--min-new-frac`` x ``--max-new``, ``--max-new``], the same in every step (no stop tokens, so
+the lengths are exactly these: a random-weight model's "EOS" would be noise). Engine and trainer are two copies of the same
+bench model (bf16, LoRA r=32 on every target) in one process, as a colocated LoRA RL job runs them.
+
+Phases (CUDA-synchronised wall clock):
+
+* ``rollout``: ``RolloutEngine.generate`` of the whole batch (continuous batching, graph decode);
+* ``parity_forward``: the no-grad trainer forward over every sequence whose log-probs are compared
+  with the engine's (only with ``--parity-pass separate``, today's loop; ``fused`` takes the
+  comparison from the training forward's log-probs, which are the same bits, and drops this pass);
+* ``train_forward_backward``: per micro-batch (whole sequences, at most ``--micro-batch-tokens``)
+  the packed forward with autograd, a GRPO loss (group-normalised random rewards, PPO-clip ratio
+  against the rollout log-probs, token mean) and backward (gradients accumulate);
+* ``optimizer``: ``make_optimizer``'s AdamW step on the LoRA parameters;
+* ``weight_push``: ``engine.update_weights(lora_state_dict(trainer))``.
+
+Step 0 is a warm-up (Triton compilation, CUDA-graph capture) and is reported but not summarised;
+each later step runs one ``--parity-pass`` mode. Every step checks the contract: the fraction of
+response tokens whose trainer log-prob equals the engine's bitwise (1.0 expected in bitwise mode).
+``--smoke``: CPU, tiny preset and sizes; checks the script end to end (numbers meaningless).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from _common import build_on_device, default_out, env, model_config, pick_device, setup_logging, table, write_json
+from zmrl.kernels_batch_invariant import set_mode
+from zmrl.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
+from zmrl.model import RECOMPUTE_POLICIES, apply_recompute
+from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
+from zmrl.trainer import compute_logprobs, make_optimizer, pack_micro_batches
+
+log = logging.getLogger("benchmarks.rl_step")
+PARITY_PASSES = ("separate", "fused")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(dev: torch.device, times: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
+    _sync(dev)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(dev)
+    times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+    return out
+
+
+def grpo_advantages(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """Group-normalised rewards (GRPO): per prompt, (r - mean) / (std + 1e-6) over its n samples."""
+    r = rewards.view(-1, n)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
+
+
+def ppo_clip_loss(lp: torch.Tensor, old: torch.Tensor, adv: float, clip: float = 0.2) -> torch.Tensor:
+    """Sum over the sequence's tokens of the PPO-clip objective (negated)."""
+    ratio = torch.exp(lp - old)
+    return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).sum()
+
+
+def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, trainer, optimizer, prompts: list[list[int]],
+            step: int, parity_pass: str) -> dict[str, Any]:
+    times: dict[str, float] = {}
+    # The same response lengths every step (the steps' timings compare); tokens and rewards vary.
+    lo = max(1, int(a.min_new_frac * a.max_new))
+    new_lens = torch.randint(lo, a.max_new + 1, (len(prompts),), generator=torch.Generator().manual_seed(a.seed)).tolist()
+    g = torch.Generator().manual_seed(1000 + step)
+    params = [SamplingParams(temperature=1.0, max_tokens=m, seed=step * 100003 + i, n=a.n)
+              for i, m in enumerate(new_lens)]
+    outs = timed(dev, times, "rollout", lambda: engine.generate(prompts, params))
+    if any(o.error for o in outs):
+        raise RuntimeError(f"rollout errors: {[o.error for o in outs if o.error][:3]}")
+    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    plens = [len(o.prompt_token_ids) for o in outs]
+    old = [o.logprobs.to(dev) for o in outs]
+    n_resp = sum(len(o.token_ids) for o in outs)
+    rewards = torch.rand(len(outs), generator=g)
+    adv = grpo_advantages(rewards, a.n).tolist()
+    batches = pack_micro_batches([len(s) for s in seqs], a.micro_batch_tokens)
+    equal = 0
+
+    def count_equal(idx: list[int], lps: list[torch.Tensor]) -> int:
+        return sum(int((lp.detach() == old[i]).sum()) for i, lp in zip(idx, lps))
+
+    if parity_pass == "separate":
+        def parity_forward() -> int:
+            with torch.no_grad():
+                return sum(count_equal(b, compute_logprobs(trainer, [seqs[i] for i in b], [plens[i] for i in b], 1.0))
+                           for b in batches)
+        equal = timed(dev, times, "parity_forward", parity_forward)
+
+    def train() -> int:
+        eq = 0
+        for b in batches:
+            lps = compute_logprobs(trainer, [seqs[i] for i in b], [plens[i] for i in b], 1.0)
+            if parity_pass == "fused":
+                eq += count_equal(b, lps)
+            loss = sum(ppo_clip_loss(lp, old[i], adv[i]) for i, lp in zip(b, lps)) / n_resp
+            loss.backward()
+        return eq
+
+    eq_train = timed(dev, times, "train_forward_backward", train)
+    if parity_pass == "fused":
+        equal = eq_train
+
+    def opt_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    timed(dev, times, "optimizer", opt_step)
+    timed(dev, times, "weight_push", lambda: engine.update_weights(lora_state_dict(trainer)))
+    total = sum(times.values())
+    return {"step": step, "parity_pass": parity_pass, "sequences": len(outs), "response_tokens": n_resp,
+            "tokens": sum(len(s) for s in seqs), "micro_batches": len(batches),
+            "logprob_equal_fraction": equal / max(1, n_resp), "seconds": times, "total_s": total,
+            "share": {k: v / total for k, v in times.items()},
+            "rollout_tok_s": n_resp / times["rollout"],
+            "train_tok_s": sum(len(s) for s in seqs) / times["train_forward_backward"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-new", type=int, default=1024)
+    ap.add_argument("--min-new-frac", type=float, default=0.25)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--lora-r", type=int, default=32)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--max-batched-tokens", type=int, default=16384, help="engine prefill token budget per step")
+    ap.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES)
+    ap.add_argument("--parity-pass", default="separate,fused",
+                    help="one timed step per value: separate (no-grad parity forward, then training "
+                         "forward) or fused (parity from the training forward)")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON result (default benchmarks/results/<date>_rl_step_<device>.json)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, tiny sizes: checks the script runs")
+    a = ap.parse_args()
+    setup_logging()
+    passes = [p for p in a.parity_pass.split(",") if p]
+    if not passes or any(p not in PARITY_PASSES for p in passes):
+        raise SystemExit(f"--parity-pass: {a.parity_pass!r} (allowed, comma-separated: {', '.join(PARITY_PASSES)})")
+    dev = pick_device("rl_step.py", a.smoke)
+    if a.smoke:
+        a.prompts, a.n, a.prompt_len, a.max_new, a.micro_batch_tokens, a.max_batched_tokens = 2, 2, 24, 12, 64, 256
+    t_start = time.perf_counter()
+    set_mode("bitwise")
+    cfg = model_config(a.layers, a.smoke)
+    trainer = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
+    apply_lora(trainer, LoraConfig(r=a.lora_r, alpha=float(a.lora_r), init_b_std=0.02, init_seed=a.seed))
+    engine_model = copy.deepcopy(trainer)
+    apply_recompute(trainer, a.recompute)
+    for p in lora_parameters(trainer):
+        p.requires_grad_(True)
+    optimizer = make_optimizer(trainer, lr=a.lr)
+    n_seqs = a.prompts * a.n
+    per_seq_blocks = -(-(a.prompt_len + a.max_new) // 64)
+    engine = RolloutEngine(engine_model, EngineConfig(
+        num_blocks=n_seqs * per_seq_blocks + 16, max_num_seqs=n_seqs, max_num_batched_tokens=a.max_batched_tokens,
+        enable_prefix_caching=True, kernel_mode="bitwise"))
+    g = torch.Generator().manual_seed(a.seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
+    log.info("models and engine ready in %.1fs", time.perf_counter() - t_start)
+
+    out = a.out or default_out("rl_step" + ("_smoke" if a.smoke else ""))
+    steps: list[dict[str, Any]] = []
+
+    def save() -> None:  # after every step: a run cut short by a time limit keeps what it measured
+        write_json(out, {"benchmark": "rl_step", **env(), "preset": "tiny" if a.smoke else "bench",
+                         "layers": cfg.num_hidden_layers, "dtype": "bfloat16", "args": vars(a), "steps": steps,
+                         "wall_s": time.perf_counter() - t_start})
+
+    for step, mode in enumerate(["fused"] + passes):  # step 0: warm-up
+        r = rl_step(a, dev, engine, trainer, optimizer, prompts, step, mode)
+        steps.append(r)
+        save()
+        log.info("step %d (%s): %.1fs, log-prob parity %.4f", step, mode, r["total_s"], r["logprob_equal_fraction"])
+    timed_steps = steps[1:]
+    phases = ["rollout", "parity_forward", "train_forward_backward", "optimizer", "weight_push"]
+    rows = []
+    for ph in phases:
+        row: dict[str, Any] = {"phase": ph}
+        for r in timed_steps:
+            s = r["seconds"].get(ph)
+            row[f"{r['parity_pass']}_s"] = s
+            row[f"{r['parity_pass']}_share"] = None if s is None else s / r["total_s"]
+        rows.append(row)
+    rows.append({"phase": "total", **{f"{r['parity_pass']}_s": r["total_s"] for r in timed_steps},
+                 **{f"{r['parity_pass']}_share": 1.0 for r in timed_steps}})
+    cols = [("phase", "phase", "s")]
+    for r in timed_steps:
+        cols += [(f"{r['parity_pass']}_s", f"{r['parity_pass']} s", ".2f"), (f"{r['parity_pass']}_share", "share", ".1%")]
+    print(f"\nRL step, {'tiny (smoke)' if a.smoke else 'bench'} preset ({cfg.num_hidden_layers} layers) bf16, "
+          f"LoRA r={a.lora_r}: {a.prompts} prompts x n={a.n}, prompt {a.prompt_len}, new tokens "
+          f"{max(1, int(a.min_new_frac * a.max_new))}..{a.max_new}, trainer micro-batches <= {a.micro_batch_tokens} "
+          f"tokens, recompute {a.recompute}")
+    print(table(rows, cols))
+    for r in timed_steps:
+        print(f"{r['parity_pass']}: {r['response_tokens']} response tokens, rollout {r['rollout_tok_s']:.0f} tok/s, "
+              f"trainer {r['train_tok_s']:.0f} tok/s, log-prob parity {r['logprob_equal_fraction']:.4f}")
+    sep = {r["parity_pass"]: r for r in timed_steps}
+    if "separate" in sep:
+        pf = sep["separate"]["seconds"]["parity_forward"]
+        print(f"one forward per update saves the parity forward: {pf:.2f}s "
+              f"({pf / sep['separate']['total_s']:.1%} of the step with it)")
+    save()
+    ok = all(r["logprob_equal_fraction"] == 1.0 for r in steps)
+    if not ok:
+        log.error("rollout/trainer log-probs differ (bitwise mode): see logprob_equal_fraction")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

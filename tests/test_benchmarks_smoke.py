@@ -1,0 +1,43 @@
+"""The trainer and RL-step benchmarks run end to end on CPU (``--smoke``: tiny preset and sizes) and
+write their JSON; the RL step also checks the rollout/trainer log-prob contract (exit status 1 on a
+mismatch), so this is a small end-to-end parity check of rollout -> train -> weight push too."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out), *args],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_trainer_throughput_smoke(tmp_path):
+    pytest.importorskip("triton")  # the KDA comparison imports the Triton autograd module
+    res = _run("trainer_throughput.py", "--modes", "bitwise", "--recompute", "none,layer", "--kda-tokens", "64",
+               out=tmp_path / "t.json")
+    model = [r for r in res["model"] if "recompute" in r]
+    assert [r["recompute"] for r in model] == ["none", "layer"]
+    assert all(r["fwdbwd_ms"] > 0 and r["tok_s"] > 0 for r in model)
+    flops = [r["flops"] for r in res["model"] if "flops" in r][0]
+    assert flops["total"] > flops["base_fwd"] > 0
+    assert res["kda_layer"][0]["T"] == 64 and res["kda_layer"][0]["zmrl_fwd_fla_bwd_ms"] > 0
+
+
+def test_rl_step_smoke(tmp_path):
+    res = _run("rl_step.py", out=tmp_path / "r.json")
+    steps = res["steps"]
+    assert [s["parity_pass"] for s in steps] == ["fused", "separate", "fused"]
+    assert all(s["logprob_equal_fraction"] == 1.0 for s in steps)
+    assert "parity_forward" in steps[1]["seconds"] and "parity_forward" not in steps[2]["seconds"]
+    assert set(steps[2]["seconds"]) == {"rollout", "train_forward_backward", "optimizer", "weight_push"}

@@ -1,0 +1,228 @@
+"""Analytic backwards of the cheap row-wise / elementwise ops, in plain torch ops.
+
+DESIGN §2 asks the backward to be correct and deterministic, not batch-invariant. The Triton
+forwards of these ops used to get their gradient by re-running the op's torch composition under
+autograd (``triton/_autograd.with_reference_backward``): correct, but the compositions are built for
+invariance (tree reductions of log2(D) levels, a [T, W, C] window gather for the short conv whose
+autograd backward is an accumulating scatter), so their autograd graphs are many kernels and large
+transients. Here each gradient is the closed form, computed in fp32 (fp64 for fp64 inputs) with
+torch's row reductions and column sums, which are deterministic run to run on CPU and CUDA; the
+short conv's scatter is written as per-tap ``index_copy`` into distinct rows (no accumulation
+races). ``tests/kernels/test_grads.py`` checks every function against autograd of the float64
+reference on ragged shapes.
+
+Each function takes ``grads`` (the output gradients, None where an output got none), ``needs``
+(argument name -> whether it wants a gradient) and ``args`` (argument name -> value, as the op was
+called) and returns argument name -> gradient.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .short_conv import _window_index
+
+Grads = tuple[torch.Tensor | None, ...]
+Needs = dict[str, bool]
+Args = dict[str, Any]
+
+
+def _cdt(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x)
+
+
+def _col_sum(t: torch.Tensor, d: int) -> torch.Tensor:
+    """Sum over every leading dim of ``t`` [..., d] -> [d]."""
+    return t.reshape(-1, d).sum(0)
+
+
+def _zero_like_grad(x: torch.Tensor | None, need: bool) -> torch.Tensor | None:
+    return torch.zeros_like(x) if (x is not None and need) else None
+
+
+def _rms_core(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+              need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """d(x, weight) of ``<gy, x * rsqrt(mean(x^2) + eps) * weight>`` (gy already in the compute dtype)."""
+    cdt = _cdt(x.dtype)
+    d = x.shape[-1]
+    xf = x.to(cdt)
+    r = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+    xhat = xf * r
+    dw = _col_sum(gy * xhat, d).to(weight.dtype) if (weight is not None and need_w) else None
+    dx = None
+    if need_x:
+        dxhat = gy * weight.to(cdt) if weight is not None else gy
+        dx = (r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+    return dx, dw
+
+
+def rms_norm_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
+    x, w = args["x"], args["weight"]
+    (gy,) = grads
+    if gy is None:
+        return {"x": _zero_like_grad(x, needs["x"]), "weight": _zero_like_grad(w, needs["weight"])}
+    dx, dw = _rms_core(gy.to(_cdt(x.dtype)), x, w, args["eps"], needs["x"], needs["weight"])
+    return {"x": dx, "weight": dw}
+
+
+def rms_norm_gated_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
+    x, gate, w, eps = args["x"], args["gate"], args["weight"], args["eps"]
+    (gy,) = grads
+    if gy is None:
+        return {n: _zero_like_grad(args[n], needs[n]) for n in ("x", "gate", "weight")}
+    cdt = _cdt(x.dtype)
+    gy = gy.to(cdt)
+    s = _sigmoid(gate.to(cdt))
+    dgate = None
+    if needs["gate"]:
+        xf = x.to(cdt)
+        yn = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps) * w.to(cdt)
+        dgate = (gy * yn * s * (1.0 - s)).to(gate.dtype)
+    dx, dw = _rms_core(gy * s, x, w, eps, needs["x"], needs["weight"])
+    return {"x": dx, "gate": dgate, "weight": dw}
+
+
+def layer_norm_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
+    x, w, b, eps = args["x"], args["weight"], args["bias"], args["eps"]
+    (gy,) = grads
+    if gy is None:
+        return {n: _zero_like_grad(args[n], needs[n]) for n in ("x", "weight", "bias")}
+    cdt = _cdt(x.dtype)
+    d = x.shape[-1]
+    gy = gy.to(cdt)
+    xf = x.to(cdt)
+    xc = xf - xf.mean(-1, keepdim=True)
+    r = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
+    xhat = xc * r
+    out: dict[str, torch.Tensor | None] = {"x": None, "weight": None, "bias": None}
+    if w is not None and needs["weight"]:
+        out["weight"] = _col_sum(gy * xhat, d).to(w.dtype)
+    if b is not None and needs["bias"]:
+        out["bias"] = _col_sum(gy, d).to(b.dtype)
+    if needs["x"]:
+        dxhat = gy * w.to(cdt) if w is not None else gy
+        out["x"] = (r * (dxhat - dxhat.mean(-1, keepdim=True)
+                         - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+    return out
+
+
+def l2_norm_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
+    x, eps = args["x"], args["eps"]
+    (gy,) = grads
+    if gy is None or not needs["x"]:
+        return {"x": _zero_like_grad(x, needs["x"])}
+    cdt = _cdt(x.dtype)
+    xf, gy = x.to(cdt), gy.to(cdt)
+    n = torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)
+    y = xf / n
+    return {"x": ((gy - y * (gy * y).sum(-1, keepdim=True)) / n).to(x.dtype)}
+
+
+def kda_gate_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
+    z, a_log, dt_bias, h, lb = args["z"], args["A_log"], args["dt_bias"], args["num_heads"], args["lower_bound"]
+    (gy,) = grads
+    names = ("z", "A_log", "dt_bias")
+    if gy is None:
+        return {n: _zero_like_grad(args[n], needs[n]) for n in names}
+    cdt = _cdt(z.dtype)
+    t, hd = z.shape
+    dk = hd // h
+    a = torch.exp(a_log.reshape(h).to(cdt)).view(1, h, 1)
+    x = (z.to(cdt) + dt_bias.to(cdt).reshape(hd)).view(t, h, dk)
+    gy = gy.to(cdt)
+    if lb is None:  # g = -a softplus(x): dg/dx = -a sigmoid(x), dg/dA_log = g
+        s = _sigmoid(x)
+        dx = gy * (-a) * s
+        da_log = (gy * (-a) * torch.nn.functional.softplus(x)).sum((0, 2)) if needs["A_log"] else None
+    else:  # g = lb sigmoid(a x): dg/d(ax) = lb s (1 - s); d(ax)/dA_log = a x
+        s = _sigmoid(a * x)
+        dax = gy * (lb * s * (1.0 - s))
+        dx = dax * a
+        da_log = (dax * a * x).sum((0, 2)) if needs["A_log"] else None
+    dx = dx.reshape(t, hd)
+    return {"z": dx.to(z.dtype) if needs["z"] else None,
+            "A_log": None if da_log is None else da_log.reshape(a_log.shape).to(a_log.dtype),
+            "dt_bias": dx.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if needs["dt_bias"] else None}
+
+
+def swiglu_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
+    gate, up = args["gate"], args["up"]
+    (gy,) = grads
+    if gy is None:
+        return {n: _zero_like_grad(args[n], needs[n]) for n in ("gate", "up")}
+    cdt = _cdt(gate.dtype)
+    g, u, gy = gate.to(cdt), up.to(cdt), gy.to(cdt)
+    s = _sigmoid(g)
+    return {"gate": (gy * u * (s * (1.0 + g * (1.0 - s)))).to(gate.dtype) if needs["gate"] else None,
+            "up": (gy * g * s).to(up.dtype) if needs["up"] else None}
+
+
+def situ_glu_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
+    gate, up = args["gate"], args["up"]
+    (gy,) = grads
+    if gy is None:
+        return {n: _zero_like_grad(args[n], needs[n]) for n in ("gate", "up")}
+    beta, linear_beta = float(args.get("beta", 4.0)), args.get("linear_beta", 25.0)
+    cdt = _cdt(gate.dtype)
+    g, u, gy = gate.to(cdt), up.to(cdt), gy.to(cdt)
+    s = _sigmoid(g)
+    tg = torch.tanh(g / beta)
+    a = beta * tg * s
+    if linear_beta is None:  # uncapped up branch: b = u, db/du = 1
+        b, db = u, torch.ones_like(u)
+    else:
+        tu = torch.tanh(u / float(linear_beta))
+        b, db = float(linear_beta) * tu, 1.0 - tu * tu
+    out: dict[str, torch.Tensor | None] = {"gate": None, "up": None}
+    if needs["gate"]:
+        out["gate"] = (gy * b * ((1.0 - tg * tg) * s + beta * tg * s * (1.0 - s))).to(gate.dtype)
+    if needs["up"]:
+        out["up"] = (gy * a * db).to(up.dtype)
+    return out
+
+
+def causal_short_conv_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
+    """Gradient of ``causal_short_conv``: y_t = act(sum_i w_i * src[win[t, i]]), new_state = src[last].
+
+    ``src`` = x followed by the previous conv state rows. For a fixed tap i, ``win[:, i]`` maps
+    distinct tokens to distinct source rows, so each tap's contribution to d(src) is an
+    ``index_copy`` into a zero buffer (no two writes to one row), and the taps are added in fixed
+    order: deterministic without atomics.
+    """
+    x, weight, cu, state, act = args["x"], args["weight"], args["cu_seqlens"], args["conv_state"], args["activation"]
+    gy, g_state = grads
+    cdt = _cdt(x.dtype)
+    t, c = x.shape
+    w = weight.shape[-1]
+    n = cu.numel() - 1
+    st = state if state is not None else x.new_zeros(n, w - 1, c)
+    src = torch.cat([x.to(cdt), st.to(cdt).reshape(n * (w - 1), c)], dim=0)
+    win, last = _window_index(cu, t, w)
+    wt = weight.to(cdt).reshape(c, w)
+    dsrc = torch.zeros_like(src)
+    dw = None
+    if gy is not None:
+        gy = gy.to(cdt)
+        if act == "silu":
+            pre = src[win[:, 0]] * wt[:, 0]
+            for i in range(1, w):
+                pre = pre + src[win[:, i]] * wt[:, i]
+            s = torch.sigmoid(pre)
+            gy = gy * (s * (1.0 + pre * (1.0 - s)))
+        if needs["weight"]:
+            dw = torch.stack([(gy * src[win[:, i]]).sum(0) for i in range(w)], dim=1)
+            dw = dw.reshape(weight.shape).to(weight.dtype)
+        if needs["x"] or (state is not None and needs["conv_state"]):
+            for i in range(w):
+                dsrc = dsrc + torch.zeros_like(src).index_copy_(0, win[:, i], gy * wt[:, i])
+    if g_state is not None and n:
+        dsrc = dsrc + torch.zeros_like(src).index_copy_(0, last.reshape(-1), g_state.to(cdt).reshape(-1, c))
+    return {"x": dsrc[:t].to(x.dtype) if needs["x"] else None,
+            "weight": dw if needs["weight"] else None,
+            "conv_state": (dsrc[t:].reshape(n, w - 1, c).to(state.dtype)
+                           if state is not None and needs["conv_state"] else None)}

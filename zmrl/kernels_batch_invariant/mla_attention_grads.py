@@ -1,0 +1,123 @@
+"""Backward of the absorbed MLA attention (sparse key lists or causal), as dense GEMMs over the keys a
+query chunk touches.
+
+The forward (``mla_attention`` / ``mla_attention_dense``) gives every query its own key list. The
+straightforward backward gathers those keys per query ([G, L, D]: 2048 x 576 values per query at the
+bench shape) and scatters the key gradients back with a sort-based deterministic ``index_add``,
+which is memory-bound and runs its products on fp32 CUDA cores. Here a chunk of G consecutive
+queries works on the union of their keys instead (``u``: the sorted unique cache slots, at most the
+chunk's sequence length for trainer batches): scores ``q @ K_u^T`` [G*H, U] are one GEMM, the
+per-query key lists become a boolean mask over U, and every other product (``o``, ``dP``, ``dQ``,
+``dK_u``) is one GEMM too. The key gradient lands on unique slots, so a plain ``index_add_`` is
+exact and deterministic. The dense products do at most ~2x the sparse FLOPs (U <= 2 L for
+sequences up to twice the top-k) but on tensor cores: when the cache and queries are bf16/fp16 (the
+model's case) the fp32 products run with TF32 allowed on CUDA: the bf16 operands are exact in TF32,
+and the gradients are returned in bf16, whose rounding (2^-9) exceeds TF32's (2^-11). fp32 inputs
+keep full fp32 products.
+
+Everything is deterministic run to run: sorted ``unique``, constant-value ``scatter_``, fixed-shape
+GEMMs, ``index_add_`` onto distinct rows, chunks in ascending order.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from .mla_attention import cache_slots
+
+# Elements of one [G, H, U] fp32 buffer per chunk (the backward holds about five of them).
+CHUNK_ELEMS = 1 << 26
+# TF32 tensor cores for half-precision inputs on CUDA (module docstring). False: full fp32 always.
+ALLOW_TF32 = True
+
+
+@contextlib.contextmanager
+def _tf32(device: torch.device, half_inputs: bool) -> Iterator[None]:
+    if device.type != "cuda" or not ALLOW_TF32 or not half_inputs:
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
+                        softmax_scale: float, kv_lora_rank: int, need: tuple[bool, bool, bool]
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of ``o = softmax(scale * q . k) @ c`` w.r.t. q_lat [T, H, Dc], q_pe [T, H, Dr] and
+    kv_cache [pages, page_size, Dc + Dr], given grad_out [T, H, Dc] and each query's key positions
+    [T, L] (-1 = no key; positions index the query's sequence ``seq_idx`` through ``block_table``).
+    ``need`` says which of the three are wanted; the others come back as None."""
+    nq, h, dc = q_lat.shape
+    num_pages, page_size, d = kv_cache.shape
+    dev = q_lat.device
+    cdt = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
+    flat = kv_cache.detach().reshape(num_pages * page_size, d)
+    kp = key_positions.to(torch.int64)
+    width = max(1, kp.shape[1])
+    g_ql = torch.zeros((nq, h, dc), dtype=cdt, device=dev) if need[0] else None
+    g_qr = torch.zeros((nq, h, d - dc), dtype=cdt, device=dev) if need[1] else None
+    g_kv = torch.zeros((num_pages * page_size, d), dtype=cdt, device=dev) if need[2] else None
+    # U is typically <= 2 L for trainer batches (a chunk's keys come from one or two sequences).
+    chunk = max(1, CHUNK_ELEMS // (h * 2 * width))
+    half = {q_lat.dtype, kv_cache.dtype} <= {torch.bfloat16, torch.float16}
+    with _tf32(dev, half):
+        c0 = 0
+        while c0 < nq:
+            c1 = min(nq, c0 + chunk)
+            slots, valid = cache_slots(block_table, seq_idx[c0:c1], kp[c0:c1], page_size)
+            u, inv = torch.unique(slots[valid], sorted=True, return_inverse=True)
+            n_u = u.numel()
+            if c1 - c0 > 1 and (c1 - c0) * h * n_u > 2 * CHUNK_ELEMS:
+                chunk = max(1, chunk // 2)  # keys spread wider than expected: smaller chunks
+                continue
+            _chunk_grads(grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u, inv, valid, softmax_scale, dc, cdt,
+                         None if g_ql is None else g_ql[c0:c1], None if g_qr is None else g_qr[c0:c1], g_kv)
+            c0 = c1
+    return (None if g_ql is None else g_ql.to(q_lat.dtype),
+            None if g_qr is None else g_qr.to(q_pe.dtype),
+            None if g_kv is None else g_kv.view(num_pages, page_size, d).to(kv_cache.dtype))
+
+
+def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
+                 inv: torch.Tensor, valid: torch.Tensor, scale: float, dc: int, cdt: torch.dtype,
+                 g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None) -> None:
+    """One chunk of G queries over its U unique key slots ``u``; writes into the gradient buffers."""
+    g, h, _ = q_lat.shape
+    n_u = u.numel()
+    d = flat.shape[-1]
+    if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
+        return
+    loc = torch.full(valid.shape, n_u, dtype=torch.int64, device=valid.device)
+    loc[valid] = inv
+    mask = torch.zeros(g, n_u + 1, dtype=torch.bool, device=valid.device).scatter_(1, loc, True)[:, :n_u]
+    k = flat.index_select(0, u).to(cdt)  # [U, D]
+    q = torch.cat([q_lat.detach(), q_pe.detach()], dim=-1).to(cdt).reshape(g * h, d)  # [G*H, D]
+    s = (q @ k.t()).view(g, h, n_u) * scale
+    vm = mask.unsqueeze(1)
+    s = s.masked_fill(~vm, float("-inf"))
+    has = vm.any(dim=-1, keepdim=True)
+    p = torch.softmax(torch.where(has, s, torch.zeros_like(s)), dim=-1)
+    p = torch.where(vm, p, torch.zeros_like(p)).view(g * h, n_u)
+    c = k[:, :dc]  # [U, Dc]
+    gof = go.to(cdt).reshape(g * h, dc)
+    o = p @ c
+    dp = gof @ c.t()
+    delta = (gof * o).sum(dim=-1, keepdim=True)
+    ds = p * (dp - delta) * scale  # [G*H, U]
+    if g_ql is not None or g_qr is not None:
+        dq = (ds @ k).view(g, h, d)
+        if g_ql is not None:
+            g_ql.copy_(dq[..., :dc])
+        if g_qr is not None:
+            g_qr.copy_(dq[..., dc:])
+    if g_kv is not None:
+        dk = ds.t() @ q  # [U, D]
+        dk[:, :dc] += p.t() @ gof
+        g_kv.index_add_(0, u, dk)  # u is unique: one add per row
