@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zmrl"
 
 FLOORS: dict[str, int] = {
+    "extras": 0,  # the optional-dependency guard, importable from every floor
     "kernels_batch_invariant": 0,
     "model": 1,
     "lora": 2, "parallel": 2,
@@ -33,12 +34,12 @@ GROUPS = {"cli": "entry points", "train": "entry points", "__main__": "entry poi
 # appears. ModelConfig's sizing conveniences (param_counts, kv_bytes_per_token_per_layer,
 # kda_state_bytes_per_request) delegate to zmrl.capacity.sizing, and ModelConfig.preset reads the preset
 # table in presets.py, which builds ModelConfig objects: both are public API of ModelConfig.
-# zmrl.rl.metrics -> zmrl.rl.dashboard closes a circle with dashboard -> metrics (metrics should not depend
-# on the dashboard; being changed on another branch).
+# ModelConfig.from_json reads the released Kimi K3 format through k3_release.py, which builds ModelConfig
+# objects (a lazy import inside the reader).
 ALLOWED = {
     ("zmrl.model.config", "zmrl.capacity.sizing"),
     ("zmrl.model.config", "zmrl.model.presets"),
-    ("zmrl.rl.metrics", "zmrl.rl.dashboard"),
+    ("zmrl.model.config", "zmrl.model.k3_release"),
 }
 
 

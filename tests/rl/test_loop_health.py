@@ -130,7 +130,7 @@ def test_one_ulp_in_the_loop_turns_the_badge_red(tmp_path, monkeypatch):
 
     def off_by_one_ulp(self, *args, **kwargs):
         batch = rollout(self, *args, **kwargs)
-        lp = batch.samples[0].rollout_logprobs
+        lp = batch.samples[0].logprobs
         lp[0] = torch.nextafter(lp[0], torch.tensor(0.0, dtype=lp.dtype))
         return batch
 

@@ -153,7 +153,7 @@ def test_smoke_with_a_bogus_preset_is_one_line():
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == ("zmrl smoke: error: unknown preset 'bogus'; available: "
-                                                 "['bench', 'k3.1-pro', 'tiny']")
+                                                 "['bench', 'k3', 'k3.1-pro', 'tiny']")
 
 
 def test_train_without_a_recipe_uses_the_readme_recipe(monkeypatch):

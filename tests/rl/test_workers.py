@@ -90,7 +90,7 @@ def test_local_workers_through_their_handles(model_spec):
     assert [s.group for s in samples] == [4, 4, 5, 5, 6, 6]
     assert [s.prompt_ids for s in samples] == [p for p in prompts for _ in range(2)]
     assert all(s.temperature == 0.8 and s.seed == 7 and s.weights_version == 1 for s in samples)
-    with pytest.raises(ValueError, match="got 3 prompts, 2 groups and 3 request ids"):
+    with pytest.raises(ValueError, match="got 3 prompts, 2 groups, 3 SamplingParams and 3 request ids"):
         rollout.generate(prompts, [0, 1], sampling, ["y-0", "y-1", "y-2"]).result()
 
     advantages = [torch.linspace(-1, 1, len(s.response_ids)) for s in samples]

@@ -60,9 +60,12 @@ class RolloutWorker:
         self.model = model.load()
         self.engine = RolloutEngine(self.model, engine)
 
-    def generate(self, prompts: list[list[int]], groups: list[int], sampling: list[SamplingParams],
+    def generate(self, prompts: list[list[int]], groups: list[int], sampling: SamplingParams | list[SamplingParams],
                  request_ids: list[str], use_tqdm: bool = False) -> list[Sample]:
-        """``sampling[i].n`` samples of prompt i (its own seed), in prompt order; they have group ``groups[i]``."""
+        """``sampling[i].n`` samples of prompt i (one SamplingParams: the same for every prompt), in prompt
+        order; they have group ``groups[i]``."""
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
         if not len(prompts) == len(groups) == len(request_ids) == len(sampling):
             raise ValueError(f"got {len(prompts)} prompts, {len(groups)} groups, {len(sampling)} SamplingParams and "
                              f"{len(request_ids)} request ids")
@@ -144,7 +147,7 @@ class RolloutHandle:
     def __init__(self, transport: WorkerHandle):
         self.transport = transport
 
-    def generate(self, prompts: list[list[int]], groups: list[int], sampling: list[SamplingParams],
+    def generate(self, prompts: list[list[int]], groups: list[int], sampling: SamplingParams | list[SamplingParams],
                  request_ids: list[str], use_tqdm: bool = False) -> Pending[list[Sample]]:
         return Pending(self.transport.submit("generate", prompts, groups, sampling, request_ids, use_tqdm=use_tqdm))
 
