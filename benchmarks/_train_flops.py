@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from zmrl.model import ModelConfig
-from zmrl.model.sizing import _is_active, weight_shapes
+from zmrl.capacity.sizing import _is_active, weight_shapes
 
 KDA_CHUNK = 64
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")

@@ -19,7 +19,7 @@ from zmrl.model.config import LinearAttnConfig
 from zmrl.model.kda import KimiDeltaAttention
 from zmrl.model.mla import MLAAttention
 from zmrl.model.moe import MLP, MoE
-from zmrl.model.sizing import weight_shapes
+from zmrl.capacity.sizing import weight_shapes
 
 
 def small(**over) -> ModelConfig:
