@@ -81,9 +81,12 @@ def build_parser(real: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    # A lazy subcommand's stub takes anything (its own parser reads it below): unknown options pass here.
+    args, unknown = build_parser().parse_known_args(argv)
     if args.func is None:  # a lazy subcommand: parse again with its real parser
         args = build_parser(real=args.command).parse_args(argv)
+    elif unknown:  # any other subcommand: argparse's own one-line error
+        build_parser().parse_args(argv)
     from zmrl.train import setup_logging
 
     setup_logging(logging.DEBUG if args.verbose or getattr(args, "debug", False) else logging.INFO)
