@@ -49,6 +49,14 @@ def fla():
     return mod.chunk_kda
 
 
+@pytest.fixture(autouse=True)
+def fla_backward_on(monkeypatch):
+    """These tests validate the opt-in fla backward (kda_chunk_bwd.ENABLED)."""
+    from zmrl.kernels_batch_invariant.triton import kda_chunk_bwd
+
+    monkeypatch.setattr(kda_chunk_bwd, "ENABLED", True)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
 
