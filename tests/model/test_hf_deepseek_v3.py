@@ -1,6 +1,7 @@
 """The HF config adapter for ``deepseek_v3`` (zmrl/model/hf_config.py) against transformers' own
 ``DeepseekV3ForCausalLM``: tiny random models built and saved by transformers in the test (no network)
-load in zmrl with every tensor accounted for, and the fp32 logits agree.
+load in zmrl with every tensor accounted for, the fp32 logits agree, and what zmrl saves with
+``format="hf"`` reloads in transformers with the same tensors.
 
 Why ``TOL = 1e-5`` relative (max |difference| / max |logit|): both implementations also run in float64
 on the same weights, and each side's fp32-vs-fp64 gap is measured; they are ~5e-7 here, and the test
@@ -16,7 +17,8 @@ import json
 import pytest
 import torch
 
-from zmrl.model import ConfigError, ModelConfig, cu_seqlens_from_lens, forward_packed, load_pretrained, save_pretrained
+from zmrl.model import (ConfigError, ModelConfig, build_model, cu_seqlens_from_lens, forward_packed, load_pretrained,
+                        save_pretrained)
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,3 +111,18 @@ def test_config_errors_name_the_field(saved, over: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as ei:
         ModelConfig.from_dict(data)
     assert needle in str(ei.value)
+
+
+def test_saved_as_hf_reloads_in_transformers(saved, tmp_path) -> None:
+    hf, path = saved
+    model = load_pretrained(path, dtype="float32")
+    save_pretrained(model, tmp_path, format="hf")
+    again = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    want, got = hf.state_dict(), again.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert ModelConfig.from_json(tmp_path / "config.json") == model.config
+    with pytest.raises(ConfigError, match="cannot be written as a deepseek_v3"):
+        save_pretrained(build_model(ModelConfig.preset("tiny")), tmp_path / "x", format="hf")  # KDA, DSA: not V3
+    assert not (tmp_path / "x").exists()

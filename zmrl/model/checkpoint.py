@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
+from .hf_config import config_to_hf
 from .k3_release import Source, config_to_release, convert_tensor, is_release_config, map_release_tensors, release_state
 from .mxfp4 import MXFP4Error
 from .model import DTYPES, HybridForCausalLM, cast_model, checkpoint_state
@@ -26,7 +27,7 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: the message names the tensors."""
 
 
-FORMATS = ("zmrl", "k3")
+FORMATS = ("zmrl", "k3", "hf")
 
 
 def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None,
@@ -35,18 +36,22 @@ def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard
 
     ``format="zmrl"``: zmrl's flat config and module names. ``format="k3"``: the released Kimi K3 layout
     (k3_release.py): nested config, ``language_model.`` names, routed experts as MXFP4 when
-    ``quantize_experts`` (exact or an error: weights read from MXFP4 write back the same values)."""
+    ``quantize_experts`` (exact or an error: weights read from MXFP4 write back the same values).
+    ``format="hf"``: the transformers config of the model's ``model_type`` (hf_config.py; deepseek_v3),
+    with zmrl's tensor names, which are transformers' for that type."""
     if format not in FORMATS:
         raise ValueError(f"save_pretrained: format must be one of {FORMATS}, got {format!r}")
     out = Path(path)
     cfg = model.config
     cfg.torch_dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
     state = {k: v.detach().contiguous().cpu() for k, v in checkpoint_state(model).items()}
+    if format == "hf":
+        config = config_to_hf(cfg)  # before writing anything: a model it cannot express is refused
     if format == "k3":
         config = config_to_release(cfg, quantized_experts=quantize_experts and cfg.n_routed_experts > 0)
         state = release_state(cfg, state, quantize_experts)
     out.mkdir(parents=True, exist_ok=True)
-    if format == "k3":
+    if format in ("k3", "hf"):
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     else:
         cfg.to_json(out / "config.json")

@@ -93,3 +93,24 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
     if dtype is not None:
         out["torch_dtype"] = dtype
     return ModelConfig(**out).validate()
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The transformers ``config.json`` of ``cfg`` (``deepseek_v3``: an all-MLA rotary model without the
+    Kimi extensions); a config outside what that model type expresses is an error naming the field."""
+    checks = (("model_type", cfg.model_type == DEEPSEEK_V3),
+              ("linear_attn_config", not cfg.linear_attn_config.kda_layers),
+              ("index_topk", not cfg.has_indexer), ("mla_use_nope", not cfg.mla_use_nope),
+              ("mla_use_output_gate", not cfg.mla_use_output_gate), ("moe_latent_size", cfg.moe_latent_size is None),
+              ("moe_glu", cfg.moe_glu == "swiglu"), ("attn_res_block_size", cfg.attn_res_block_size is None),
+              ("moe_layer_freq", cfg.moe_layer_freq == 1), ("mla_latent_norm_eps", cfg.mla_latent_norm_eps == 1e-6))
+    for name, ok in checks:
+        if not ok:
+            raise ConfigError(f"config field {name!r} = {getattr(cfg, name)!r} cannot be written as a "
+                              f"{DEEPSEEK_V3} config.json")
+    out: dict[str, Any] = {h: getattr(cfg, z) for h, z in _DS_FIELDS.items()}
+    out.update(model_type=DEEPSEEK_V3, architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
+               num_key_value_heads=cfg.num_attention_heads, head_dim=cfg.qk_rope_head_dim,
+               qk_head_dim=cfg.qk_head_dim, rope_interleave=True, attention_bias=False,
+               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, torch_dtype=cfg.torch_dtype)
+    return out
