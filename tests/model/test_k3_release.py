@@ -274,3 +274,14 @@ def test_k3_1_pro_is_k3_plus_the_seed_indexer() -> None:
     assert (pro.index_n_heads, pro.index_head_dim, pro.index_topk, pro.index_use_hadamard) == (32, 128, 2048, True)
     assert dataclasses.replace(pro, index_topk=None, index_n_heads=k3.index_n_heads, index_head_dim=k3.index_head_dim,
                                index_use_hadamard=k3.index_use_hadamard) == k3
+
+
+def test_bare_kimi_linear_layout(release_dir, tmp_path) -> None:
+    """A ``kimi_linear`` config without the multimodal wrapper: the same names without ``language_model.``."""
+    path, model = release_dir
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    tensors = {k.removeprefix("language_model."): v for k, v in load_file(str(path / "model.safetensors")).items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert torch.equal(_logits(load_pretrained(tmp_path, dtype="float32")), _logits(model))

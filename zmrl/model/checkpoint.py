@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
 from .hf_config import config_to_hf
-from .k3_release import Source, config_to_release, convert_tensor, is_release_config, map_release_tensors, release_state
+from .k3_release import (Source, config_to_release, convert_tensor, is_release_config, map_release_tensors,
+                         release_state, tensor_prefix)
 from .mxfp4 import MXFP4Error
 from .model import DTYPES, HybridForCausalLM, cast_model, checkpoint_state
 
@@ -112,7 +113,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
     expected = {k: tuple(v.shape) for k, v in checkpoint_state(model).items()}
     files = _tensor_files(root)
     if release:
-        sources, missing, unexpected, skipped = map_release_tensors(cfg, expected, files)
+        sources, missing, unexpected, skipped = map_release_tensors(cfg, expected, files, tensor_prefix(raw))
         for reason, names in skipped.items():
             log.info("%s: skipped %d tensor(s) outside the text model (%s), e.g. %s", root, len(names), reason,
                      names[0])
