@@ -158,20 +158,27 @@ def build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
-def weight_bytes_per_decode_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
-    """Bytes of weights one decode token must read at batch 1: every weight except the routed
-    experts it does not pick (top-k of each MoE layer are read) and the embedding table (one row)."""
-    from zmrl.model.sizing import _is_active, weight_shapes
+def weight_bytes_per_decode_token(cfg: ModelConfig, dtype_bytes: int = 2, batch: int = 1) -> int:
+    """Bytes of weights one decode step of ``batch`` tokens must read: every weight except the routed
+    experts no token picks and the embedding rows no token looks up. At batch 1 each MoE layer reads its
+    top-k experts; at batch B the expected number of distinct experts hit by B independent uniform
+    top-k choices, ``E * (1 - (1 - k/E)^B)`` (all of them at the batches RL decodes at)."""
+    from zmrl.model.sizing import _EXPERT_RE, weight_shapes
 
-    total = 0
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    hit = k if batch == 1 or not e else e * (1.0 - (1.0 - k / e) ** batch)
+    total = 0.0
     for name, shape in weight_shapes(cfg).items():
-        if not _is_active(name, cfg.num_experts_per_tok):
-            continue
         n = math.prod(shape)
+        m = _EXPERT_RE.search(name)
+        if m is not None:
+            if int(m.group(1)) != 0:
+                continue
+            n *= hit  # expert 0 stands for every expert of its layer (equal shapes)
         if name == "model.embed_tokens.weight":
-            n = shape[1]
+            n = shape[1] * min(batch, shape[0])
         total += n * (4 if name.endswith(FP32_PARAMS) else dtype_bytes)
-    return total
+    return int(total)
 
 
 # ----------------------------------------------------------------------------- timing

@@ -158,7 +158,9 @@ def main() -> int:
                     help="bitwise (eager), graph (bitwise + CUDA-graph decode), fast (eager, stock kernels)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--profile-ctx", type=int, default=8192, help="context of the batch-1 profile (0 = no profile)")
+    ap.add_argument("--profile-ctx", type=int, default=8192, help="context of the profiles (0 = no profile)")
+    ap.add_argument("--profile-batches", type=_ints, default=[1, 256],
+                    help="batches whose graph-replayed step is profiled (at --profile-ctx)")
     ap.add_argument("--mem-fraction", type=float, default=0.85, help="skip combos needing more of the free memory")
     ap.add_argument("--time-budget-s", type=float, default=170.0, help="skip the remaining combos after this")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
@@ -172,6 +174,7 @@ def main() -> int:
     dev = pick_device("decode_throughput.py", a.smoke)
     if a.smoke:
         a.batches, a.contexts, a.profile_ctx, a.iters, a.warmup = [1, 3], [192], 192, 2, 1
+        a.profile_batches = [1, 3]
     modes = [m for m in a.modes.split(",") if m]
     t_start = time.perf_counter()
     torch.manual_seed(a.seed)
@@ -185,19 +188,28 @@ def main() -> int:
         apply_lora(model, LoraConfig(r=a.lora, alpha=float(a.lora), init_b_std=0.02, init_seed=a.seed))
     bw = copy_bandwidth_tb_s(dev, gib=0.25 if a.smoke else 2.0)
     log.info("device-to-device copy bandwidth %.2f TB/s", bw)
-    weight_bytes = weight_bytes_per_decode_token(cfg)
-    for name, p in model.named_parameters():  # LoRA (fp32): every adapter, top-k of each layer's experts
+    lora_dense = lora_experts = 0
+    for name, p in model.named_parameters():  # LoRA (fp32): every adapter, the hit experts of each layer
         if ".experts_lora." in name:
-            weight_bytes += p.numel() * p.element_size() * cfg.num_experts_per_tok // cfg.n_routed_experts
+            lora_experts += p.numel() * p.element_size()
         elif ".adapter.lora_" in name:
-            weight_bytes += p.numel() * p.element_size()
+            lora_dense += p.numel() * p.element_size()
+
+    def weight_bytes_at(batch: int) -> int:
+        """Weights one decode step of ``batch`` tokens reads (see weight_bytes_per_decode_token)."""
+        base = weight_bytes_per_decode_token(cfg, batch=batch)
+        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        frac = (k if batch == 1 else e * (1.0 - (1.0 - k / e) ** batch)) / e if e else 0.0
+        return int(base + lora_dense + lora_experts * frac)
+
+    weight_bytes = weight_bytes_at(1)
     template = kda_template(model, dev)
     gen = torch.Generator(device=dev).manual_seed(a.seed)
     steps = a.warmup + a.iters
 
     results: list[dict[str, Any]] = []
     profile: list[dict[str, Any]] | None = None
-    profile_graph: list[dict[str, Any]] | None = None  # the same step replayed from its CUDA graph
+    profile_graph: dict[int, list[dict[str, Any]]] = {}  # graph-replayed steps, by batch
     for ctx in sorted(a.contexts):
         ctx_tokens = ctx - PENDING
         if ctx_tokens < PAGE or ctx_tokens + steps + 1 > cfg.max_position_embeddings:
@@ -261,11 +273,12 @@ def main() -> int:
                             row["graph_capture_s"] = time.perf_counter() - t0
                             with kernel_mode("bitwise"):
                                 t = cuda_time_ms(graph_step, warmup=a.warmup, iters=a.iters)
-                                if batch == 1 and ctx == a.profile_ctx and profile_graph is None:
+                                if batch in a.profile_batches and ctx == a.profile_ctx:
                                     reset_seqs(seqs, template, ctx_tokens)
                                     for r in reqs:  # reload the reset states into the pool
                                         runner.release(r.request_id)
-                                    profile_graph = profile_step(graph_step, dev.type == "cuda")
+                                    graph_step()  # untimed: the pool reload happens outside the profile
+                                    profile_graph[batch] = profile_step(graph_step, dev.type == "cuda")
                             del runner
                         else:
                             with kernel_mode(mode):
@@ -280,10 +293,11 @@ def main() -> int:
                         continue
                     row[f"{mode}_ms"] = t["median_ms"]
                     row[f"{mode}_tok_s"] = batch / (t["median_ms"] * 1e-3)
-                    if batch == 1:
-                        bound_ms = (weight_bytes + kv_state_bytes_per_seq(cfg, ctx)) / (bw * 1e12) * 1e3
-                        row["hbm_bound_ms"] = bound_ms
-                        row[f"{mode}_frac_hbm"] = bound_ms / t["median_ms"]
+                    # The step's HBM bound: the weights it must read once plus every sequence's cache and
+                    # KDA state bytes, over the copy bandwidth measured in this run.
+                    bound_ms = (weight_bytes_at(batch) + batch * kv_state_bytes_per_seq(cfg, ctx)) / (bw * 1e12) * 1e3
+                    row["hbm_bound_ms"] = bound_ms
+                    row[f"{mode}_frac_hbm"] = bound_ms / t["median_ms"]
                     if batch == 1 and ctx == a.profile_ctx and mode == modes[0] and profile is None:
                         reset_seqs(seqs, template, ctx_tokens)
                         with kernel_mode(mode):
@@ -325,17 +339,18 @@ def main() -> int:
                                                 if step_ms else ")"))
         print(table(profile, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"),
                               ("share", "share", ".1%")]))
-    if profile_graph:
-        step_ms = next((r.get("graph_ms") for r in results if r["batch"] == 1 and r["context"] == a.profile_ctx), None)
-        print(f"\nThe same step replayed from its CUDA graph (kernels busy {profile_graph[-1]['ms_per_step']:.2f} ms"
+    for b, prof in sorted(profile_graph.items()):
+        step_ms = next((r.get("graph_ms") for r in results if r["batch"] == b and r["context"] == a.profile_ctx), None)
+        print(f"\nGraph-replayed step, batch {b}, context {a.profile_ctx} (kernels busy {prof[-1]['ms_per_step']:.2f} ms"
               + (f" of a {step_ms:.2f} ms step)" if step_ms else ")"))
-        print(table(profile_graph, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"),
-                                    ("share", "share", ".1%")]))
+        print(table(prof, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"),
+                           ("share", "share", ".1%")]))
     payload = {"benchmark": "decode_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
                "layers": cfg.num_hidden_layers,
                "dtype": "bfloat16", "copy_bandwidth_tb_s": bw, "weight_bytes_per_token_batch1": weight_bytes,
                "lora_r": a.lora, "pending_kda_rows": PENDING, "warmup": a.warmup, "iters": a.iters, "results": results,
-               "profile_batch1": profile, "profile_batch1_graph": profile_graph, "profile_context": a.profile_ctx,
+               "profile_batch1": profile,
+               "profile_graph": {str(b): p for b, p in profile_graph.items()}, "profile_context": a.profile_ctx,
                "wall_s": time.perf_counter() - t_start}
     write_json(a.out or default_out("decode_throughput" + ("_smoke" if a.smoke else "")), payload)
     return 0 if any(f"{m}_ms" in r for r in results for m in modes) else 1

@@ -186,7 +186,7 @@ def main() -> None:
 
     import triton
 
-    from zmrl.kernels_batch_invariant.triton.kda_chunk import DOT_PRECISION
+    from zmrl.kernels_batch_invariant import current_numerics
 
     result: dict[str, Any] = {
         "benchmark": "kda_vs_fla",
@@ -196,7 +196,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "fla-core": _version("fla-core"),
                      "cuda": torch.version.cuda},
         "fla_error": fla_error,
-        "dot_precision": DOT_PRECISION,
+        "dot_precision": current_numerics().kda_dot_precision,
         "dtypes": "q, k, v, beta bf16; g fp32; zmrl computes in fp32",
         "timing": "triton.testing.do_bench median; calls slower than 1 s: one timed run after a warm-up",
         "time_budget_s": budget,

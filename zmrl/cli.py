@@ -1,53 +1,90 @@
-"""``zmrl`` command line: one subcommand per job."""
+"""``zmrl`` command line: one subcommand per job.
+
+Building the parser imports nothing heavy: ``zmrl --help`` and ``zmrl train --help`` answer without
+loading torch. The subcommands whose options live next to their code (``plan``, ``parity``) are listed
+with a short help and their real parser is built only when one of them is run."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
+# name -> (module, function registering the subcommand on a subparsers object, one-line help)
+_LAZY = {
+    "plan": ("zmrl.rollout.planner", "add_plan_subcommand", "KV-cache capacity: tokens and full-length contexts "
+             "that fit"),
+    "parity": ("zmrl.parity", "add_parity_subcommand", "randomized rollout/trainer log-prob parity audit on the "
+               "tiny model"),
+}
+
 
 def _smoke(args: argparse.Namespace) -> int:
+    print(f"zmrl smoke: building the {args.preset} model, decoding {args.num_prompts} prompts x "
+          f"{args.max_new_tokens} tokens with the engine, recomputing them with the trainer ...", file=sys.stderr,
+          flush=True)
+    from zmrl.model.config import ConfigError
     from zmrl.smoke import run_smoke
 
-    r = run_smoke(preset=args.preset, dtype=args.dtype, num_prompts=args.num_prompts,
-                  max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:
+        r = run_smoke(preset=args.preset, dtype=args.dtype, num_prompts=args.num_prompts,
+                      max_new_tokens=args.max_new_tokens, seed=args.seed)
+    except ConfigError as e:  # an unknown preset: a user error, as in `zmrl plan`
+        print(f"zmrl smoke: error: {e}", file=sys.stderr)
+        return 2
     print(f"{'tokens compared':<24}{r.tokens_compared}")
-    print(f"{'bitwise equal':<24}{r.tokens_equal} ({r.tokens_equal / max(r.tokens_compared, 1):.4f})")
+    frac = f"{r.tokens_equal / r.tokens_compared:.4f}" if r.tokens_compared else "undefined: nothing compared"
+    print(f"{'bitwise equal':<24}{r.tokens_equal} ({frac})")
     print(f"{'max |dlogp|':<24}{r.max_abs_diff:.3e}")
     print(f"{'decode tokens/s':<24}{r.decode_tokens_per_s:.1f}")
     print("PASS: engine and trainer log-probs are bitwise equal" if r.ok else "FAIL: log-prob mismatch")
     return 0 if r.ok else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def build_parser(real: str | None = None) -> argparse.ArgumentParser:
+    """The ``zmrl`` parser; ``real`` names a lazy subcommand whose full parser is built (imports its module)."""
+    from zmrl.rl.dashboard import add_dashboard_subcommand
+    from zmrl.train import add_train_arguments, run_train
+
     parser = argparse.ArgumentParser(prog="zmrl", description="zero-mismatch RL toolkit")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("smoke", help="decode with the engine path, recompute with the trainer path, compare bitwise")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--num-prompts", type=_positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_smoke)
-
-    from zmrl.rollout.planner import add_plan_subcommand
-    from zmrl.train import add_train_arguments, run_train
-
-    add_plan_subcommand(sub)
-    p = add_train_arguments(sub.add_parser("train", help="run an RL recipe (GRPO/PPO with LoRA)"))
+    p = add_train_arguments(sub.add_parser("train", help="run an RL recipe (GRPO/PPO with LoRA); no recipe: the "
+                                                          "README's recipes/aime_lora.yaml"))
     p.set_defaults(func=run_train)
-    from zmrl.parity import add_parity_subcommand
-    from zmrl.rl.dashboard import add_dashboard_subcommand
-
-    add_parity_subcommand(sub)
+    for name, (module, register, help_text) in _LAZY.items():
+        if name == real:
+            getattr(importlib.import_module(module), register)(sub)
+        else:
+            stub = sub.add_parser(name, help=help_text, add_help=False)
+            stub.add_argument("rest", nargs=argparse.REMAINDER)
+            stub.set_defaults(func=None)
     add_dashboard_subcommand(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.func is None:  # a lazy subcommand: parse again with its real parser
+        args = build_parser(real=args.command).parse_args(argv)
+    from zmrl.train import setup_logging
+
+    setup_logging(logging.DEBUG if args.verbose or getattr(args, "debug", False) else logging.INFO)
     return args.func(args)
 
 

@@ -47,7 +47,9 @@ class ParityReport:
 
     tokens_compared: int
     tokens_equal: int
-    bitwise_equal_frac: float  # tokens_equal / tokens_compared (1.0 when nothing was compared)
+    # tokens_equal / tokens_compared; NaN when nothing was compared: an empty comparison proves nothing,
+    # so it must never read as "all equal"
+    bitwise_equal_frac: float
     max_abs_dlogp: float  # over paired tokens; NaN if a NaN log-prob was involved
     kl_k1: float
     kl_k3: float
@@ -57,6 +59,7 @@ class ParityReport:
     first_mismatch: tuple[int, int] | None = None  # (sequence index, token index) of the first difference
     length_mismatches: int = 0  # sequences whose rollout and trainer token counts differ (or are missing)
     details: dict[str, Any] = field(default_factory=dict)  # scenario facts (preemptions, prefix hits, ...)
+    sequences_compared: int = 0  # sequences with at least one response token compared
 
     @property
     def ok(self) -> bool:
@@ -67,6 +70,7 @@ class ParityReport:
         """Flat scalar metrics for a logger / dashboard."""
         return {
             f"{prefix}tokens_compared": float(self.tokens_compared),
+            f"{prefix}sequences_compared": float(self.sequences_compared),
             f"{prefix}bitwise_equal_frac": self.bitwise_equal_frac,
             f"{prefix}max_abs_dlogp": self.max_abs_dlogp,
             f"{prefix}kl_k1": self.kl_k1,
@@ -112,7 +116,7 @@ def compare_logprobs(rollout: Sequence[torch.Tensor], train: Sequence[torch.Tens
     per-token meaning of ``torch.equal``); Δ statistics are accumulated in float64.
     """
     n_seq = max(len(rollout), len(train))
-    compared = equal = mismatched = length_bad = 0
+    compared = equal = mismatched = length_bad = seqs_compared = 0
     first: tuple[int, int] | None = None
     max_abs = 0.0
     k1_sum = k3_sum = 0.0
@@ -126,6 +130,7 @@ def compare_logprobs(rollout: Sequence[torch.Tensor], train: Sequence[torch.Tens
         eq = a_p == b_p
         n_eq = int(eq.sum())
         compared += n + extra
+        seqs_compared += (n + extra) > 0
         equal += n_eq
         if extra or i >= len(rollout) or i >= len(train):
             length_bad += 1
@@ -144,10 +149,11 @@ def compare_logprobs(rollout: Sequence[torch.Tensor], train: Sequence[torch.Tens
             paired += n
     return ParityReport(
         tokens_compared=compared, tokens_equal=equal,
-        bitwise_equal_frac=equal / compared if compared else 1.0,
-        max_abs_dlogp=max_abs, kl_k1=k1_sum / paired if paired else 0.0, kl_k3=k3_sum / paired if paired else 0.0,
+        bitwise_equal_frac=equal / compared if compared else math.nan,
+        max_abs_dlogp=max_abs if paired else math.nan,
+        kl_k1=k1_sum / paired if paired else math.nan, kl_k3=k3_sum / paired if paired else math.nan,
         num_sequences=n_seq, scenario=scenario, sequences_mismatched=mismatched, first_mismatch=first,
-        length_mismatches=length_bad, details=dict(details or {}),
+        length_mismatches=length_bad, details=dict(details or {}), sequences_compared=seqs_compared,
     )
 
 

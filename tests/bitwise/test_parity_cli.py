@@ -68,8 +68,9 @@ def test_compare_never_raises_on_structure_mismatch():
     assert inf.ok and inf.max_abs_dlogp == 0.0 and inf.kl_k3 == 0.0
     empty = compare_logprobs([], [])
     assert empty.tokens_compared == 0 and not empty.ok  # an audit that compared nothing proves nothing
+    assert math.isnan(empty.bitwise_equal_frac)  # undefined, never "all equal"
     assert set(compare_logprobs(roll, roll).as_dict()) == {
-        "parity/tokens_compared", "parity/bitwise_equal_frac", "parity/max_abs_dlogp", "parity/kl_k1", "parity/kl_k3"}
+        "parity/tokens_compared", "parity/sequences_compared", "parity/bitwise_equal_frac", "parity/max_abs_dlogp", "parity/kl_k1", "parity/kl_k3"}
 
 
 # ----------------------------------------------------------------------------- run_audit

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from zmrl.kernels_batch_invariant.glu import situ_glu, situ_glu_ref, swiglu, swiglu_ref
 
-from .invariance import assert_rows_invariant, num_threads
+from .invariance import THREAD_COUNTS, assert_rows_invariant, num_threads
 
 OPS = {"swiglu": (swiglu, swiglu_ref), "situ_glu": (situ_glu, situ_glu_ref)}
 
@@ -99,7 +99,7 @@ def test_element_alone_equals_element_in_big_tensor(name: str) -> None:
     op, _ = OPS[name]
     gate, up = _gu(1, 100_003, seed=7)
     gate, up = gate[0], up[0]
-    for threads in (1, 2):
+    for threads in THREAD_COUNTS:
         with num_threads(threads):
             full = op(gate, up)
             for n in (1, 3, 7):

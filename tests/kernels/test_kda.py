@@ -18,6 +18,8 @@ from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, kda_chunk, kda_chunk_re
 from zmrl.kernels_batch_invariant.kda_gate import kda_gate
 from zmrl.kernels_batch_invariant.l2norm import l2_norm, l2_norm_ref
 
+from .invariance import THREAD_COUNTS
+
 C = CHUNK_SIZE
 
 
@@ -217,7 +219,7 @@ def test_invariant_to_packing_and_threads():
     rng = random.Random(0)
     prev_threads = torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in THREAD_COUNTS:
             torch.set_num_threads(threads)
             for s in range(len(lens)):
                 # alone

@@ -11,7 +11,7 @@ from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref
 
-from .invariance import num_threads
+from .invariance import THREAD_COUNTS, num_threads
 
 U32 = 2.0**-24
 
@@ -58,7 +58,7 @@ def test_expert_linear_invariant_to_token_counts(dtype):
         alone = {(e, i): expert_linear(pool[i:i + 1], ws, _offsets([int(j == e) for j in range(E)]))[0]
                  for e in range(E) for i in range(pool.shape[0])}
     pairs = list(alone)
-    for threads in (1, 2):
+    for threads in THREAD_COUNTS:
         with num_threads(threads):
             for total in (1, 2, 15, 16, 17, 40, 70):
                 pick = torch.randint(0, len(pairs), (total,), generator=g).tolist()

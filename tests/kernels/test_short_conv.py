@@ -8,6 +8,8 @@ import torch
 
 from zmrl.kernels_batch_invariant.short_conv import causal_short_conv, causal_short_conv_ref
 
+from .invariance import THREAD_COUNTS
+
 W = 4
 
 
@@ -76,7 +78,7 @@ def test_invariant_to_packing_and_threads():
     rng = random.Random(2)
     prev = torch.get_num_threads()
     try:
-        for threads in (1, 2):
+        for threads in THREAD_COUNTS:
             torch.set_num_threads(threads)
             for s in range(len(lens)):
                 xs = x[int(cu[s]) : int(cu[s + 1])]

@@ -44,6 +44,9 @@ def fake_step_metrics(step: int) -> dict:
         "mismatch/max_abs_dlogp": 0.0,
         "mismatch/kl_k1": 0.0,
         "mismatch/kl_k3": 0.0,
+        "mismatch/tokens_compared": 4096,
+        "mismatch/sequences_compared": 32,
+        "rollout/error_frac": 0.0,
     }
 
 
@@ -272,7 +275,7 @@ def test_dashboard_is_self_contained_and_carries_the_data(fake_run):
 def test_badge_on_mismatch_and_edge_cases():
     nan, inf = float("nan"), float("inf")
     records = [{"step": s, "reward/mean": 0.5, "mismatch/bitwise_equal_frac": 1.0, "mismatch/kl_k3": 0.0,
-                "loss/policy": nan if s == 4 else 0.1 * s} for s in range(1, 10)]
+                "mismatch/tokens_compared": 8, "loss/policy": nan if s == 4 else 0.1 * s} for s in range(1, 10)]
     records[6]["mismatch/bitwise_equal_frac"] = 0.999  # step 7
     records[8]["mismatch/kl_k3"] = 3e-9                   # step 9
     records.append({"step": 5, "eval/aime25_mean@8": 0.3})  # a single eval point
@@ -298,7 +301,8 @@ def test_badge_on_mismatch_and_edge_cases():
 
 def test_badge_ok_with_constant_zero_kl_and_none_without_parity_metrics():
     ok = render_html([{"step": s, "mismatch/bitwise_equal_frac": 1.0, "mismatch/kl_k3": 0.0,
-                       "mismatch/kl_k1": 0.0, "mismatch/max_abs_dlogp": 0.0} for s in range(3)])
+                       "mismatch/kl_k1": 0.0, "mismatch/max_abs_dlogp": 0.0, "mismatch/tokens_compared": 5}
+                      for s in range(3)])
     dom = Dom(ok)
     assert dom.badge["data-status"] == "ok"
     # KL == 0 everywhere: flat line at 0 on a [0, 1] axis, not a degenerate range
@@ -308,7 +312,8 @@ def test_badge_ok_with_constant_zero_kl_and_none_without_parity_metrics():
 
 
 def test_nan_parity_metric_is_a_mismatch():
-    dom = Dom(render_html([{"step": 1, "mismatch/bitwise_equal_frac": 1.0, "mismatch/kl_k3": float("nan")}]))
+    dom = Dom(render_html([{"step": 1, "mismatch/bitwise_equal_frac": 1.0, "mismatch/kl_k3": float("nan"),
+                            "mismatch/tokens_compared": 3}]))
     assert dom.badge["data-status"] == "mismatch" and dom.badge["data-first-step"] == "1"
 
 

@@ -52,16 +52,29 @@ def _write_jsonl(path, rows):
 
 def test_missing_field_names_row_and_field(tmp_path):
     f = _write_jsonl(tmp_path / "p.jsonl", [{"question": "q0", "answer": 1}, {"question": "q1"}])
-    with pytest.raises(ValueError, match=r"row 1 has no 'answer' field"):
+    with pytest.raises(ValueError, match=r"p.jsonl: line 2 has no 'answer' field"):
         load_problems(f)
     f = _write_jsonl(tmp_path / "q.jsonl", [{"problem": "q0", "answer": 1}])
-    with pytest.raises(ValueError, match=r"row 0 has no 'question' field"):
+    with pytest.raises(ValueError, match=r"line 1 has no 'question' field"):
+        load_problems(f)
+
+
+def test_broken_json_line_names_the_line(tmp_path):
+    f = tmp_path / "b.jsonl"
+    f.write_text('{"question": "q0", "answer": 1}\n\n{"question": "q1", "answer": 2\n')
+    with pytest.raises(ValueError, match=r"b.jsonl: line 3 is not valid JSON"):
+        load_problems(f)
+    f.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"line 1 is a JSON list, not an object"):
+        load_problems(f)
+    f.write_text("")
+    with pytest.raises(ValueError, match=r"no problems"):
         load_problems(f)
 
 
 def test_non_integer_answer_names_row(tmp_path):
     f = _write_jsonl(tmp_path / "p.jsonl", [{"question": "a", "answer": "7"}, {"question": "b", "answer": "x/2"}])
-    with pytest.raises(ValueError, match=r"row 1 field 'answer' is not an integer: 'x/2'"):
+    with pytest.raises(ValueError, match=r"line 2 field 'answer' is not an integer: 'x/2'"):
         load_problems(f)
 
 
@@ -183,7 +196,9 @@ def test_synthetic_answers_are_correct():
         ops.add(op)
         assert p["answer"] == eval(f"{a} {op} {b}")  # noqa: S307 -- the expression is digits and one operator
         assert type(p["answer"]) is int and 0 <= p["answer"] <= 999
-    assert ops == {"+", "-", "*"}
+    assert ops == {"+", "-"}  # the default task: single-digit sums and differences
+    assert {op for p in make_dataset(200, 0, TaskSpec(mul_weight=1.0)) for op in "+-*" if op in p["question"]} \
+        == {"+", "-", "*"}
 
 
 def test_synthetic_is_deterministic_and_seeded():
@@ -212,3 +227,11 @@ def test_solution_format_earns_the_reward():
         assert len(ids) <= 18  # the rollout max_tokens the default task needs
     assert format_solution({"question": "What is 7 * 8?", "answer": 56}) == "7*8=56 \\boxed{56}"
     assert format_solution({"question": "An AIME problem.", "answer": 25}) == "\\boxed{25}"
+
+
+def test_unboxed_solution_earns_nothing():
+    """The bootstrap teacher's other format: the work without the box, which the grader cannot read."""
+    for p in make_dataset(50, seed=2):
+        text = format_solution(p, boxed=False)
+        assert text.endswith(f"={p['answer']}") and "boxed" not in text
+        assert aime_reward(text, p["answer"]) == 0.0

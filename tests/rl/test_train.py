@@ -19,7 +19,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "aime_lora.yaml"
 
 
 def small_overrides(out_dir, bootstrap_dir, steps=3, save_every=1):
-    return [f"trainer.out_dir={out_dir}", f"model.bootstrap_dir={bootstrap_dir}", "model.bootstrap_time_s=20",
+    return [f"trainer.out_dir={out_dir}", f"model.bootstrap_dir={bootstrap_dir}", "model.bootstrap_steps=10",
             f"trainer.total_steps={steps}", f"trainer.save_every={save_every}", "data.prompts_per_step=2",
             "rollout.n=2", "rollout.max_tokens=6", "eval.every=2", "eval.n=2", "eval.limit=2", "eval.max_tokens=4",
             "logging.wandb_mode=disabled", "trainer.num_threads=1"]
@@ -53,7 +53,7 @@ def test_malformed_recipe(tmp_path):
         load_recipe(str(tmp_path / "missing.yaml"))
     with pytest.raises(RecipeError, match="trainer.total_steps"):
         load_recipe(str(RECIPE), ["trainer.total_steps=0"])
-    with pytest.raises(RecipeError, match="bad recipe value"):
+    with pytest.raises(RecipeError, match=r"recipe key 'trainer.total_steps': .*'many'"):
         load_recipe(str(RECIPE), ["trainer.total_steps=many"])
     with pytest.raises(RecipeError, match="rollout.decode_graphs.*auto, off, static or cuda"):
         load_recipe(str(RECIPE), ["rollout.decode_graphs=yes"])
@@ -62,9 +62,10 @@ def test_malformed_recipe(tmp_path):
 
 def test_missing_data_file(tmp_path, bootstrap_dir):
     from zmrl.rl.loop import RLRunner
+    from zmrl.rl.preflight import InputError
 
     cfg = load_recipe(str(RECIPE), small_overrides(tmp_path / "run", bootstrap_dir) + [f"data.train={tmp_path}/nope.jsonl"])
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(InputError, match=r"data.train=.*nope.jsonl: file not found"):
         RLRunner(cfg)
 
 
@@ -87,11 +88,14 @@ def full_run(tmp_path_factory, bootstrap_dir):
 
 def test_every_step_is_bitwise_on_policy(full_run):
     rows = _metrics(full_run)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # step 0: the held-out eval before any update
+    assert set(rows[0]) == {"step", "time", "eval/heldout_mean@2"}
+    rows = rows[1:]
     for r in rows:
+        assert r["mismatch/tokens_compared"] > 0 and r["rollout/errors"] == 0
         assert r["mismatch/bitwise_equal_frac"] == 1.0
         assert r["mismatch/kl_k3"] == 0.0 and r["mismatch/kl_k1"] == 0.0 and r["mismatch/max_abs_dlogp"] == 0.0
-    assert any("eval/aime25_mean@2" in r for r in rows)
+    assert any("eval/heldout_mean@2" in r for r in rows)  # data.eval=auto: the held-out split of the tiny task
     assert (Path(full_run) / "dashboard.html").exists()
     ckpt = Path(full_run) / "checkpoints"
     assert (ckpt / "latest").read_text() == "step_4"
@@ -113,8 +117,8 @@ def test_kill_and_resume_is_bitwise_identical(full_run, tmp_path, bootstrap_dir)
     r = _run(args + ["trainer.resume=true"])
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = _metrics(full_run), _metrics(out)
-    assert [x["step"] for x in b] == [1, 2, 3, 4]
-    for x, y in zip(a, b):
+    assert [x["step"] for x in b] == [0, 1, 2, 3, 4]
+    for x, y in zip(a[1:], b[1:]):
         for k in ("reward/mean", "loss/policy", "response/length_mean", "mismatch/bitwise_equal_frac"):
             assert x[k] == y[k], (x["step"], k)
     wa = load_file(str(Path(full_run) / "checkpoints/step_4/adapter/adapter_model.safetensors"))

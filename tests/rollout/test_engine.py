@@ -113,11 +113,16 @@ def test_n_samples_share_prompt(model, prompts):
     outs = engine.generate([prompts[1]], [SamplingParams(temperature=1.0, max_tokens=6, seed=1, n=3)])
     assert [o.request_id for o in outs] == ["0-0", "0-1", "0-2"]
     assert len({tuple(o.token_ids) for o in outs}) > 1, "siblings drew identical samples"
-    # each sibling equals the same request id run alone (n = 1)
-    for o in outs:
-        solo = RolloutEngine(model, EngineConfig(num_blocks=32)).generate(
-            [prompts[1]], [SamplingParams(temperature=1.0, max_tokens=6, seed=1)], request_ids=[o.request_id])[0]
-        assert solo.token_ids == o.token_ids and torch.equal(solo.logprobs, o.logprobs)
+    assert [o.sample_index for o in outs] == [0, 1, 2]
+    # sample 0 is the request with n = 1; each sibling is the same sample of the request run again in a
+    # fresh engine under another request id (randomness is keyed on seed and sample index, not ids)
+    solo = RolloutEngine(model, EngineConfig(num_blocks=32)).generate(
+        [prompts[1]], [SamplingParams(temperature=1.0, max_tokens=6, seed=1)], request_ids=["other"])[0]
+    assert solo.token_ids == outs[0].token_ids and torch.equal(solo.logprobs, outs[0].logprobs)
+    again = RolloutEngine(model, EngineConfig(num_blocks=32)).generate(
+        [prompts[1]], [SamplingParams(temperature=1.0, max_tokens=6, seed=1, n=3)], request_ids=["x"])
+    for o, a in zip(outs, again):
+        assert a.token_ids == o.token_ids and torch.equal(a.logprobs, o.logprobs)
 
 
 def test_stop_tokens(model, prompts):

@@ -1,4 +1,4 @@
-"""The rollout sampler: parameter validation, request keys, the counter-based noise, greedy and
+"""The rollout sampler: parameter validation, derived seeds, the counter-based noise, greedy and
 filtered draws, their distribution, the recorded log-probs, and bitwise row invariance."""
 from __future__ import annotations
 
@@ -11,17 +11,28 @@ import torch
 
 from zmrl.kernels_batch_invariant.logprob import log_softmax, token_logprobs
 from zmrl.rollout import sampling as S
-from zmrl.rollout.sampling import SamplingParams, request_key, sample
+from zmrl.rollout.sampling import SamplingParams, derive_seed, sample
 
 from tests.kernels.invariance import num_threads
 
 M64 = (1 << 64) - 1
 U32 = 2.0**-24  # unit roundoff of fp32
+PINNED_SEED = 451373029970860901  # derive_seed(0, 3, "sample:1"), fixed forever
+
+
+def P(**fields: object) -> SamplingParams:
+    """SamplingParams with seed 0 unless given (``sample`` needs a resolved seed; the engine draws one)."""
+    return SamplingParams(**{"seed": 0, **fields})  # type: ignore[arg-type]
+
+
+def _key(tag: str) -> int:
+    """A 63-bit key from a label (the engine's keys are sample indices; the sampler takes any)."""
+    return derive_seed(0, tag)
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, n: int, tag: str = "d") -> torch.Tensor:
     """n draws of one logits row at n distinct (key, position) pairs: 100 positions per key."""
-    keys = [request_key(f"{tag}-{i // 100}") for i in range(n)]
+    keys = [_key(f"{tag}-{i // 100}") for i in range(n)]
     positions = [i % 100 for i in range(n)]
     tokens, _ = sample(logits.expand(n, -1).contiguous(), [params] * n, keys, positions)
     return tokens
@@ -79,24 +90,27 @@ def test_params_normalised_and_frozen() -> None:
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=1e-3).greedy
     d = SamplingParams()
     got = (d.temperature, d.top_p, d.top_k, d.max_tokens, d.seed, d.stop_token_ids, d.n)
-    assert got == (1.0, 1.0, -1, 16, 0, (), 1)
+    assert got == (1.0, 1.0, -1, 16, None, (), 1)  # no seed: the engine draws one
     assert str(SamplingParams(temperature=-0.0).temperature) == "0.0"
     assert SamplingParams(seed=1 << 80).seed == 1 << 80  # wide seeds are allowed (folded in the hash)
 
 
-# ----------------------------------------------------------------------------- request keys
+# ----------------------------------------------------------------------------- seeds
 
 
-def test_request_key_stable_and_63_bit() -> None:
-    # Pinned: the key must not change between processes (PYTHONHASHSEED), machines or releases,
-    # or a replayed run would draw different tokens.
-    assert request_key("req-0") == 7856855362948791632
-    keys = {request_key(f"req-{i}") for i in range(2000)}
-    assert len(keys) == 2000
-    assert all(0 <= k < 1 << 63 for k in keys)
-    assert request_key("é") != request_key("e")
-    with pytest.raises(TypeError, match="request_id must be a str"):
-        request_key(5)  # type: ignore[arg-type]
+def test_derive_seed_stable_and_63_bit() -> None:
+    # Pinned: a derived seed must not change between processes (PYTHONHASHSEED), machines or releases,
+    # or a resumed RL run would draw different tokens.
+    assert derive_seed(0, 3, "sample:1") == derive_seed(0, 3, "sample:1") == PINNED_SEED
+    seeds = {derive_seed(7, i) for i in range(2000)}
+    assert len(seeds) == 2000 and all(0 <= s < 1 << 63 for s in seeds)
+    assert derive_seed(1, 2) != derive_seed(12) != derive_seed(2, 1)
+
+
+def test_sample_needs_a_seed() -> None:
+    with pytest.raises(ValueError, match=r"params\[1\]\.seed is None"):
+        sample(torch.randn(2, 10), [P(), SamplingParams()], [0, 0], [0, 0])
+    sample(torch.randn(1, 10), [SamplingParams(temperature=0)], [0], [0])  # greedy draws nothing
 
 
 # ----------------------------------------------------------------------------- counter-based noise
@@ -115,7 +129,7 @@ def test_mix64_torch_matches_python() -> None:
 
 def test_uniform_bits_match_python_reference() -> None:
     g = torch.Generator().manual_seed(1)
-    states = [S.row_state(s, k, p) for s, k, p in [(0, 0, 0), (1, request_key("a"), 7), (1 << 70, M64, (1 << 63) - 1)]]
+    states = [S.row_state(s, k, p) for s, k, p in [(0, 0, 0), (1, _key("a"), 7), (1 << 70, M64, (1 << 63) - 1)]]
     idx = torch.randint(0, 1 << 31, (3, 50), generator=g)
     got = S._uniform_bits(torch.tensor([S._signed(h) for h in states]), idx)
     for r, h in enumerate(states):
@@ -132,7 +146,7 @@ def test_u_is_never_0_or_1_and_gumbel_is_finite() -> None:
     assert edge[-1] == pytest.approx(-math.log(-math.log1p(-(2.0**-25))), rel=1e-12)
     assert 17.0 < float(edge[-1]) < 18.0 and -3.0 < float(edge[0]) < -2.8
     # and over a million real draws: finite, uniform bits (16 buckets within 5 sigma).
-    states = torch.tensor([S._signed(S.row_state(0, request_key(f"u{i}"), i)) for i in range(64)])
+    states = torch.tensor([S._signed(S.row_state(0, _key(f"u{i}"), i)) for i in range(64)])
     bits = S._uniform_bits(states, torch.arange(16384).expand(64, -1))
     assert torch.isfinite(S._gumbel_from_bits(bits)).all()
     counts = torch.bincount((bits >> 20).reshape(-1), minlength=16).double()
@@ -142,7 +156,7 @@ def test_u_is_never_0_or_1_and_gumbel_is_finite() -> None:
 
 def test_no_global_rng() -> None:
     x = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
-    ps, keys, pos = [SamplingParams(top_p=0.9)] * 6, list(range(6)), list(range(6))
+    ps, keys, pos = [P(top_p=0.9)] * 6, list(range(6)), list(range(6))
     torch.manual_seed(0)
     a = sample(x, ps, keys, pos)
     state = torch.get_rng_state()
@@ -165,14 +179,14 @@ def test_greedy_is_argmax_lowest_index_with_exact_logprob() -> None:
     x[2] = 0.0
     x[2, 7] = -0.0                              # all equal (with a -0.0) -> 0
     x[3, [31, 32]] = 7.5                        # tie at the end -> 31
-    p = SamplingParams(temperature=0, top_k=3, top_p=0.1, seed=9)  # filters are ignored when greedy
+    p = P(temperature=0, top_k=3, top_p=0.1, seed=9)  # filters are ignored when greedy
     tok, lp = sample(x, [p] * 5, [11, 12, 13, 14, 15], [0, 5, 6, 7, 8])
     want = [int(torch.argmax(x[0])), 4, 0, 31, int(torch.argmax(x[4]))]
     assert tok.tolist() == want
     assert tok.dtype == torch.int64 and lp.dtype == torch.float32
     assert torch.equal(lp, token_logprobs(x, tok, 0.0))
     # greedy does not look at seed, key or position
-    tok2, lp2 = sample(x, [SamplingParams(temperature=0)] * 5, [1, 2, 3, 4, 5], [9, 9, 9, 9, 9])
+    tok2, lp2 = sample(x, [P(temperature=0)] * 5, [1, 2, 3, 4, 5], [9, 9, 9, 9, 9])
     assert torch.equal(tok, tok2) and torch.equal(lp, lp2)
 
 
@@ -182,10 +196,10 @@ def test_greedy_is_argmax_lowest_index_with_exact_logprob() -> None:
 def test_same_counter_same_token_and_counters_matter() -> None:
     v, n = 64, 200
     x = torch.zeros(n, v)  # uniform: every draw is a fresh 1-in-64 pick
-    key = request_key("det")
+    key = _key("det")
 
     def run(seed: int, keys: list[int], positions: list[int]) -> torch.Tensor:
-        return sample(x, [SamplingParams(seed=seed)] * n, keys, positions)[0]
+        return sample(x, [P(seed=seed)] * n, keys, positions)[0]
 
     base = run(0, [key] * n, list(range(n)))
     assert torch.equal(base, run(0, [key] * n, list(range(n))))
@@ -194,10 +208,10 @@ def test_same_counter_same_token_and_counters_matter() -> None:
     # Changing the seed, the key or the position offset: agreement expected at 1/64 (~3 of 200,
     # sd ~1.8); 20 is > 9 sigma above chance, while ignoring that input agrees 200/200.
     for other in (run(1, [key] * n, list(range(n))), run(1 << 64, [key] * n, list(range(n))),
-                  run(0, [request_key("det2")] * n, list(range(n))), run(0, [key] * n, list(range(1, n + 1)))):
+                  run(0, [_key("det2")] * n, list(range(n))), run(0, [key] * n, list(range(1, n + 1)))):
         assert int((other == base).sum()) < 20
     # distinct keys at a fixed position also spread out
-    assert len(set(run(0, [request_key(f"k{i}") for i in range(n)], [5] * n).tolist())) > 40
+    assert len(set(run(0, [_key(f"k{i}") for i in range(n)], [5] * n).tolist())) > 40
 
 
 # ----------------------------------------------------------------------------- invariance
@@ -211,7 +225,7 @@ def _pool(n: int, v: int, seed: int) -> tuple[torch.Tensor, list[SamplingParams]
     x = torch.randn(n, v, generator=g) * scale + torch.randn(n, 1, generator=g) * 5
     x[0, :3] = x[0].max() + 1  # ties at the top
     choice = lambda opts: opts[int(torch.randint(0, len(opts), (1,), generator=g))]  # noqa: E731
-    params = [SamplingParams(temperature=choice([0.0, 0.6, 1.0, 1.7]), top_k=choice([-1, -1, 1, 7, 200]),
+    params = [P(temperature=choice([0.0, 0.6, 1.0, 1.7]), top_k=choice([-1, -1, 1, 7, 200]),
                              top_p=choice([1.0, 1.0, 0.95, 0.5, 0.05]), seed=choice([0, 1, 12345]))
               for _ in range(n)]
     keys = [int(k) for k in torch.randint(0, 1 << 62, (n,), generator=g).tolist()]
@@ -271,7 +285,7 @@ def test_bf16_logits_record_token_logprobs_of_the_bf16_row() -> None:
 
 def test_distribution_matches_softmax_of_scaled_logits() -> None:
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
-    tokens = draw(logits, SamplingParams(temperature=0.7, seed=3), 20000)
+    tokens = draw(logits, P(temperature=0.7, seed=3), 20000)
     assert_frequencies(tokens, torch.softmax(logits.double() / 0.7, -1))
     # the check has power: the same draws are far from the untempered distribution
     with pytest.raises(AssertionError):
@@ -280,31 +294,31 @@ def test_distribution_matches_softmax_of_scaled_logits() -> None:
 
 def test_top_k_draws_only_the_k_best_renormalised() -> None:
     logits = torch.tensor([0.3, -1.0, 1.2, 0.9, -0.2, 1.0, 0.0, -2.0])
-    tokens = draw(logits, SamplingParams(top_k=3), 20000, tag="tk")
+    tokens = draw(logits, P(top_k=3), 20000, tag="tk")
     p = torch.softmax(logits.double(), -1)
     p[[0, 1, 4, 6, 7]] = 0  # keep 2, 5, 3
     assert_frequencies(tokens, p / p.sum())
     # ties at the cut go to the lower index
     tied = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0, 3.0])
-    assert set(draw(tied, SamplingParams(top_k=2), 400, tag="t2").tolist()) == {1, 2}
-    assert set(draw(tied, SamplingParams(top_k=3), 400, tag="t3").tolist()) == {1, 2, 3}
+    assert set(draw(tied, P(top_k=2), 400, tag="t2").tolist()) == {1, 2}
+    assert set(draw(tied, P(top_k=3), 400, tag="t3").tolist()) == {1, 2, 3}
 
 
 def test_top_p_keeps_the_smallest_nucleus_renormalised() -> None:
     probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15], dtype=torch.float64)
     logits = probs.log().float()
     # sorted: 1 (0.4), 3 (0.3 -> 0.7), 4 (0.15 -> 0.85), 2, 0. top_p 0.75 needs three tokens.
-    tokens = draw(logits, SamplingParams(top_p=0.75), 20000, tag="tp")
+    tokens = draw(logits, P(top_p=0.75), 20000, tag="tp")
     want = probs.clone()
     want[[0, 2]] = 0
     assert_frequencies(tokens, want / want.sum())
-    assert set(draw(logits, SamplingParams(top_p=0.6), 400, tag="a").tolist()) == {1, 3}
-    assert set(draw(logits, SamplingParams(top_p=0.3), 400, tag="b").tolist()) == {1}
-    assert set(draw(logits, SamplingParams(top_p=0.75, top_k=2), 400, tag="c").tolist()) == {1, 3}
-    assert set(draw(logits, SamplingParams(top_p=0.95, top_k=4), 2000, tag="d").tolist()) == {1, 2, 3, 4}
+    assert set(draw(logits, P(top_p=0.6), 400, tag="a").tolist()) == {1, 3}
+    assert set(draw(logits, P(top_p=0.3), 400, tag="b").tolist()) == {1}
+    assert set(draw(logits, P(top_p=0.75, top_k=2), 400, tag="c").tolist()) == {1, 3}
+    assert set(draw(logits, P(top_p=0.95, top_k=4), 2000, tag="d").tolist()) == {1, 2, 3, 4}
     # probability ties: the lower index enters the nucleus first
     tied = torch.tensor([0.3, 0.3, 0.3, 0.1], dtype=torch.float64).log().float()
-    assert set(draw(tied, SamplingParams(top_p=0.5), 400, tag="e").tolist()) == {0, 1}
+    assert set(draw(tied, P(top_p=0.5), 400, tag="e").tolist()) == {0, 1}
 
 
 def test_wide_nucleus_beyond_the_first_prefix() -> None:
@@ -313,7 +327,7 @@ def test_wide_nucleus_beyond_the_first_prefix() -> None:
     v = 5000
     flat = torch.zeros(1, v)
     peaked = torch.randn(1, v, generator=torch.Generator().manual_seed(8)) * 10
-    p = SamplingParams(top_p=0.5)
+    p = P(top_p=0.5)
     tokens = draw(flat[0], p, 400, tag="w")
     assert int(tokens.max()) < 2501 and int(tokens.max()) > 2300
     for pos in range(20):
@@ -329,13 +343,13 @@ def test_filters_only_restrict_the_same_draw() -> None:
     g = torch.Generator().manual_seed(9)
     x = torch.randn(n, v, generator=g) * 2
     keys, positions = list(range(n)), [3 * i for i in range(n)]
-    free, _ = sample(x, [SamplingParams()] * n, keys, positions)
-    for p in (SamplingParams(top_k=v), SamplingParams(top_k=v + 10), SamplingParams(top_k=v - 1, top_p=1.0)):
+    free, _ = sample(x, [P()] * n, keys, positions)
+    for p in (P(top_k=v), P(top_k=v + 10), P(top_k=v - 1, top_p=1.0)):
         t, _ = sample(x, [p] * n, keys, positions)
         worst = x.argmin(-1)
         same = free != worst if p.top_k < v else torch.ones(n, dtype=torch.bool)
         assert torch.equal(t[same], free[same])
-    kept, _ = sample(x, [SamplingParams(top_k=5)] * n, keys, positions)
+    kept, _ = sample(x, [P(top_k=5)] * n, keys, positions)
     rank = (x > x.gather(1, free[:, None])).sum(-1)  # how many beat the free winner
     assert torch.equal(kept[rank < 5], free[rank < 5])
     assert bool((kept[rank >= 5] != free[rank >= 5]).all())
@@ -350,7 +364,7 @@ def test_recorded_logprob_uses_temperature_and_ignores_filters() -> None:
     best = int(torch.argmax(x))
     out = {}
     for t in (0.6, 1.0):
-        tok, lp = sample(x, [SamplingParams(temperature=t, top_k=1)], [1], [2])  # top_k=1 forces the argmax
+        tok, lp = sample(x, [P(temperature=t, top_k=1)], [1], [2])  # top_k=1 forces the argmax
         assert int(tok) == best
         assert torch.equal(lp, token_logprobs(x, tok, t))
         assert torch.equal(lp[0], log_softmax(x, t)[0, best])
@@ -358,12 +372,12 @@ def test_recorded_logprob_uses_temperature_and_ignores_filters() -> None:
         assert abs(float(lp) - float(ref)) < 1e-5  # fp32 log-softmax of O(10) logits: ~1e-6 error
         out[t] = lp
     assert not torch.equal(out[0.6], out[1.0])
-    greedy = sample(x, [SamplingParams(temperature=0)], [1], [2])
+    greedy = sample(x, [P(temperature=0)], [1], [2])
     # greedy records the log-softmax of the raw logits (token_logprobs at temperature 0), i.e. T = 1
     assert int(greedy[0]) == best and torch.equal(greedy[1], out[1.0])
     # the same token under filters records the unfiltered (full-vocab) log-prob
-    for p in (SamplingParams(temperature=0.6, top_p=0.3), SamplingParams(temperature=0.6, top_k=2),
-              SamplingParams(temperature=0.6, top_k=3, top_p=0.5)):
+    for p in (P(temperature=0.6, top_p=0.3), P(temperature=0.6, top_k=2),
+              P(temperature=0.6, top_k=3, top_p=0.5)):
         for pos in range(10):
             tok, lp = sample(x, [p], [1], [pos])
             assert torch.equal(lp, token_logprobs(x, tok, 0.6))
@@ -377,21 +391,21 @@ def test_recorded_logprob_uses_temperature_and_ignores_filters() -> None:
 def test_nonfinite_logits_name_the_row() -> None:
     x = torch.randn(5, 10)
     x[3, 4] = float("nan")
-    ps = [SamplingParams()] * 5
+    ps = [P()] * 5
     with pytest.raises(ValueError, match=r"logits row 3 .*non-finite value nan at vocab index 4"):
         sample(x, ps, [1, 2, 3, 4, 5], [0, 0, 0, 0, 0])
     x[3, 4] = 0.0
     x[1, 0] = float("-inf")
     with pytest.raises(ValueError, match=r"logits row 1 "):
-        sample(x, [SamplingParams(temperature=0)] * 5, [1, 2, 3, 4, 5], [0, 0, 0, 0, 0])
+        sample(x, [P(temperature=0)] * 5, [1, 2, 3, 4, 5], [0, 0, 0, 0, 0])
     x[1, 0] = 3e38  # finite, but overflows at temperature 0.5
     with pytest.raises(ValueError, match=r"logits row 1 .*overflows .*temperature 0.5"):
-        sample(x, [SamplingParams(temperature=0.5)] * 5, [1, 2, 3, 4, 5], [0, 0, 0, 0, 0])
+        sample(x, [P(temperature=0.5)] * 5, [1, 2, 3, 4, 5], [0, 0, 0, 0, 0])
 
 
 def test_argument_errors_and_empty_batch() -> None:
     x = torch.randn(2, 10)
-    ps = [SamplingParams()] * 2
+    ps = [P()] * 2
     with pytest.raises(ValueError, match="2 rows but got 1 params"):
         sample(x, ps[:1], [1, 2], [0, 0])
     with pytest.raises(ValueError, match=r"\[B, V\]"):

@@ -8,14 +8,12 @@ mode decide, so the engine and the trainer always reach the same implementation.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
 Mode = Literal["bitwise", "fast"]
-_MODES: tuple[str, ...] = ("bitwise", "fast")
 _mode: Mode = "bitwise"
 
 
@@ -23,21 +21,10 @@ def get_mode() -> Mode:
     return _mode
 
 
-def set_mode(mode: Mode) -> None:
+def _set_dispatch_mode(mode: Mode) -> None:
+    """Only ``numerics.apply_numerics`` calls this: the mode is part of the process's numerics contract."""
     global _mode
-    if mode not in _MODES:
-        raise ValueError(f"kernel mode must be one of {_MODES}, got {mode!r}")
     _mode = mode
-
-
-@contextlib.contextmanager
-def kernel_mode(mode: Mode) -> Iterator[None]:
-    previous = get_mode()
-    set_mode(mode)
-    try:
-        yield
-    finally:
-        set_mode(previous)
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:

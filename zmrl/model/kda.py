@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, kda_chunk, kda_chunk_step
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, kda_chunk, kda_decode_step
 from zmrl.kernels_batch_invariant.kda_gate import kda_gate
 from zmrl.kernels_batch_invariant.l2norm import l2_norm
 from zmrl.kernels_batch_invariant.norms import rms_norm_gated
@@ -108,30 +108,17 @@ class KimiDeltaAttention(nn.Module):
         """Decode with fixed shapes and no host reads (what a CUDA graph captures): one new token per
         sequence, its KDA state in ``ctx.kda_pool`` at rows ``ctx.kda_slots``, read and written in place.
 
-        The same arithmetic as ``forward``'s re-run of the current chunk: the chunk's rows so far (q = 0)
-        plus the new row at ``position % 64``, rows after it exact zeros, through ``kda_chunk_step``
-        (bitwise equal to ``kda_chunk`` on that partial chunk), the state advancing when the chunk is full.
+        ``kda_decode_step`` gives the new token bitwise the row the chunked formula (``forward``'s re-run
+        of the current chunk, the trainer's packed pass) gives it, the state advancing when the chunk is full.
         """
-        T, H, K, C = x.shape[0], self.num_heads, self.head_dim, CHUNK_SIZE
         pool = ctx.kda_pool.layer(self.layer_idx)
         slots = ctx.kda_slots
         qkv_in, conv_w = self._conv_inputs(x)
         qkv, conv_out = causal_short_conv(qkv_in, conv_w, ctx.cu_seqlens, pool.conv[slots], activation="silu")
         pool.conv[slots] = conv_out
         q, k, v, g, beta = self._features(qkv, x)
-
-        row = ctx.positions % C  # where the new token sits in its chunk
-        for buf, new in zip(pool.pending, (k, v, g, beta)):
-            buf[slots, row] = new
-        # Rows after the new one still hold an earlier chunk's values: kda_chunk_step reads only rows
-        # < num_rows (it masks the rest to exact zeros), so they never need clearing.
-        kc, vc, gc, bc = (buf[slots] for buf in pool.pending)
-        seq = torch.arange(T, device=x.device)
-        qc = q.new_zeros(T, C, H, K)
-        qc[seq, row] = q
-        o, next_state = kda_chunk_step(qc, kc, vc, gc, bc, row + 1, pool.state[slots])
-        pool.state[slots] = next_state
-        return self._output(o[seq, row], x)
+        o = kda_decode_step(q, k, v, g, beta, ctx.positions, slots, pool.chunk)
+        return self._output(o, x)
 
     def _snapshot_conv(self, s: KDASeqState, i: int, qkv_in: torch.Tensor, conv_in: torch.Tensor | None,
                        ctx: ForwardContext) -> None:

@@ -6,11 +6,11 @@ preallocated tensors, one slot per sequence, that the static decode path (``Kimi
 with ``ForwardContext.kda_pool`` set) reads and writes in place:
 
 * ``conv``  [S, W-1, 3*H*dk] the last short-conv inputs (model dtype);
-* ``state`` [S, H, dk, dv] fp32, the delta-rule state at the start of the current 64-token chunk;
-* ``k``/``g`` [S, 64, H, dk] fp32, ``v`` [S, 64, H, dv] (model dtype), ``beta`` [S, 64, H] fp32:
-  the rows of the current chunk seen so far. Row r of a sequence at absolute position p lives at
-  ``p % 64``; rows after the current one are masked to zero by ``kda_chunk_step``, so stale rows of an
-  earlier chunk never need clearing.
+* ``chunk``: a ``KDADecodeCache`` (the op layer's slot cache, see
+  ``kernels_batch_invariant/kda/decode.py``): the fp32 delta-rule state at the start of the current
+  64-token chunk, the rows of that chunk seen so far (row r of a sequence at absolute position p lives
+  at ``p % 64``; rows after the current one are never read, so stale rows of an earlier chunk never need
+  clearing) and the backend's solved rows, primed (``kda_decode_prime``) whenever a slot is loaded.
 
 The last slot is scratch: padding rows of a captured batch point there. ``load`` / ``store`` move a
 sequence between its ``KDASeqState`` (what eager forwards use) and its slot, bit for bit.
@@ -23,7 +23,7 @@ from typing import Hashable
 import torch
 from torch import nn
 
-from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_decode_prime
 
 from .context import KDASeqState, SequenceState
 
@@ -31,15 +31,15 @@ from .context import KDASeqState, SequenceState
 @dataclass
 class KDALayerPool:
     conv: torch.Tensor  # [S, W-1, C]
-    state: torch.Tensor  # [S, H, dk, dv] fp32
-    k: torch.Tensor  # [S, 64, H, dk] fp32
-    v: torch.Tensor  # [S, 64, H, dv]
-    g: torch.Tensor  # [S, 64, H, dk] fp32
-    beta: torch.Tensor  # [S, 64, H] fp32
+    chunk: KDADecodeCache  # state at the chunk start + the chunk's rows so far, per slot
+
+    @property
+    def state(self) -> torch.Tensor:
+        return self.chunk.state
 
     @property
     def pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.k, self.v, self.g, self.beta
+        return self.chunk.rows
 
 
 class KDAStatePool:
@@ -62,11 +62,10 @@ class KDAStatePool:
             dt = m.q_proj.weight.dtype
             # the dtypes the layer produces: q/k are L2-normalised to fp32 and beta is fp32 whatever the model
             # dtype, so the chunk runs (and keeps its state) in fp32; the gate follows fp64 models
-            f32, g_dt = torch.float32, (torch.float64 if dt == torch.float64 else torch.float32)
-            z = lambda *shape, dtype=f32: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+            g_dt = torch.float64 if dt == torch.float64 else torch.float32
             self.layers[m.layer_idx] = KDALayerPool(
-                conv=z(s, m.conv_size - 1, 3 * h * dk, dtype=dt), state=z(s, h, dk, dk),
-                k=z(s, c, h, dk), v=z(s, c, h, dk, dtype=dt), g=z(s, c, h, dk, dtype=g_dt), beta=z(s, c, h))
+                conv=torch.zeros(s, m.conv_size - 1, 3 * h * dk, dtype=dt, device=device),
+                chunk=KDADecodeCache.allocate(s, h, dk, dk, v_dtype=dt, g_dtype=g_dt, device=device))
 
     def layer(self, key: Hashable) -> KDALayerPool:
         return self.layers[key]
@@ -90,6 +89,8 @@ class KDAStatePool:
                 pool.state[slot].copy_(st.state)
             for buf, rows in zip(pool.pending, st.pending or ()):
                 buf[slot, :r].copy_(rows)
+            kda_decode_prime(torch.tensor([slot], device=pool.state.device),
+                             torch.tensor([r], device=pool.state.device), pool.chunk)
 
     @torch.no_grad()
     def store(self, seq: SequenceState, slot: int) -> None:

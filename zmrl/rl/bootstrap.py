@@ -8,12 +8,15 @@ same recipe (``bootstrap.json`` stores the recipe and its hash); otherwise it tr
 the rollout engine (greedy and T = 1 accuracy on held-out problems), writes everything into a temp
 folder beside ``cache_dir`` and renames it into place, so a crash never leaves a half-written cache.
 
-Determinism: the init, the problem stream and the batch order are seeded and the run uses a fixed
-thread count (``num_threads``, 1 by default), so two runs that stop at ``max_steps`` produce the same
-weights. A run cut short by ``time_budget_s`` stops at a machine-dependent step (``bootstrap.json``
-records ``steps`` and ``stopped_by``).
+The budget is a number of SFT steps (``max_steps``, recipe key ``model.bootstrap_steps``), never a
+time: the init, the problem stream, the teacher's format choices and the batch order are seeded and the
+run uses a fixed thread count (``num_threads``, 1), so every machine builds the same model (bitwise, for
+the same torch build and CPU kernels) whatever its load, and the cache is keyed by the hash of
+everything that determines the weights.
 
-CLI: ``python -m zmrl.rl.bootstrap --out DIR [--seed 0] [--time-budget 150] [--max-steps N] [--force]``.
+The teacher boxes the answer in ``boxed_frac`` of the targets only (``zmrl.rl.synthetic`` says why).
+
+CLI: ``python -m zmrl.rl.bootstrap --out DIR [--seed 0] [--steps N] [--force]``.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ __all__ = ["BOOTSTRAP_FILE", "BootstrapRecipe", "bootstrap_model", "evaluate_acc
 log = logging.getLogger(__name__)
 
 BOOTSTRAP_FILE = "bootstrap.json"
-BOOTSTRAP_VERSION = 1  # bump when the training code changes in a way that changes the weights
+BOOTSTRAP_VERSION = 2  # bump when the training code changes in a way that changes the weights
+DEFAULT_STEPS = 120
 
 
 @dataclass
@@ -55,8 +59,8 @@ class BootstrapRecipe:
     seed: int = 0
     vocab_size: int = 512  # >= 259 (ByteTokenizer); smaller than the preset's 2048 -> faster lm_head
     task: TaskSpec = field(default_factory=TaskSpec)
-    max_steps: int = 120
-    time_budget_s: float | None = 150.0  # wall-clock cap on the training loop (evaluation not included)
+    max_steps: int = DEFAULT_STEPS  # the budget: SFT steps (never a time, so every machine builds one model)
+    boxed_frac: float = 0.25  # fraction of the teacher's targets that box the answer (the rest stop before)
     batch_size: int = 16
     lr: float = 1e-3  # measured: 3e-3 and 2e-3 stall on a plateau (format learnt, digits not); 5e-4 is slower
     min_lr_ratio: float = 0.1
@@ -73,7 +77,8 @@ class BootstrapRecipe:
         d["version"] = BOOTSTRAP_VERSION
         # the text formats are code, not recipe fields: hash what they produce so a change invalidates caches
         d["prompt_example"] = ByteTokenizer().apply_chat_template("What is 7 * 8?")
-        d["target_example"] = format_solution({"question": "What is 7 * 8?", "answer": 56})
+        d["target_example"] = [format_solution({"question": "What is 7 * 8?", "answer": 56}, boxed)
+                               for boxed in (True, False)]
         return d
 
     def hash(self) -> str:
@@ -113,14 +118,16 @@ def _lr_at(progress: float, step: int, r: BootstrapRecipe) -> float:
     return r.lr * (r.min_lr_ratio + (1 - r.min_lr_ratio) * cos)
 
 
-def _encode_batch(problems: list[dict], tok: ByteTokenizer) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """Packed ids, sequence lengths, and the targets (-100 = not trained) aligned with the logits."""
+def _encode_batch(problems: list[dict], tok: ByteTokenizer, boxed: list[bool] | None = None
+                  ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Packed ids, sequence lengths, and the targets (-100 = not trained) aligned with the logits;
+    ``boxed[i]``: whether problem i's target boxes its answer (default: all do)."""
     ids: list[int] = []
     lens: list[int] = []
     targets: list[int] = []
-    for p in problems:
+    for i, p in enumerate(problems):
         prompt = tok.encode(tok.apply_chat_template(p["question"]), add_bos=True)
-        answer = solution_token_ids(p, tok)
+        answer = solution_token_ids(p, tok, boxed[i] if boxed is not None else True)
         seq = prompt + answer
         ids.extend(seq)
         lens.append(len(seq))
@@ -131,7 +138,7 @@ def _encode_batch(problems: list[dict], tok: ByteTokenizer) -> tuple[torch.Tenso
 
 
 def train_sft(model, recipe: BootstrapRecipe, tok: ByteTokenizer, progress: bool = True) -> dict:
-    """Full-parameter SFT on synthetic problems until ``max_steps`` or ``time_budget_s``; returns stats."""
+    """Full-parameter SFT on synthetic problems for ``max_steps`` steps; returns stats."""
     from tqdm import tqdm
 
     from zmrl.model import cu_seqlens_from_lens, forward_packed
@@ -141,23 +148,16 @@ def train_sft(model, recipe: BootstrapRecipe, tok: ByteTokenizer, progress: bool
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay)
     t0 = time.perf_counter()
-    bar = tqdm(total=recipe.max_steps, desc="bootstrap sft", unit="step", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=recipe.max_steps, desc="bootstrap sft", unit="step", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
     losses: list[float] = []
-    stopped_by = "max_steps"
-    step = 0
-    while step < recipe.max_steps:
-        elapsed = time.perf_counter() - t0
-        if recipe.time_budget_s is not None and elapsed >= recipe.time_budget_s:
-            stopped_by = "time_budget"
-            break
-        frac = step / recipe.max_steps
-        if recipe.time_budget_s:
-            frac = max(frac, elapsed / recipe.time_budget_s)
-        lr = _lr_at(frac, step, recipe)
+    for step in range(recipe.max_steps):
+        lr = _lr_at(step / recipe.max_steps, step, recipe)
         for g in opt.param_groups:
             g["lr"] = lr
         batch = [make_problem(rng, recipe.task) for _ in range(recipe.batch_size)]
-        ids, lens, targets = _encode_batch(batch, tok)
+        boxed = [rng.random() < recipe.boxed_frac for _ in batch]
+        ids, lens, targets = _encode_batch(batch, tok, boxed)
         logits = forward_packed(model, ids, cu_seqlens_from_lens(lens, ids.device))
         loss = F.cross_entropy(logits, targets, ignore_index=-100)
         opt.zero_grad(set_to_none=True)
@@ -165,16 +165,13 @@ def train_sft(model, recipe: BootstrapRecipe, tok: ByteTokenizer, progress: bool
         if recipe.grad_clip:
             torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
         opt.step()
-        step += 1
         losses.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.1e}")
-        if step % 25 == 0:
-            log.info("bootstrap step %d loss %.4f lr %.2e (%.1fs)", step, losses[-1], lr, time.perf_counter() - t0)
     bar.close()
     model.eval()
     tail = losses[-10:]
-    return {"steps": step, "stopped_by": stopped_by, "train_seconds": round(time.perf_counter() - t0, 2),
+    return {"steps": recipe.max_steps, "train_seconds": round(time.perf_counter() - t0, 2),
             "final_loss": sum(tail) / len(tail) if tail else None, "first_loss": losses[0] if losses else None}
 
 
@@ -183,6 +180,7 @@ def evaluate_accuracy(model, problems: list[dict], tok=None, temperature: float 
                       max_tokens: int = 16) -> float:
     """Fraction of ``problems`` answered correctly (``aime_reward``) by the rollout engine."""
     from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
+    from zmrl.rollout.sampling import derive_seed
 
     from .reward import aime_reward
 
@@ -192,8 +190,8 @@ def evaluate_accuracy(model, problems: list[dict], tok=None, temperature: float 
     blocks_per_seq = -(-longest // 64)
     engine = RolloutEngine(model, EngineConfig(block_size=64, num_blocks=blocks_per_seq * len(prompts) + 1,
                                                max_num_seqs=len(prompts), max_num_batched_tokens=4096))
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
-                            stop_token_ids=tok.stop_token_ids)
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=derive_seed(seed, i),
+                             stop_token_ids=tok.stop_token_ids) for i in range(len(prompts))]  # own noise per prompt
     outs = engine.generate(prompts, params)
     rewards = [aime_reward(tok.decode(o.token_ids), p["answer"]) for o, p in zip(outs, problems)]
     return sum(rewards) / len(rewards)
@@ -216,18 +214,18 @@ def _check_replaceable(cache: Path) -> None:
                               f"replace it -- pick another folder or empty it")
 
 
-def bootstrap_model(cache_dir: str | os.PathLike, seed: int = 0, time_budget_s: float = 150.0,
-                    max_steps: int | None = None, recipe: BootstrapRecipe | None = None,
-                    force: bool = False, evaluate: bool = True, progress: bool = True) -> Path:
+def bootstrap_model(cache_dir: str | os.PathLike, seed: int = 0, max_steps: int | None = None,
+                    recipe: BootstrapRecipe | None = None, force: bool = False, evaluate: bool = True,
+                    progress: bool = True) -> Path:
     """The bootstrap checkpoint folder (``config.json`` + safetensors + ``bootstrap.json`` +
     ``zmrl_tokenizer.json``), trained now unless ``cache_dir`` already holds this recipe's result.
 
-    ``recipe`` overrides everything; otherwise the default recipe with ``seed``, ``time_budget_s`` and
-    ``max_steps`` applied. ``evaluate=False`` skips the accuracy measurement (tests)."""
+    ``recipe`` overrides everything; otherwise the default recipe with ``seed`` and ``max_steps``
+    applied. ``evaluate=False`` skips the accuracy measurement (tests)."""
     from zmrl.model import build_model, save_pretrained
 
     if recipe is None:
-        recipe = BootstrapRecipe(seed=seed, time_budget_s=time_budget_s)
+        recipe = BootstrapRecipe(seed=seed)
         if max_steps is not None:
             recipe.max_steps = max_steps
     cache = Path(cache_dir).expanduser()
@@ -246,6 +244,7 @@ def bootstrap_model(cache_dir: str | os.PathLike, seed: int = 0, time_budget_s: 
         meta: dict = {"recipe_hash": rhash, "recipe": recipe.to_dict(), **stats,
                       "num_threads": torch.get_num_threads(), "torch_version": torch.__version__}
         if evaluate:
+            log.info("bootstrap: measuring greedy and T=1 accuracy on %d held-out problems", recipe.eval_problems)
             t1 = time.perf_counter()
             problems = make_dataset(recipe.eval_problems, recipe.eval_seed, recipe.task)
             meta["greedy_accuracy"] = evaluate_accuracy(model, problems, tok, 0.0, recipe.seed, recipe.eval_max_tokens)
@@ -284,16 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m zmrl.rl.bootstrap", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint folder (reused if it holds this recipe)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-budget", type=float, default=150.0, help="SFT wall-clock cap in seconds")
-    ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"SFT steps (default {DEFAULT_STEPS})")
     ap.add_argument("--force", action="store_true", help="retrain even on a cache hit")
     ap.add_argument("--no-eval", action="store_true", help="skip the accuracy measurement")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    path = bootstrap_model(args.out, seed=args.seed, time_budget_s=args.time_budget, max_steps=args.max_steps,
-                           force=args.force, evaluate=not args.no_eval)
+    path = bootstrap_model(args.out, seed=args.seed, max_steps=args.steps, force=args.force, evaluate=not args.no_eval)
     meta = json.loads((path / BOOTSTRAP_FILE).read_text())
-    keys = ("steps", "stopped_by", "train_seconds", "final_loss", "greedy_accuracy", "sampled_accuracy",
+    keys = ("steps", "train_seconds", "final_loss", "greedy_accuracy", "sampled_accuracy",
             "eval_seconds", "total_seconds")
     print(json.dumps({"path": str(path), **{k: meta.get(k) for k in keys}}, indent=2))
     return 0

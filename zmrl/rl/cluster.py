@@ -18,8 +18,9 @@ Each prompt keeps its global request id when the step's prompts are split over s
 workers, and sampling randomness derives from (seed, request id, position) only, so a run with N
 rollout workers samples bitwise the same tokens as a run with one.
 
-Every actor sets up its process before it builds its worker (``ActorEnv``): the torch thread count and
-the kernel mode (both sides must run the same ops in the same mode, or parity is lost) and the device.
+Every actor sets up its process before it builds its worker (``ActorEnv``): the driver's numerics contract
+(kernel mode, dot precisions, CPU GEMM mode, thread count: both sides must run the same ops with the same
+numerics, or parity is lost; the driver compares their fingerprints before the first step) and the device.
 ``RayCluster.close`` kills the actors, removes the placement groups and, when it started Ray itself,
 shuts Ray down; the runner calls it at the end of a run and on any error.
 """
@@ -34,12 +35,28 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
+from zmrl.kernels_batch_invariant.numerics import Numerics, apply_numerics, current_numerics, fingerprint
+
 if TYPE_CHECKING:
     from .config import DistributedSection, RoleSection
 
 log = logging.getLogger(__name__)
 
 ROLES: tuple[str, ...] = ("rollout", "trainer")
+
+
+def _loopback_only() -> None:
+    """Make the Ray that the runner starts listen on the loopback interface only.
+
+    Ray rewrites a loopback ``_node_ip_address`` to the machine's reachable address and its servers then
+    listen on every interface; its own switch for single-machine Ray (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+    off: the node address is localhost) keeps the GCS, raylets and workers on 127.0.0.1. The variable is
+    read when ray is imported, so the imported constant is set as well; the processes Ray starts inherit
+    the variable. A multi-node cluster is started with ``ray start`` and joined through ray_address."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 class ClusterError(RuntimeError):
@@ -53,19 +70,16 @@ class ActorEnv:
     """What a worker process must look like before its worker is built (the same on both sides)."""
 
     device: str = "cpu"  # "cuda": the actor's own GPU (Ray sets CUDA_VISIBLE_DEVICES), seen as cuda:0
-    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
-    kernel_mode: str = "bitwise"  # zmrl.kernels_batch_invariant mode for every op this process runs
+    # The driver's numerics contract (kernel mode, dot precisions, CPU GEMM mode, thread count), applied
+    # in the actor with zmrl.kernels_batch_invariant.apply_numerics; None = the defaults.
+    numerics: Numerics | None = None
 
     def apply(self) -> None:
-        from zmrl.kernels_batch_invariant import set_mode
-
         if self.device == "cpu" and not torch.cuda.is_initialized():  # (is_available() would read the env)
             # A CPU worker on a GPU node holds no GPU: hide them all (the CUDA driver reads this when it
             # is first used), whatever Ray's policy for num_gpus=0 actors is.
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
-        set_mode(self.kernel_mode)  # type: ignore[arg-type]
+        apply_numerics(self.numerics or Numerics())
         if self.device.startswith("cuda"):
             if not torch.cuda.is_available():
                 raise ClusterError(f"worker on {socket.gethostname()} was given device {self.device!r} but torch sees "
@@ -76,10 +90,9 @@ class ActorEnv:
 
 def process_info() -> dict[str, Any]:
     """Where this process runs and how it is set up (for logs and tests)."""
-    from zmrl.kernels_batch_invariant import get_mode
-
     info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "torch_threads": torch.get_num_threads(),
-                            "kernel_mode": get_mode(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            "kernel_mode": current_numerics().kernel_mode, "numerics": fingerprint().digest,
+                            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                             "placement_group_id": None, "node_id": None, "gpu_ids": []}
     try:
         import ray
@@ -254,6 +267,7 @@ class RayCluster:
             if dc.ray_address:
                 ray.init(address=dc.ray_address, log_to_driver=False)
             else:
+                _loopback_only()
                 ray.init(num_cpus=dc.ray_num_cpus, num_gpus=dc.ray_num_gpus, include_dashboard=False,
                          log_to_driver=False)
             self._started_ray = True

@@ -15,7 +15,7 @@ class ModelSection:
     path: str | None = None  # HF-style folder (config.json + safetensors + tokenizer); None = embedded default
     dtype: str = "float32"
     bootstrap_dir: str = "~/.cache/zmrl/bootstrap"  # where the embedded default model is built and cached
-    bootstrap_time_s: float = 150.0
+    bootstrap_steps: int = 120  # SFT steps of the embedded default (a step budget: the same model everywhere)
     # "bitwise": batch-invariant kernels, rollout log-probs equal the trainer's bit for bit (the
     # contract). "fast": stock kernels where an op has them, for measuring what bitwise costs; the
     # rollout/trainer parity metrics are then expected to be < 1. Applies to the engine and the trainer.
@@ -25,7 +25,9 @@ class ModelSection:
 @dataclass
 class DataSection:
     train: str = "synthetic"  # "synthetic" (embedded arithmetic task) or a jsonl/parquet path
-    eval: str = "aime25"  # "aime24" | "aime25" | a path | "synthetic" | "none"
+    # "auto": the synthetic task's held-out split for the embedded default model, aime25 for a real one;
+    # or "aime24" | "aime25" | "synthetic" | "none" | a .jsonl/.json/.parquet path
+    eval: str = "auto"
     prompts_per_step: int = 8
     synthetic_pool: int = 40  # data.train=synthetic: problems per epoch (40 = an epoch every 5 steps)
 
@@ -52,6 +54,9 @@ class RolloutSection:
     # "auto": CUDA-graph decode when rolling out on a GPU, eager on CPU; "cuda" / "static" (the fixed-shape
     # path uncaptured) / "off" (eager) force one. Bitwise the same rollouts in every setting.
     decode_graphs: str = "auto"
+    # A step where more than this fraction of the rollouts ended in an error (non-finite logits, a
+    # request that cannot fit the cache) stops the run with the first error; 1.0 never stops.
+    max_error_frac: float = 0.5
 
 
 @dataclass
@@ -75,13 +80,17 @@ class TrainerSection:
     seed: int = 0
     out_dir: str = "runs/aime_lora"
     save_every: int = 10
-    resume: bool = False
+    resume: bool = False  # continue the run in out_dir from its latest checkpoint
+    # A new run refuses an out_dir that already holds a run (resume it, or pick another out_dir);
+    # overwrite=true deletes that run's files first.
+    overwrite: bool = False
     num_threads: int | None = None  # torch CPU threads; None = torch's default
 
 
 @dataclass
 class EvalSection:
     every: int = 15  # steps; 0 = never
+    before_training: bool = True  # also evaluate the policy before the first update (step 0 of the curve)
     n: int = 8  # mean@n
     max_tokens: int = 20
     temperature: float = 1.0
@@ -136,6 +145,14 @@ class RecipeConfig:
         return dataclasses.asdict(self)
 
 
+def eval_set(cfg: RecipeConfig) -> str:
+    """``data.eval`` with ``auto`` resolved: the synthetic held-out split for the embedded default model
+    (AIME is far beyond it), aime25 for a real checkpoint."""
+    if cfg.data.eval != "auto":
+        return cfg.data.eval
+    return "synthetic" if cfg.model.path is None else "aime25"
+
+
 def valid_keys(cls: type = RecipeConfig, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
@@ -148,21 +165,54 @@ def valid_keys(cls: type = RecipeConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+def _unknown_key(key: str, where: str) -> RecipeError:
+    """The error for an unknown key: the closest valid keys ("did you mean"), then the keys of its
+    section (all keys when the section is unknown too)."""
+    import difflib
+
+    keys = valid_keys()
+    close = difflib.get_close_matches(key, keys, n=2, cutoff=0.6)
+    if not close:  # a right leaf under a wrong section
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:2]
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    same = [k for k in keys if section and k.startswith(section)]
+    listing = f"keys of '{section[:-1]}': {', '.join(same)}" if same else f"valid keys: {', '.join(keys)}"
+    return RecipeError(f"{where}unknown recipe key {key!r}{hint} ({listing})")
+
+
 def _check_keys(data: Any, cls: type, prefix: str, source: str) -> None:
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: {prefix.rstrip('.') or 'recipe'} must be a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in data.items():
         if key not in fields:
-            raise RecipeError(f"{source}: unknown recipe key {prefix + str(key)!r}; valid keys: "
-                              f"{', '.join(valid_keys())}")
+            raise _unknown_key(prefix + str(key), f"{source}: ")
         sub = fields[key].default_factory
         if isinstance(sub, type) and dataclasses.is_dataclass(sub):
             _check_keys(value if value is not None else {}, sub, f"{prefix}{key}.", source)
 
 
+def _type_error(e: Exception) -> RecipeError:
+    """OmegaConf's conversion error as one line naming the recipe key and the expected type."""
+    key = getattr(e, "full_key", None) or ""
+    msg = str(e).split("\n")[0]
+    if key:
+        section, _, name = key.rpartition(".")
+        cls = {f.name: f.default_factory for f in dataclasses.fields(RecipeConfig)}.get(section.split(".")[0])
+        expected = ""
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            for sub in section.split(".")[1:]:
+                cls = {f.name: f.default_factory for f in dataclasses.fields(cls)}.get(sub, cls)
+            ftype = {f.name: f.type for f in dataclasses.fields(cls)}.get(name)
+            expected = f" (expected {ftype})" if ftype else ""
+        return RecipeError(f"recipe key {key!r}: {msg}{expected}")
+    return RecipeError(f"bad recipe value: {msg}")
+
+
 def load_recipe(path: str | None, overrides: list[str] | None = None) -> RecipeConfig:
-    """YAML recipe (OmegaConf) + ``key=value`` overrides -> a typed RecipeConfig."""
+    """YAML recipe (OmegaConf) + ``key=value`` overrides -> a typed RecipeConfig, every value checked."""
     import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -175,44 +225,145 @@ def load_recipe(path: str | None, overrides: list[str] | None = None) -> RecipeC
         except FileNotFoundError:
             raise RecipeError(f"recipe file not found: {path}") from None
         except (OmegaConfBaseException, ValueError, yaml.YAMLError) as e:  # YAML syntax errors and friends
-            raise RecipeError(f"{path}: malformed recipe: {e}") from None
+            first = " ".join(str(e).split())
+            raise RecipeError(f"{path}: malformed recipe: {first}") from None
         _check_keys(raw, RecipeConfig, "", path)
-        layers.append(OmegaConf.create(raw))
+        try:
+            layers.append(OmegaConf.merge(schema, OmegaConf.create(raw)))
+        except OmegaConfBaseException as e:
+            raise RecipeError(f"{path}: {_type_error(e)}") from None
     for item in overrides or []:
         if "=" not in item:
             raise RecipeError(f"override {item!r} must look like key=value")
         key = item.split("=", 1)[0]
         if key not in valid_keys():
-            raise RecipeError(f"unknown recipe key {key!r} in override {item!r}; valid keys: {', '.join(valid_keys())}")
+            raise _unknown_key(key, f"override {item!r}: ")
     if overrides:
         layers.append(OmegaConf.from_dotlist(overrides))
     try:
         merged = OmegaConf.merge(schema, *layers)
     except OmegaConfBaseException as e:
-        raise RecipeError(f"bad recipe value: {e}".split("\n")[0]) from None
+        raise _type_error(e) from None
     cfg: RecipeConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     _validate(cfg)
     return cfg
 
 
+# Estimator arguments the loop provides (zmrl.rl.algorithms.compute_advantages): an estimator that needs
+# more (a critic's values, reward baselines, per-token statistics) cannot run here.
+_ADV_ARGS_PROVIDED = {"token_level_rewards", "response_mask", "index"}
+# verl's kl_penalty names (core_algos.kl_penalty), "full" excluded: it needs whole-vocabulary log-probs.
+KL_PENALTIES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def verl_advantage_estimators() -> list[str]:
+    """verl's registered advantage estimators that run on outcome rewards and group ids alone."""
+    import inspect
+
+    from verl.trainer.ppo import core_algos
+
+    usable = []
+    for name, fn in core_algos.ADV_ESTIMATOR_REGISTRY.items():
+        required = {n for n, p in inspect.signature(fn).parameters.items()
+                    if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        if required <= _ADV_ARGS_PROVIDED:
+            usable.append(str(name))
+    return usable
+
+
+def verl_policy_losses() -> list[str]:
+    from verl.trainer.ppo import core_algos
+
+    return [str(n) for n in core_algos.POLICY_LOSS_REGISTRY]
+
+
 def _validate(cfg: RecipeConfig) -> None:
+    """Every value of the recipe, one message per problem naming the recipe key and what is allowed."""
+    import math
+
     def need(cond: bool, key: str, msg: str) -> None:
         if not cond:
             raise RecipeError(f"recipe key {key!r}: {msg}")
 
-    need(cfg.trainer.total_steps >= 1, "trainer.total_steps", "must be >= 1")
-    need(cfg.rollout.n >= 2 or cfg.algorithm.adv_estimator != "grpo", "rollout.n", "GRPO needs >= 2 samples per prompt")
-    need(cfg.data.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
-    need(cfg.model.dtype in ("float32", "bfloat16"), "model.dtype", "must be float32 or bfloat16")
+    def at_least(key: str, value: Any, low: float, what: str = "an integer") -> None:
+        need(value >= low, key, f"must be {what} >= {low:g}, got {value}")
+
+    def finite(key: str, value: float) -> None:
+        need(math.isfinite(value), key, f"must be a finite number, got {value}")
+
+    m, d, lo, r, a, t, e = cfg.model, cfg.data, cfg.lora, cfg.rollout, cfg.algorithm, cfg.trainer, cfg.eval
+    need(m.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {m.dtype!r}")
+    need(m.kernel_mode in ("bitwise", "fast"), "model.kernel_mode",
+         f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), got {m.kernel_mode!r}")
+    need(m.path is None or str(m.path).strip() != "", "model.path",
+         "is empty: give a checkpoint folder, or leave it unset (null) for the embedded default model")
+    at_least("model.bootstrap_steps", m.bootstrap_steps, 1)
+
+    at_least("data.prompts_per_step", d.prompts_per_step, 1)
+    at_least("data.synthetic_pool", d.synthetic_pool, 1)
+    need(bool(str(d.train).strip()), "data.train", "is empty: 'synthetic' or a .jsonl/.json/.parquet file")
+    need(bool(str(d.eval).strip()), "data.eval", "is empty: aime24, aime25, synthetic, none or a file")
+
+    at_least("lora.r", lo.r, 1)
+    finite("lora.alpha", lo.alpha)
+    need(lo.alpha > 0, "lora.alpha", f"must be > 0, got {lo.alpha}")
+
+    for prefix, temp, max_tokens, n in (("rollout", r.temperature, r.max_tokens, r.n),
+                                        ("eval", e.temperature, e.max_tokens, e.n)):
+        finite(f"{prefix}.temperature", temp)
+        need(temp >= 0, f"{prefix}.temperature", f"must be >= 0 (0 = greedy), got {temp}")
+        at_least(f"{prefix}.max_tokens", max_tokens, 1)
+        at_least(f"{prefix}.n", n, 1)
+    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1] (1 = off), got {r.top_p}")
+    need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
+    need(r.block_size >= 64 and r.block_size % 64 == 0, "rollout.block_size",
+         f"must be a positive multiple of 64 (a KDA chunk), got {r.block_size}")
+    at_least("rollout.num_blocks", r.num_blocks, 1)
+    at_least("rollout.max_num_seqs", r.max_num_seqs, 1)
+    at_least("rollout.max_num_batched_tokens", r.max_num_batched_tokens, 1)
+    need(r.latent_format in ("native", "fp8"), "rollout.latent_format", f"must be native or fp8, got {r.latent_format!r}")
+    need(r.decode_graphs in ("auto", "off", "static", "cuda"), "rollout.decode_graphs",
+         f"must be auto, off, static or cuda, got {r.decode_graphs!r}")
+    need(0.0 <= r.max_error_frac <= 1.0, "rollout.max_error_frac", f"must be in [0, 1], got {r.max_error_frac}")
+
+    estimators = verl_advantage_estimators()
+    need(a.adv_estimator in estimators, "algorithm.adv_estimator",
+         f"{a.adv_estimator!r} is not one of verl's advantage estimators usable without a critic: "
+         f"{', '.join(estimators)}")
+    need(r.n >= 2 or a.adv_estimator in ("reinforce_plus_plus",), "rollout.n",
+         f"algorithm.adv_estimator={a.adv_estimator} compares samples of a prompt: needs >= 2, got {r.n}")
+    losses = verl_policy_losses()
+    need(a.policy_loss in losses, "algorithm.policy_loss",
+         f"{a.policy_loss!r} is not one of verl's policy losses: {', '.join(losses)}")
+    finite("algorithm.clip_ratio", a.clip_ratio)
+    need(a.clip_ratio > 0, "algorithm.clip_ratio", f"must be > 0, got {a.clip_ratio}")
+    need(a.loss_agg_mode == "token-mean", "algorithm.loss_agg_mode",
+         f"only 'token-mean' is implemented, got {a.loss_agg_mode!r}")
+    at_least("algorithm.ppo_epochs", a.ppo_epochs, 1)
+    finite("algorithm.kl_coef", a.kl_coef)
+    need(a.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0 (0 = off), got {a.kl_coef}")
+    need(a.kl_penalty in KL_PENALTIES, "algorithm.kl_penalty",
+         f"must be one of verl's {', '.join(KL_PENALTIES)}, got {a.kl_penalty!r}")
+
+    at_least("trainer.total_steps", t.total_steps, 1)
+    finite("trainer.lr", t.lr)
+    need(t.lr > 0, "trainer.lr", f"must be > 0, got {t.lr}")
+    finite("trainer.weight_decay", t.weight_decay)
+    need(t.weight_decay >= 0, "trainer.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    need(t.micro_batch_tokens is None or t.micro_batch_tokens >= 1, "trainer.micro_batch_tokens",
+         f"must be >= 1 or null (one micro-batch), got {t.micro_batch_tokens}")
+    need(t.seed >= 0, "trainer.seed", f"must be >= 0, got {t.seed}")
+    need(bool(str(t.out_dir).strip()), "trainer.out_dir", "is empty")
+    need(t.save_every >= 0, "trainer.save_every", f"must be >= 0 (0 = never), got {t.save_every}")
+    need(not (t.resume and t.overwrite), "trainer.overwrite",
+         "and trainer.resume=true contradict each other: resume continues the run in out_dir, overwrite deletes it")
+    need(t.num_threads is None or t.num_threads >= 1, "trainer.num_threads",
+         f"must be >= 1 or null (torch's default), got {t.num_threads}")
+
+    need(e.every >= 0, "eval.every", f"must be >= 0 (0 = never), got {e.every}")
+    need(e.limit is None or e.limit >= 1, "eval.limit", f"must be >= 1 or null (all problems), got {e.limit}")
     need(cfg.logging.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
-         "must be offline, online or disabled")
-    need(cfg.rollout.latent_format in ("native", "fp8"), "rollout.latent_format", "must be native or fp8")
-    need(cfg.rollout.decode_graphs in ("auto", "off", "static", "cuda"), "rollout.decode_graphs",
-         f"must be auto, off, static or cuda, got {cfg.rollout.decode_graphs!r}")
-    need(cfg.model.kernel_mode in ("bitwise", "fast"), "model.kernel_mode",
-         f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), "
-         f"got {cfg.model.kernel_mode!r}")
-    need(cfg.trainer.save_every >= 0 and cfg.eval.every >= 0, "trainer.save_every", "must be >= 0")
+         f"must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
     _validate_distributed(cfg.distributed)
 
 

@@ -27,9 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from zmrl.rl.metrics import METRICS_FILE, RUN_FILE, read_metrics
-
-DASHBOARD_FILE = "dashboard.html"
+from zmrl.rl.run_files import DASHBOARD_FILE, METRICS_FILE, RUN_FILE, RunStatus, read_metrics, read_status
 REFRESH_S = 30          # live dashboards (written while the run is going) reload themselves
 MAX_MARKERS = 400       # markers per series; the line always uses every point
 COLORS = ("#2563eb", "#f59e0b", "#10b981", "#8b5cf6", "#ef4444", "#0ea5e9")
@@ -38,6 +36,9 @@ FRAC = "mismatch/bitwise_equal_frac"
 DLOGP = "mismatch/max_abs_dlogp"
 K1 = "mismatch/kl_k1"
 K3 = "mismatch/kl_k3"
+TOKENS = "mismatch/tokens_compared"
+SEQUENCES = "mismatch/sequences_compared"
+ERRORS = "rollout/error_frac"
 # metric -> the value a zero-mismatch step must show exactly
 PARITY_TARGETS = {FRAC: 1.0, DLOGP: 0.0, K1: 0.0, K3: 0.0}
 
@@ -61,13 +62,20 @@ LEARNING = "Learning"
 PARITY = "Rollout / trainer parity"
 
 
+def _eval_metrics(keys: Iterable[str]) -> list[str]:
+    """The eval/* metrics (held-out split, AIME sets, a file), aime25 first as the headline when logged."""
+    evals = sorted(k for k in keys if k.startswith("eval/"))
+    return [k for k in evals if k.startswith("eval/aime25")] + [k for k in evals if not k.startswith("eval/aime25")]
+
+
 def _learning_specs(keys: Iterable[str]) -> list[ChartSpec]:
-    aime = sorted(k for k in keys if k.startswith("eval/aime") and k.endswith("mean@8"))
-    aime = [k for k in aime if k == "eval/aime25_mean@8"] + [k for k in aime if k != "eval/aime25_mean@8"]
+    evals = _eval_metrics(keys)
+    title = "AIME mean@8" if evals and all(k.startswith("eval/aime") for k in evals) else "Held-out eval"
     return [
         ChartSpec("Reward", ("reward/mean", "reward/max"), "mean (and max) reward of the step's rollouts"),
-        ChartSpec("AIME mean@8", tuple(aime) or ("eval/aime25_mean@8",), "eval: mean accuracy over 8 samples",
-                  include_zero=True, eval_points=True),
+        ChartSpec(title, tuple(evals) or ("eval/aime25_mean@8",),
+                  "eval: mean reward over n samples of problems never trained on (step 0: before any update)",
+                  include_zero=True, y_bounds=(0.0, 1.0), eval_points=True),
         ChartSpec("Policy loss", ("loss/policy",), "PPO/GRPO clipped surrogate"),
         ChartSpec("Response length", ("response/length_mean",), "mean tokens per response", include_zero=True),
         ChartSpec("Throughput", ("perf/tokens_per_s",), "tokens per second", include_zero=True),
@@ -82,6 +90,10 @@ PARITY_SPECS = [
     ChartSpec("Max |Δ log-prob|", (DLOGP,), "max |lp_roll − lp_train| · target 0", include_zero=True),
     ChartSpec("KL (k1)", (K1,), "k1 estimate of KL(rollout ‖ trainer) · target 0", include_zero=True),
     ChartSpec("KL (k3)", (K3,), "k3 estimate of KL(rollout ‖ trainer) · target 0", include_zero=True),
+    ChartSpec("Compared", (TOKENS, SEQUENCES), "response tokens and sequences compared · must be > 0 "
+              "(0: nothing was checked)", include_zero=True),
+    ChartSpec("Rollout errors", (ERRORS,), "fraction of the step's rollouts that ended in an error · target 0",
+              y_bounds=(0.0, 1.0)),
 ]
 
 
@@ -112,30 +124,50 @@ def collect_series(records: Sequence[dict]) -> dict[str, list[Point]]:
 
 @dataclass
 class ParityVerdict:
-    status: str                 # "ok" | "mismatch" | "none"
+    status: str                 # "ok" | "mismatch" | "unchecked" | "none"
     steps_checked: int
     first_bad_step: int | None = None
     first_bad_detail: str = ""
     bad_steps: int = 0
+    tokens_compared: int = 0    # over all steps
 
 
 def parity_verdict(series: dict[str, list[Point]]) -> ParityVerdict:
-    """Is every step that logged parity metrics exactly on-policy (frac 1.0, KLs/Δlogp 0.0)?"""
+    """Is every step that logged parity metrics exactly on-policy *and* actually checked?
+
+    Green ("ok") needs, at every step, ``mismatch/tokens_compared`` > 0 and the parity metrics on
+    target (frac 1.0, KLs/Δlogp 0.0). A step that compared nothing (every rollout failed, or an old
+    history without token counts) is "unchecked": an empty comparison proves nothing. A step off target
+    is a "mismatch", which wins over "unchecked"."""
     per_step: dict[int, dict[str, float]] = {}
-    for metric in PARITY_TARGETS:
+    for metric in (*PARITY_TARGETS, TOKENS):
         for step, v in series.get(metric, []):
             per_step.setdefault(step, {})[metric] = v
+    per_step = {s: m for s, m in per_step.items() if set(m) - {TOKENS}}  # steps with a parity metric
     if not per_step:
         return ParityVerdict("none", 0)
-    bad = []
+    off: list[tuple[int, str]] = []
+    unchecked: list[tuple[int, str]] = []
+    total = 0
     for step in sorted(per_step):
-        diffs = [f"{_short(m)} = {_fmt_value(v)}" for m, v in per_step[step].items()
-                 if not v == PARITY_TARGETS[m]]  # NaN != target: counts as a mismatch
+        values = per_step[step]
+        tokens = values.get(TOKENS)
+        if tokens is not None and math.isfinite(tokens):
+            total += int(tokens)
+        if tokens is None:
+            unchecked.append((step, "tokens compared not logged"))
+        elif not tokens > 0:
+            unchecked.append((step, f"nothing compared ({_fmt_value(tokens)} tokens)"))
+            continue  # the metrics of an empty comparison are undefined (NaN), not a mismatch
+        diffs = [f"{_short(m)} = {_fmt_value(v)}" for m, v in values.items()
+                 if m != TOKENS and not v == PARITY_TARGETS[m]]  # NaN != target: counts as a mismatch
         if diffs:
-            bad.append((step, ", ".join(diffs)))
-    if not bad:
-        return ParityVerdict("ok", len(per_step))
-    return ParityVerdict("mismatch", len(per_step), bad[0][0], bad[0][1], len(bad))
+            off.append((step, ", ".join(diffs)))
+    if off:
+        return ParityVerdict("mismatch", len(per_step), off[0][0], off[0][1], len(off), total)
+    if unchecked:
+        return ParityVerdict("unchecked", len(per_step), unchecked[0][0], unchecked[0][1], len(unchecked), total)
+    return ParityVerdict("ok", len(per_step), tokens_compared=total)
 
 
 def _short(metric: str) -> str:
@@ -340,6 +372,8 @@ h1 small{color:var(--muted);font-weight:500;font-size:15px;margin-left:8px}
 .meta{color:var(--muted);font-size:12.5px;margin-top:4px;word-break:break-all}
 .live{display:inline-block;background:#eff6ff;color:#1d4ed8;border-radius:999px;padding:0 8px;margin-left:6px;
 font-weight:600}
+.live.state-finished{background:var(--okbg);color:var(--ok)}
+.live.state-failed,.live.state-interrupted,.live.state-stale{background:var(--badbg);color:var(--bad)}
 .summary{display:flex;flex-wrap:wrap;gap:12px;margin-top:16px;align-items:stretch}
 .card{background:var(--card);border:1px solid var(--line);border-radius:10px;padding:10px 16px;min-width:140px}
 .card .k{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.04em}
@@ -350,7 +384,7 @@ justify-content:center}
 .badge .bt{font-size:18px;font-weight:700}
 .badge .bs{font-size:12.5px;opacity:.85}
 .badge.ok{background:var(--okbg);border-color:#a7f3d0;color:var(--ok)}
-.badge.mismatch{background:var(--badbg);border-color:#fecaca;color:var(--bad)}
+.badge.mismatch,.badge.unchecked{background:var(--badbg);border-color:#fecaca;color:var(--bad)}
 .badge.none{background:#f3f4f6;border-color:var(--line);color:var(--muted)}
 main{padding:8px 32px 32px}
 h2{font-size:15px;font-weight:650;margin:22px 0 10px;color:#374151}
@@ -392,24 +426,54 @@ def _card(key: str, value: str, sub: str = "", ident: str = "") -> str:
 
 
 def _badge(v: ParityVerdict, series: dict[str, list[Point]]) -> str:
+    extra = ""
     if v.status == "ok":
         worst = max((abs(x) for _, x in series.get(DLOGP, [])), default=0.0)
         title = "✓ rollout/trainer KL = 0 at every step"
-        sub = (f"log-probs bitwise equal at {v.steps_checked}/{v.steps_checked} checked steps · "
-               f"max |Δlogp| = {_fmt_value(worst)}")
-        extra = ""
-    elif v.status == "mismatch":
-        title = f"✗ rollout/trainer mismatch at step {v.first_bad_step}"
-        sub = (f"{html.escape(v.first_bad_detail)} · {v.bad_steps} of {v.steps_checked} checked steps off target")
+        sub = (f"{v.tokens_compared} log-probs bitwise equal over {v.steps_checked}/{v.steps_checked} checked "
+               f"steps · max |Δlogp| = {_fmt_value(worst)}")
+    elif v.status in ("mismatch", "unchecked"):
+        title = (f"✗ rollout/trainer mismatch at step {v.first_bad_step}" if v.status == "mismatch"
+                 else f"✗ parity not checked at step {v.first_bad_step}")
+        what = "off target" if v.status == "mismatch" else "without a comparison"
+        sub = f"{html.escape(v.first_bad_detail)} · {v.bad_steps} of {v.steps_checked} steps {what}"
         extra = f' data-first-step="{v.first_bad_step}"'
     else:
-        title, sub, extra = "no rollout/trainer parity metrics logged yet", "expects mismatch/* metrics", ""
+        title, sub = "no rollout/trainer parity metrics logged yet", "expects mismatch/* metrics"
     return (f'<div class="badge {v.status}" id="kl-badge" data-status="{v.status}"{extra}>'
             f'<div class="bt">{title}</div><div class="bs">{sub}</div></div>')
 
 
+def _status_tag(status: RunStatus | None, live: bool, now: _dt.datetime) -> tuple[str, bool]:
+    """The header's run-state tag (``#run-status``) and whether the page reloads itself.
+
+    With a status file the loop's word is shown: running (reloads), finished, failed or interrupted
+    with the reason; a "running" status whose process is gone or silent for an hour shows as stale
+    (no reload). Without one (an older run) ``live`` decides, as before."""
+    if status is None:
+        if not live:
+            return "", False
+        return f'<span class="live" id="run-status" data-state="live">live · reloads every {REFRESH_S} s</span>', True
+    state = status.state
+    when = _dt.datetime.fromtimestamp(status.updated, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    steps = f"step {status.step}/{status.total_steps}" if status.total_steps else f"step {status.step}"
+    reload = False
+    if state == "running" and status.is_stale(now.timestamp()):
+        state, text = "stale", f"not running: no update since {when} at {steps} (killed?)"
+    elif state == "running":
+        text, reload = f"running · {steps} · reloads every {REFRESH_S} s", True
+    elif state == "finished":
+        text = f"finished · {steps} · {when}"
+    else:
+        text = f"{state} at {steps} · {when}"
+    if status.message and state != "running":
+        text += f" · {status.message}"
+    return (f'<span class="live state-{state}" id="run-status" data-state="{state}">{html.escape(text)}</span>',
+            reload)
+
+
 def render_html(records: Sequence[dict], run_info: dict | None = None, run_dir: str = "",
-                live: bool = False, now: _dt.datetime | None = None) -> str:
+                live: bool = False, now: _dt.datetime | None = None, status: RunStatus | None = None) -> str:
     """The dashboard page of ``records`` (``read_metrics`` output) as one HTML string."""
     run_info = run_info or {}
     series = collect_series(records)
@@ -431,14 +495,28 @@ def render_html(records: Sequence[dict], run_info: dict | None = None, run_dir: 
         cards.append(_card("Reward (mean)", _fmt_value(rew[-1][1]), sub, "card-reward"))
     else:
         cards.append(_card("Reward (mean)", "–", "no data", "card-reward"))
-    aime = last("eval/aime25_mean@8")
-    if aime:
-        cards.append(_card("AIME25 mean@8", _fmt_value(aime[1]), f"step {aime[0]}", "card-aime"))
+    evals = _eval_metrics(series)
+    if evals:
+        pts = series[evals[0]]
+        label = evals[0].removeprefix("eval/").replace("_mean@", " mean@").replace("aime25", "AIME25")
+        sub = (f"{_fmt_value(pts[0][1])} at step {pts[0][0]} → step {pts[-1][0]}" if len(pts) > 1
+               else f"step {pts[-1][0]}")
+        cards.append(_card(label, _fmt_value(pts[-1][1]), sub, "card-eval" if evals[0] != "eval/aime25_mean@8"
+                           else "card-aime"))
     tps = last("perf/tokens_per_s")
     if tps:
         cards.append(_card("Tokens / s", _fmt_value(tps[1]), f"step {tps[0]}", "card-tps"))
 
+    errors = series.get("rollout/errors", [])
+    if errors:
+        total = sum(v for _, v in errors if math.isfinite(v))
+        worst = max(errors, key=lambda p: p[1] if math.isfinite(p[1]) else math.inf)
+        sub = f"worst step {worst[0]}: {_fmt_value(worst[1])}" if total else "none in any step"
+        cards.append(_card("Rollout errors", _fmt_value(total), sub, "card-errors"))
+
     known = set(PARITY_TARGETS)
+    for spec in PARITY_SPECS:
+        known.update(spec.metrics)
     learning = _learning_specs(series)
     for spec in learning:
         known.update(spec.metrics)
@@ -457,8 +535,8 @@ def render_html(records: Sequence[dict], run_info: dict | None = None, run_dir: 
         cfg = json.dumps(run_info["config"], indent=2, sort_keys=True, default=str)
         body.append(f"<details><summary>Run config</summary><pre>{html.escape(cfg)}</pre></details>")
 
-    refresh = f'<meta http-equiv="refresh" content="{REFRESH_S}">' if live else ""
-    live_tag = f'<span class="live">live · reloads every {REFRESH_S} s</span>' if live else ""
+    live_tag, reload = _status_tag(status, live, now)
+    refresh = f'<meta http-equiv="refresh" content="{REFRESH_S}">' if reload else ""
     project = html.escape(str(run_info.get("project") or "zmrl"))
     return (
         "<!DOCTYPE html>\n"
@@ -490,7 +568,7 @@ def build_dashboard(run_dir: str | os.PathLike, live: bool = False) -> Path:
             run_info = json.loads(info_path.read_text(encoding="utf-8"))
         except ValueError:
             run_info = {}
-    page = render_html(records, run_info, str(run_dir.resolve()), live=live)
+    page = render_html(records, run_info, str(run_dir.resolve()), live=live, status=read_status(run_dir))
     out = run_dir / DASHBOARD_FILE
     tmp = out.with_suffix(".html.tmp")
     tmp.write_text(page, encoding="utf-8")

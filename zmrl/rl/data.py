@@ -39,26 +39,50 @@ def _answer_int(value, where: str) -> int:
         raise ValueError(f"{where} field 'answer' is not an integer: {value!r}") from None
 
 
+def _jsonl_rows(path: Path) -> list[tuple[str, object]]:
+    """``(where, row)`` per non-blank line of a JSON-lines file; ``where`` names the 1-based line, as an
+    editor shows it. A line that is not JSON is an error naming it."""
+    import json
+
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path}: line {n}", json.loads(line)))
+            except ValueError as e:
+                raise ValueError(f"{path}: line {n} is not valid JSON ({getattr(e, 'msg', e)}, column "
+                                 f"{getattr(e, 'colno', '?')})") from None
+    return rows
+
+
 def load_problems(path: str | os.PathLike) -> list[dict]:
     """Rows ``{"question": str, "answer": int}`` in file order.
 
-    Raises FileNotFoundError naming the path when it does not exist, and ValueError naming the row
-    (0-based) and the field when a row has no ``question``/``answer`` or a non-integer answer."""
+    Raises FileNotFoundError naming the path when it does not exist, and ValueError naming the place
+    (``line N`` of a .jsonl file, 1-based; ``row N`` of a .json/.parquet table, 0-based) and the field
+    when a line is not JSON, or a row has no ``question``/``answer`` or a non-integer answer."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"problem file not found: {path}")
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"{path}: unsupported problem file type {path.suffix!r}; use .jsonl, .json or .parquet")
-    from datasets import load_dataset
+    if path.suffix.lower() == ".jsonl":
+        rows = _jsonl_rows(path)
+    else:
+        from datasets import load_dataset
 
-    try:
-        ds = load_dataset(fmt, data_files=str(path), split="train")
-    except Exception as e:  # noqa: BLE001 -- pyarrow/datasets errors do not name the file
-        raise ValueError(f"{path}: could not read as {fmt}: {e}") from e
+        try:
+            ds = load_dataset(fmt, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001 -- pyarrow/datasets errors do not name the file
+            raise ValueError(f"{path}: could not read as {fmt}: {str(e).splitlines()[0] if str(e) else e!r}") from None
+        rows = [(f"{path}: row {i}", row) for i, row in enumerate(ds)]
     problems = []
-    for i, row in enumerate(ds):
-        where = f"{path}: row {i}"
+    for where, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object with 'question' and 'answer'")
         for key in ("question", "answer"):
             if row.get(key) is None:
                 raise ValueError(f"{where} has no {key!r} field (every row needs 'question' and 'answer')")
@@ -66,4 +90,6 @@ def load_problems(path: str | os.PathLike) -> list[dict]:
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"{where} field 'question' must be a non-empty string, got {question!r}")
         problems.append({"question": question, "answer": _answer_int(row["answer"], where)})
+    if not problems:
+        raise ValueError(f"{path}: no problems (the file is empty)")
     return problems

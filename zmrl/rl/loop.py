@@ -4,22 +4,42 @@ Single process by default; with ``distributed.ray=true`` the rollout workers and
 actors on separate placement groups (``zmrl.rl.cluster``), driven by the same code through handles."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from zmrl.kernels_batch_invariant import apply_numerics, check_same_numerics, current_numerics
 from zmrl.lora import LoraConfig
 from zmrl.rollout import EngineConfig, SamplingParams
 
 from .cluster import ActorEnv, LocalHandle, RayCluster, WorkerHandle, gather, shard
-from .config import RecipeConfig
+from .config import RecipeConfig, eval_set
 from .workers import RolloutWorker, Sample, TrainerWorker
 
 log = logging.getLogger(__name__)
+
+
+class RolloutFailure(RuntimeError):
+    """Too many of a step's rollouts ended in an error (``rollout.max_error_frac``); the message says how
+    many and quotes the first error."""
+
+
+@dataclass
+class StepRollouts:
+    """One batch of rollouts: the samples (errored ones included, with reward 0) and the engine's error
+    message of every rollout that ended in an error, in sample order."""
+
+    samples: list[Sample]
+    errors: list[str]
+
+    @property
+    def error_frac(self) -> float:
+        return len(self.errors) / len(self.samples) if self.samples else 0.0
 
 
 def _step_seed(seed: int, step: int, what: str) -> int:
@@ -29,20 +49,26 @@ def _step_seed(seed: int, step: int, what: str) -> int:
 
 class RLRunner:
     def __init__(self, cfg: RecipeConfig):
-        from .sources import load_eval_problems, load_train_source
-        from .tokenizer import load_tokenizer
+        from .preflight import check_inputs, clear_run
+        from .sources import ProblemSource, load_train_source
 
         self.cfg = cfg
         tc = cfg.trainer
-        if tc.num_threads:
-            torch.set_num_threads(tc.num_threads)
-        self.out_dir = Path(tc.out_dir)
+        # Every file the recipe names is read and checked before anything heavy (bootstrap, models).
+        inputs = check_inputs(cfg)
+        self.tokenizer = inputs.tokenizer
+        self.train_source = (ProblemSource(inputs.train_problems) if inputs.train_problems is not None
+                             else load_train_source("synthetic", cfg.data.synthetic_pool, tc.seed))
+        self.eval_problems = inputs.eval_problems
+        if tc.overwrite and (gone := clear_run(tc.out_dir)):
+            log.warning("trainer.overwrite=true: deleted the previous run's %s in %s", ", ".join(gone), tc.out_dir)
+        # The numerics contract of the run: this process's, carried to every Ray actor (ActorEnv).
+        self.numerics = current_numerics().replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=tc.num_threads)
+        apply_numerics(self.numerics)
+        self.out_dir = Path(tc.out_dir).expanduser()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.model_path = self._model_path()
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.train_source = load_train_source(cfg.data.train, cfg.data.synthetic_pool, tc.seed)
-        self.eval_problems = load_eval_problems(cfg.data.eval, cfg.eval.limit)
         lora = LoraConfig(r=cfg.lora.r, alpha=cfg.lora.alpha)
         rc = cfg.rollout
         engine = EngineConfig(block_size=rc.block_size, num_blocks=rc.num_blocks, max_num_seqs=rc.max_num_seqs,
@@ -55,11 +81,15 @@ class RLRunner:
         self.cluster: RayCluster | None = None
         self.trainer: WorkerHandle
         self.rollouts: list[WorkerHandle]
+        t0 = time.perf_counter()
+        log.info("loading %s into the trainer and the rollout engine%s", self.model_path,
+                 " (Ray actors)" if cfg.distributed.ray else "")
         if cfg.distributed.ray:
             self._start_cluster(trainer_args, rollout_args)
         else:
             self.trainer = LocalHandle(TrainerWorker(*trainer_args))
             self.rollouts = [LocalHandle(RolloutWorker(*rollout_args))]
+        log.info("workers ready in %.0f s", time.perf_counter() - t0)
         try:
             self._finish_init()
         except BaseException:
@@ -71,9 +101,13 @@ class RLRunner:
         from .metrics import MetricsLogger
 
         cfg, tc = self.cfg, self.cfg.trainer
+        # Before the first step: every rollout process runs the trainer's numerics, or the run stops here.
+        check_same_numerics({"trainer": self.trainer.call("numerics_fingerprint"),
+                             **{f"rollout worker {i}": r.call("numerics_fingerprint") for i, r in enumerate(self.rollouts)}})
         self.policy_loss = PolicyLoss(cfg.algorithm.policy_loss, cfg.algorithm.clip_ratio)
         self.kl_penalty = KLPenalty(cfg.algorithm.kl_penalty)
         self.start_step = 0
+        self.initial_eval: dict[str, float] | None = None
         if tc.resume:
             self._resume()
         self.metrics = MetricsLogger(self.out_dir, project=cfg.logging.project, run_name=cfg.logging.run_name,
@@ -91,8 +125,8 @@ class RLRunner:
         cluster = RayCluster(dc)
         try:
             cluster.check(roles)
-            envs = {name: ActorEnv(device="cuda" if r.num_gpus else "cpu", num_threads=threads,
-                                   kernel_mode=cfg.model.kernel_mode) for name, r in roles.items()}
+            envs = {name: ActorEnv(device="cuda" if r.num_gpus else "cpu",
+                                   numerics=self.numerics.replace(cpu_threads=threads)) for name, r in roles.items()}
             # Both groups reserved first (a cluster that cannot host them fails before any model loads),
             # then every worker started; they build their models in parallel.
             trainer, rollout = cluster.reserve("trainer", dc.trainer), cluster.reserve("rollout", dc.rollout)
@@ -122,23 +156,23 @@ class RLRunner:
             raise RuntimeError(f"rollout workers disagree on the weights version after an update: {versions}")
         return versions[0]
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str]) -> list[dict]:
+    def _generate(self, prompts: list[list[int]], sampling: list[SamplingParams], request_ids: list[str],
+                  progress: bool = False) -> list[dict]:
         """The prompts split contiguously over the rollout workers (run in parallel), outputs in prompt
-        order; request ids are global, so the samples do not depend on the number of workers."""
-        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], sampling,
-                                           [request_ids[i] for i in part])
+        order; each prompt's randomness is its own seed, so the samples do not depend on the number of workers.
+        ``progress``: a bar of finished requests (in-process workers; Ray actors do not show theirs)."""
+        pending = [self.rollouts[w].submit("generate", [prompts[i] for i in part], [sampling[i] for i in part],
+                                           [request_ids[i] for i in part], use_tqdm=progress and self.cluster is None)
                    for w, part in enumerate(shard(len(prompts), len(self.rollouts)))]
         return [o for outs in gather(pending) for o in outs]
 
     def _model_path(self) -> str:
         if self.cfg.model.path:
-            if not Path(self.cfg.model.path, "config.json").exists():
-                raise FileNotFoundError(f"model.path={self.cfg.model.path!r} has no config.json")
-            return self.cfg.model.path
+            return str(Path(self.cfg.model.path).expanduser())  # checked by check_inputs
         from .bootstrap import bootstrap_model
 
         return str(bootstrap_model(Path(self.cfg.model.bootstrap_dir).expanduser(),
-                                   time_budget_s=self.cfg.model.bootstrap_time_s))
+                                   max_steps=self.cfg.model.bootstrap_steps))
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> None:
@@ -157,30 +191,59 @@ class RLRunner:
     def _prompts(self, step: int) -> list[dict]:
         return self.train_source.batch(step, self.cfg.data.prompts_per_step)
 
-    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str) -> list[Sample]:
+    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str, seed_step: int, seed_use: str,
+                 progress: bool = False) -> StepRollouts:
         from .reward import aime_reward
 
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(p["question"])) for p in problems]
-        outs = self._generate(prompts, sampling, [f"{tag}-{i}" for i in range(len(prompts))])
-        samples = []
+        # Prompt i samples with a seed derived from (recipe seed, step, i): the same tokens wherever it
+        # runs (any rollout worker, any batch), and again after a resume.
+        params = [dataclasses.replace(sampling, seed=_step_seed(self.cfg.trainer.seed, seed_step, f"{seed_use}:{i}"))
+                  for i in range(len(prompts))]
+        outs = self._generate(prompts, params, [f"{tag}-{i}" for i in range(len(prompts))], progress)
+        samples, errors = [], []
         for o in outs:
             group = int(o["request_id"].split("-")[1])
             text = self.tokenizer.decode(o["response_ids"])
             reward = aime_reward(text, problems[group]["answer"]) if o["error"] is None else 0.0
+            if o["error"] is not None or o["finish_reason"] == "error":
+                errors.append(str(o["error"] or "unknown error"))
             samples.append(Sample(o["prompt_ids"], o["response_ids"], o["logprobs"], group, reward, o["finish_reason"]))
-        return samples
+        return StepRollouts(samples, errors)
 
     def train_step(self, step: int) -> dict[str, float]:
+        """One RL step (0-based ``step``); its metrics. Raises ``RolloutFailure`` (after the parity
+        check, before any update) when more than ``rollout.max_error_frac`` of the rollouts failed; the
+        step's metrics are then on the exception (``.metrics``) so the caller can still log them."""
         from .algorithms import compute_advantages
 
-        cfg, rc, ac = self.cfg, self.cfg.rollout, self.cfg.algorithm
+        rc, ac = self.cfg.rollout, self.cfg.algorithm
         t0 = time.perf_counter()
         sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_tokens=rc.max_tokens, n=rc.n, seed=_step_seed(cfg.trainer.seed, step, "sample"),
-                                  stop_token_ids=(self.tokenizer.eos_token_id,))
-        samples = self._rollout(self._prompts(step), sampling, f"s{step}")
+                                  max_tokens=rc.max_tokens, n=rc.n, stop_token_ids=(self.tokenizer.eos_token_id,))
+        batch = self._rollout(self._prompts(step), sampling, f"s{step}", step, "sample")
+        samples = batch.samples
         t_rollout = time.perf_counter() - t0
         report = self.trainer.call("parity", samples, rc.temperature)
+        rewards = [s.reward for s in samples]
+        health = {
+            "reward/mean": sum(rewards) / len(rewards), "reward/max": max(rewards),
+            "response/length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "mismatch/bitwise_equal_frac": report.bitwise_equal_frac, "mismatch/max_abs_dlogp": report.max_abs_dlogp,
+            "mismatch/kl_k1": report.kl_k1, "mismatch/kl_k3": report.kl_k3,
+            "mismatch/tokens_compared": report.tokens_compared,
+            "mismatch/sequences_compared": report.sequences_compared,
+            "rollout/errors": len(batch.errors), "rollout/error_frac": batch.error_frac,
+        }
+        if batch.errors:
+            log.warning("step %d: %d of %d rollouts ended in an error; first: %s", step + 1, len(batch.errors),
+                        len(samples), batch.errors[0])
+        if batch.error_frac > rc.max_error_frac:
+            failure = RolloutFailure(
+                f"step {step + 1}: {len(batch.errors)} of {len(samples)} rollouts failed ({batch.error_frac:.0%} > "
+                f"rollout.max_error_frac={rc.max_error_frac:g}); first error: {batch.errors[0]}")
+            failure.metrics = {**health, "perf/rollout_s": t_rollout}  # type: ignore[attr-defined]
+            raise failure
         advantages = compute_advantages([s.reward for s in samples], [len(s.response_ids) for s in samples],
                                         [s.group for s in samples], ac.adv_estimator, ac.norm_adv_by_std_in_grpo)
         ref = self.trainer.call("reference_logprobs", samples, rc.temperature) if ac.kl_coef else None
@@ -191,24 +254,21 @@ class RLRunner:
         self._push_weights()
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        rewards = [s.reward for s in samples]
-        return {
-            "reward/mean": sum(rewards) / len(rewards), "reward/max": max(rewards),
-            "response/length_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            "mismatch/bitwise_equal_frac": report.bitwise_equal_frac, "mismatch/max_abs_dlogp": report.max_abs_dlogp,
-            "mismatch/kl_k1": report.kl_k1, "mismatch/kl_k3": report.kl_k3,
-            "perf/tokens_per_s": n_tokens / elapsed, "perf/rollout_s": t_rollout, "perf/step_s": elapsed,
-            **stats,
-        }
+        return {**health, "perf/tokens_per_s": n_tokens / elapsed, "perf/rollout_s": t_rollout,
+                "perf/step_s": elapsed, **stats}
 
     def evaluate(self, step: int) -> dict[str, float]:
         ec = self.cfg.eval
         sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
-                                  seed=_step_seed(self.cfg.trainer.seed, 0, "eval"),
                                   stop_token_ids=(self.tokenizer.eos_token_id,))
-        samples = self._rollout(self.eval_problems, sampling, f"e{step}")
-        name = Path(self.cfg.data.eval).stem if self.cfg.data.eval not in ("aime24", "aime25") else self.cfg.data.eval
-        return {f"eval/{name}_mean@{ec.n}": sum(s.reward for s in samples) / max(len(samples), 1)}
+        t0 = time.perf_counter()
+        samples = self._rollout(self.eval_problems, sampling, f"e{step}", 0, "eval", progress=True).samples
+        spec = eval_set(self.cfg)
+        name = {"synthetic": "heldout"}.get(spec, spec) if spec in ("aime24", "aime25", "synthetic") else Path(spec).stem
+        key, value = f"eval/{name}_mean@{ec.n}", sum(s.reward for s in samples) / max(len(samples), 1)
+        log.info("eval at step %d: %s = %.3f (%d problems x %d samples, %.0f s)", step, key, value,
+                 len(self.eval_problems), ec.n, time.perf_counter() - t0)
+        return {key: value}
 
     # ------------------------------------------------------------------ loop
     def run(self) -> list[dict[str, float]]:
@@ -219,23 +279,57 @@ class RLRunner:
         finally:
             self.close()
 
+    def _status(self, state: str, step: int, message: str = "") -> None:
+        from .run_files import RunStatus, write_status
+
+        write_status(self.out_dir, RunStatus(state, step=step, total_steps=self.cfg.trainer.total_steps,
+                                             updated=time.time(), message=message, pid=os.getpid()))
+
+    def _eval_due(self, done: int) -> bool:
+        ec = self.cfg.eval
+        if not (ec.every and self.eval_problems):
+            return False
+        if done == 0:
+            return ec.before_training
+        return done % ec.every == 0 or done == self.cfg.trainer.total_steps
+
     def _run(self) -> list[dict[str, float]]:
         from tqdm import tqdm
 
         cfg = self.cfg
-        history = []
-        bar = tqdm(range(self.start_step, cfg.trainer.total_steps), desc="rl", unit="step",
-                   initial=self.start_step, total=cfg.trainer.total_steps)
-        for step in bar:
-            m = self.train_step(step)
-            done = step + 1
-            if cfg.eval.every and self.eval_problems and (done % cfg.eval.every == 0 or done == cfg.trainer.total_steps):
-                m.update(self.evaluate(done))
-            self.metrics.log(m, step=done)
-            history.append({"step": done, **m})
-            bar.set_postfix(reward=f"{m['reward/mean']:.3f}", eq=f"{m['mismatch/bitwise_equal_frac']:.3f}",
-                            k3=f"{m['mismatch/kl_k3']:.1e}")
-            if cfg.trainer.save_every and (done % cfg.trainer.save_every == 0 or done == cfg.trainer.total_steps):
-                self.trainer.call("save", str(self.ckpt_dir), done)
-        self.metrics.close()
+        history: list[dict[str, float]] = []
+        done = self.start_step
+        self._status("running", done)
+        try:
+            if done == 0 and self._eval_due(0):  # where the held-out curve starts: the policy before any update
+                self.initial_eval = self.evaluate(0)
+                self.metrics.log(self.initial_eval, step=0)
+            bar = tqdm(range(self.start_step, cfg.trainer.total_steps), desc="rl", unit="step",
+                       initial=self.start_step, total=cfg.trainer.total_steps, dynamic_ncols=True)
+            for step in bar:
+                try:
+                    m = self.train_step(step)
+                except RolloutFailure as failure:  # log what the failed step saw, then stop with the cause
+                    self.metrics.log(failure.metrics, step=step + 1)  # type: ignore[attr-defined]
+                    raise
+                done = step + 1
+                if self._eval_due(done):
+                    m.update(self.evaluate(done))
+                self.metrics.log(m, step=done)
+                history.append({"step": done, **m})
+                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", eq=f"{m['mismatch/bitwise_equal_frac']:.3f}",
+                                k3=f"{m['mismatch/kl_k3']:.1e}", err=int(m["rollout/errors"]))
+                if cfg.trainer.save_every and (done % cfg.trainer.save_every == 0 or done == cfg.trainer.total_steps):
+                    self.trainer.call("save", str(self.ckpt_dir), done)
+            bar.close()
+        except KeyboardInterrupt:
+            self._status("interrupted", done, "continue with trainer.resume=true")
+            raise
+        except BaseException as e:
+            self._status("failed", done, " ".join(f"{type(e).__name__}: {e}".split())[:500])
+            raise
+        else:
+            self._status("finished", done)
+        finally:
+            self.metrics.close()  # the final dashboard, with the status just written
         return history

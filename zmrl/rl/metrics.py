@@ -12,7 +12,8 @@ written as Python's json does (``NaN``, ``Infinity``), which ``read_metrics`` re
 Files under ``run_dir``::
 
     metrics.jsonl    the history (source of truth for the dashboard)
-    run.json         project, run name, config, start time (read by the dashboard header)
+    run.json         project, run name, config, start time, wandb run id (kept on resume, so wandb
+                     continues the same run); read by the dashboard header
     dashboard.html   self-contained dashboard, rebuilt every ``dashboard_every`` steps
     wandb/           wandb's offline run files (``wandb sync run_dir/wandb/offline-run-*``)
 """
@@ -26,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from .run_files import METRICS_FILE, RUN_FILE, read_metrics  # noqa: F401 -- read_metrics re-exported
+
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-RUN_FILE = "run.json"
 WANDB_MODES = ("offline", "online", "disabled")
 
 _warned_no_wandb = False
@@ -49,41 +50,6 @@ def _scalar(value: Any) -> float | int | bool | str | None:
     if callable(item) and size == 1:
         return _scalar(item())
     return None
-
-
-def _parse_lines(text: str, path: Path) -> tuple[list[dict], int]:
-    """Records of a JSONL text, and the byte length of its complete lines (those ending in a newline).
-
-    A final fragment without a newline (a run killed mid-write) is returned as a record when it
-    happens to be valid JSON and dropped otherwise; malformed complete lines are skipped with a
-    warning (someone edited the file).
-    """
-    records: list[dict] = []
-    *complete, fragment = text.split("\n")
-    good_bytes = sum(len(line.encode()) + 1 for line in complete)
-    for i, line in enumerate(complete + [fragment]):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            rec = None
-        if not isinstance(rec, dict) or "step" not in rec:
-            if i < len(complete):
-                logger.warning("%s: skipping malformed line %d", path, i + 1)
-            continue
-        records.append(rec)
-    return records, good_bytes
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """All records of ``run_dir/metrics.jsonl`` in file order; a truncated last line is dropped.
-
-    Raises ``FileNotFoundError`` when the file is missing.
-    """
-    path = Path(run_dir) / METRICS_FILE
-    records, _ = _parse_lines(path.read_text(encoding="utf-8", errors="replace"), path)
-    return records
 
 
 class MetricsLogger:
@@ -171,11 +137,25 @@ class MetricsLogger:
     def _write_run_info(self) -> None:
         path = self.run_dir / RUN_FILE
         started = time.time()
+        try:
+            previous = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            previous = {}
+        if not isinstance(previous, dict):
+            previous = {}
         try:  # on resume keep when the run first started
-            started = float(json.loads(path.read_text(encoding="utf-8"))["started"])
-        except (OSError, ValueError, KeyError, TypeError):
+            started = float(previous["started"])
+        except (KeyError, TypeError, ValueError):
             pass
-        info = {"project": self.project, "run_name": self.run_name, "started": started,
+        # One wandb run id per run folder, kept across resumes: wandb then continues the same run.
+        wandb_id = previous.get("wandb_id")
+        if not (isinstance(wandb_id, str) and wandb_id.isalnum()):
+            import uuid
+
+            wandb_id = uuid.uuid4().hex[:12]
+        self.wandb_id = wandb_id
+        self.resumed = bool(previous)
+        info = {"project": self.project, "run_name": self.run_name, "started": started, "wandb_id": wandb_id,
                 "wandb_mode": self.wandb_mode, "config": self.config}
         try:
             text = json.dumps(info, indent=2, default=str)
@@ -200,6 +180,7 @@ class MetricsLogger:
             settings = wandb.Settings(silent=True, console="off")
             return wandb.init(project=self.project, name=self.run_name, config=self.config,
                               dir=str(self.run_dir), mode=self.wandb_mode, settings=settings,
+                              id=self.wandb_id, resume="allow",
                               reinit="create_new")
         except Exception as exc:  # a logging backend must never take the training run down
             logger.warning("wandb.init failed (%s: %s); metrics go to %s only",
@@ -242,7 +223,7 @@ class MetricsLogger:
 
     def rebuild_dashboard(self, live: bool = False) -> Path | None:
         """Write ``run_dir/dashboard.html``; failures are logged, never raised (it's a side view)."""
-        from zmrl.rl.dashboard import build_dashboard
+        from .dashboard import build_dashboard
 
         try:
             return build_dashboard(self.run_dir, live=live)

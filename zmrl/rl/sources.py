@@ -42,7 +42,9 @@ def load_eval_problems(spec: str, limit: int | None = None) -> list[dict]:
     if spec == "synthetic":
         from .synthetic import make_dataset
 
-        problems = make_dataset(limit or 64, seed=12345)
+        from .synthetic import heldout_problems
+
+        return heldout_problems(limit)
     else:
         problems = _problems(spec)
     return problems[:limit] if limit else problems

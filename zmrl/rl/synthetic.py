@@ -1,18 +1,24 @@
 """A synthetic task in AIME format (a question, an integer answer in 0..999) that the tiny byte-level
-model can pick up on CPU in a couple of minutes of SFT, leaving room for RL to climb.
+model picks up on CPU in a few minutes of SFT, leaving a gap that RL visibly closes.
 
-Problems are small arithmetic questions, e.g. ``What is 7 * 8?`` -> 56. The mix of operations and
-operand ranges (``TaskSpec``) sets the difficulty. The default mixes single-digit sums, differences
-(a >= b) and products with equal weight: sums are learnt first, products last, so after the short SFT
-bootstrap the model is right on some problems and wrong on others -- the spread GRPO needs (a group
-whose samples are all right or all wrong has no signal).
+Problems are small arithmetic questions, e.g. ``What is 7 + 8?`` -> 15. The mix of operations and
+operand ranges (``TaskSpec``) sets the difficulty; the default is single-digit sums and differences
+(a >= b), 155 distinct problems.
 
-The SFT target (``format_solution``) is one line of work and the boxed answer, ``7*8=56 \\boxed{56}``:
-restating the expression puts the operands right before the answer digits, which the 4-layer model
-exploits far sooner than operands 20 bytes back in the prompt. Measured (single-thread CPU, batch 16,
-lr 1e-3, 64 held-out problems, greedy accuracy): 0.14 after 60 SFT steps and 0.13 after 120 with the
-bare ``\\boxed{N}`` target, against 0.25 and 0.75 with this one. The longest default target is
-``9*9=81 \\boxed{81}`` + EOS = 18 tokens, so rollouts need ``max_tokens >= 18``.
+The SFT target (``format_solution``) is one line of work, then the boxed answer:
+``7+8=15 \\boxed{15}``. Restating the expression puts the operands right before the answer digits, which
+the 4-layer model exploits far sooner than operands 20 bytes back in the prompt. The bootstrap's teacher
+(``zmrl.rl.bootstrap``) writes the box in only a fraction of its solutions (``boxed_frac``) and stops after
+``7+8=15`` otherwise -- like a base model that knows the arithmetic but not the answer format the grader
+reads. The reward (``zmrl.rl.reward``) reads only a box or an "Answer: N", so the bootstrapped policy
+earns little reward at T = 1 although its arithmetic is mostly right, and GRPO has a clear, shared
+direction to learn (box the answer) plus the arithmetic to sharpen. The longest default target is
+``9+9=18 \\boxed{18}`` + EOS = 18 tokens, so rollouts need ``max_tokens >= 18``.
+
+Splits: training pools and the bootstrap draw from seeded streams; the held-out split
+(``heldout_problems``, ``data.eval=synthetic``) is the first problems of another stream
+(``HELDOUT_SEED``). With 155 distinct problems the two share problems: the held-out curve measures the
+policy on the task's distribution with samples it never trained on, not on unseen facts.
 """
 from __future__ import annotations
 
@@ -20,7 +26,10 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
-__all__ = ["DEFAULT_TASK", "TaskSpec", "format_solution", "make_dataset", "make_problem", "solution_token_ids"]
+__all__ = ["DEFAULT_TASK", "HELDOUT_SEED", "TaskSpec", "format_solution", "heldout_problems", "make_dataset",
+           "make_problem", "solution_token_ids"]
+
+HELDOUT_SEED = 12345  # the held-out split (``data.eval=synthetic``): a stream no training pool draws from
 
 _QUESTION = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -32,7 +41,7 @@ class TaskSpec:
 
     add_weight: float = 1.0
     sub_weight: float = 1.0
-    mul_weight: float = 1.0
+    mul_weight: float = 0.0
     add_max: int = 9
     sub_max: int = 9
     mul_max: int = 9
@@ -65,15 +74,23 @@ def make_dataset(n: int, seed: int = 0, spec: TaskSpec = DEFAULT_TASK) -> list[d
     return [make_problem(rng, spec) for _ in range(n)]
 
 
-def format_solution(problem: dict) -> str:
-    """The SFT target text, ``a*b=N \\boxed{N}`` for a synthetic question (just ``\\boxed{N}`` for any
-    other). The tokenizer's EOS id goes after it as a token (``solution_token_ids``): EOS is not text."""
+def heldout_problems(limit: int | None = None, spec: "TaskSpec | None" = None) -> list[dict]:
+    """The held-out evaluation split: the first ``limit`` (default 64) problems of the held-out stream."""
+    return make_dataset(limit or 64, seed=HELDOUT_SEED, spec=spec or DEFAULT_TASK)
+
+
+def format_solution(problem: dict, boxed: bool = True) -> str:
+    """The SFT target text: ``a+b=N \\boxed{N}`` for a synthetic question (just ``\\boxed{N}`` for any
+    other); ``boxed=False`` stops after the work (``a+b=N``, no answer the reward can read). The
+    tokenizer's EOS id goes after it as a token (``solution_token_ids``): EOS is not text."""
     answer = int(problem["answer"])
     m = _QUESTION.fullmatch(problem["question"].strip())
-    work = f"{m.group(1)}{m.group(2)}{m.group(3)}={answer} " if m else ""
-    return f"{work}\\boxed{{{answer}}}"
+    work = f"{m.group(1)}{m.group(2)}{m.group(3)}={answer}" if m else ""
+    if not boxed and work:
+        return work
+    return f"{work} \\boxed{{{answer}}}" if work else f"\\boxed{{{answer}}}"
 
 
-def solution_token_ids(problem: dict, tokenizer) -> list[int]:
+def solution_token_ids(problem: dict, tokenizer, boxed: bool = True) -> list[int]:
     """``format_solution`` encoded without BOS, followed by ``tokenizer.eos_token_id``."""
-    return tokenizer.encode(format_solution(problem), add_bos=False) + [tokenizer.eos_token_id]
+    return tokenizer.encode(format_solution(problem, boxed), add_bos=False) + [tokenizer.eos_token_id]

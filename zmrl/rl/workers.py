@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zmrl.kernels_batch_invariant import set_mode
+from zmrl.kernels_batch_invariant import NumericsFingerprint, apply_numerics, current_numerics, fingerprint
 from zmrl.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_state_dict
 from zmrl.model import load_pretrained
 from zmrl.parity import ParityReport, compare_logprobs
@@ -39,7 +39,7 @@ class Sample:
 
 def _set_threads(num_threads: int | None) -> None:
     if num_threads:
-        torch.set_num_threads(num_threads)
+        apply_numerics(current_numerics().replace(cpu_threads=num_threads))
 
 
 class RolloutWorker:
@@ -50,28 +50,36 @@ class RolloutWorker:
         apply_lora(self.model, lora)
         self.engine = RolloutEngine(self.model, engine)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, request_ids: list[str],
-                 use_tqdm: bool = False) -> list[dict]:
-        outs = self.engine.generate(prompts, [sampling] * len(prompts), request_ids=request_ids, use_tqdm=use_tqdm)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 request_ids: list[str], use_tqdm: bool = False) -> list[dict]:
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        outs = self.engine.generate(prompts, params, request_ids=request_ids, use_tqdm=use_tqdm)
         return [dict(request_id=o.request_id, prompt_ids=o.prompt_token_ids, response_ids=o.token_ids,
                      logprobs=o.logprobs.cpu(), finish_reason=o.finish_reason, error=o.error) for o in outs]
 
     def update_weights(self, lora_state: dict[str, torch.Tensor]) -> int:
         return self.engine.update_weights(lora_state)
 
+    def numerics_fingerprint(self) -> NumericsFingerprint:
+        """This process's numerics contract, compared with the trainer's before the first step."""
+        return fingerprint(self.engine.numerics)
+
 
 class TrainerWorker:
     def __init__(self, model_path: str, dtype: str, lora: LoraConfig, lr: float, weight_decay: float,
                  micro_batch_tokens: int | None, latent_format: str, num_threads: int | None = None,
                  kernel_mode: str = "bitwise", device: str = "cpu"):
-        _set_threads(num_threads)
-        # The trainer's ops read the process-wide mode; it must be the engine's (EngineConfig.kernel_mode).
-        set_mode(kernel_mode)  # type: ignore[arg-type]
+        # The trainer's ops read the process's numerics; the kernel mode must be the engine's
+        # (EngineConfig.kernel_mode): the driver compares both sides' fingerprints before the first step.
+        apply_numerics(current_numerics().replace(kernel_mode=kernel_mode, cpu_threads=num_threads))
         self.model = load_pretrained(model_path, dtype=dtype, device=device)
         apply_lora(self.model, lora)
         self.optimizer = make_optimizer(self.model, lr=lr, weight_decay=weight_decay)
         self.micro_batch_tokens = micro_batch_tokens
         self.latent_format = latent_format
+
+    def numerics_fingerprint(self) -> NumericsFingerprint:
+        return fingerprint()
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         # a copy on the CPU (bitwise the parameters): what the rollout workers load, from any process

@@ -4,19 +4,22 @@ Continuous batching with chunked prefill under a token budget, a paged cache sha
 layer (latent + FP8 index keys per block row) with per-request KDA state, prefix caching by block
 hash (latents, index keys and the KDA snapshot at the block end), preemption by recompute, and
 ``n > 1`` samples forked from the prompt's blocks. Every token runs through the same model modules
-and batch-invariant ops as the trainer, and sampling noise depends only on (seed, request,
-position), so a request's tokens and log-probs do not depend on what else ran with it.
+and batch-invariant ops as the trainer, and sampling noise depends only on (seed, sample index
+within the request, position), so a request's tokens and log-probs do not depend on what else ran
+with it or on its request id. A request without a seed gets one drawn here, recorded on its output.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import typing
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from zmrl.kernels_batch_invariant import get_mode, kernel_mode, set_mode
+from zmrl.kernels_batch_invariant import Numerics, apply_numerics, current_numerics, get_mode, numerics_scope
 from zmrl.kernels_batch_invariant._dispatch import Mode
 from zmrl.model import ModelCache
 from zmrl.model.context import KDASeqState, SequenceState
@@ -24,7 +27,7 @@ from zmrl.model.kda import KimiDeltaAttention
 
 from .block_manager import BlockManager, block_hash
 from .graph_runner import DECODE_GRAPH_MODES, DecodeGraphRunner
-from .sampling import SamplingParams, request_key, sample
+from .sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,8 @@ class RolloutOutput:
     logprobs: torch.Tensor
     finish_reason: str  # "stop" | "length" | "error"
     temperature: float = 1.0
-    seed: int = 0
+    seed: int = 0  # the request's seed: the one it gave, or the one the engine drew (replaying with it repeats)
+    sample_index: int = 0  # j of the request's n samples (the sampler's key)
     weights_version: int = 0
     num_preemptions: int = 0
     error: str | None = None
@@ -110,14 +114,12 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     fork_ids: list[str] = field(default_factory=list)  # siblings to fork when the prompt is done (n > 1)
+    sample_index: int = 0  # j of the request's n samples: the sampler's key, with params.seed
     output: list[int] = field(default_factory=list)
     logprobs: list[torch.Tensor] = field(default_factory=list)
     seq: SequenceState = field(default_factory=SequenceState)
     hashes: list[int] = field(default_factory=list)  # hashes of this request's computed full blocks
     num_preemptions: int = 0
-
-    def __post_init__(self) -> None:
-        self.key = request_key(self.request_id)
 
     @property
     def tokens(self) -> list[int]:
@@ -168,8 +170,12 @@ class RolloutEngine:
         self._ids: set[str] = set()
         self.weights_version = 0
         self.num_steps = self.num_preemptions = 0
+        # The engine's numerics: the process's contract, with the configured kernel mode applied to the
+        # whole process (so a trainer in this process follows); None = follow the process at every step.
+        self.numerics: Numerics | None = None
         if self.config.kernel_mode is not None:
-            set_mode(self.config.kernel_mode)  # type: ignore[arg-type]
+            self.numerics = current_numerics().replace(kernel_mode=self.config.kernel_mode)
+            apply_numerics(self.numerics)
         if get_mode() != "bitwise":
             log.warning("rollout engine in %r kernel mode: rollout/trainer log-probs are not expected to be "
                         "bitwise equal", get_mode())
@@ -192,6 +198,8 @@ class RolloutEngine:
         params = sampling or SamplingParams()
         prompt = _as_token_list(prompt_token_ids)
         self._validate(prompt, params)
+        if params.seed is None:  # drawn here and recorded on the outputs: replaying with it repeats the tokens
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         ids = [str(request_id)] if params.n == 1 else [f"{request_id}-{j}" for j in range(params.n)]
         dup = [i for i in ids if i in self._ids]
         if dup:
@@ -202,8 +210,8 @@ class RolloutEngine:
         if -(-longest // self.block_size) > self.config.num_blocks:
             msg = (f"request {req.request_id!r} needs up to {longest} tokens = {-(-longest // self.block_size)} blocks "
                    f"of {self.block_size}, but the cache has only num_blocks={self.config.num_blocks}")
-            for rid in ids:
-                self._finish(Request(rid, prompt, params), "error", error=msg)
+            for j, rid in enumerate(ids):
+                self._finish(Request(rid, prompt, params, sample_index=j), "error", error=msg)
             return
         self.waiting.append(req)
 
@@ -350,17 +358,18 @@ class RolloutEngine:
 
     def _run(self, batch: list[tuple[Request, int]]) -> None:
         mode = self.config.kernel_mode
-        if mode is None:  # follow the process mode
+        if self.numerics is None:  # follow the process's numerics
             with torch.no_grad():
                 self._run_batch(batch)
             return
-        if get_mode() != mode and not self._mode_warned:
+        if current_numerics() != self.numerics and not self._mode_warned:
             # someone changed the process mode after the engine was built: the engine keeps its own,
             # a trainer in this process now runs another one
-            log.warning("process kernel mode is %r but this engine was configured with %r; the engine keeps %r, "
-                        "a trainer in this process will not match it", get_mode(), mode, mode)
+            log.warning("process numerics are %s (kernel mode %r) but this engine was configured with kernel mode %r; "
+                        "the engine keeps %r, a trainer in this process will not match it",
+                        current_numerics(), get_mode(), mode, mode)
             self._mode_warned = True
-        with torch.no_grad(), kernel_mode(mode):  # type: ignore[arg-type]
+        with torch.no_grad(), numerics_scope(self.numerics):
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[tuple[Request, int]]) -> None:
@@ -427,7 +436,7 @@ class RolloutEngine:
                 self._drop(r, "error", error=f"non-finite logits for request {r.request_id!r} at position {len(r.tokens)}")
         if not ok:
             return
-        tokens, lps = sample(logits[[row for _, row in ok]], [r.params for r, _ in ok], [r.key for r, _ in ok],
+        tokens, lps = sample(logits[[row for _, row in ok]], [r.params for r, _ in ok], [r.sample_index for r, _ in ok],
                              [r.num_tokens for r, _ in ok])
         for (r, _), t, lp in zip(ok, tokens.tolist(), lps):
             r.output.append(t)
@@ -462,8 +471,8 @@ class RolloutEngine:
         children = []
         if self.graphs is not None:
             self.graphs.evict(parent)  # the children copy its KDASeqState
-        for cid in parent.fork_ids:
-            child = Request(cid, parent.prompt, parent.params)
+        for j, cid in enumerate(parent.fork_ids, start=parent.sample_index + 1):
+            child = Request(cid, parent.prompt, parent.params, sample_index=j)
             n_full = parent.num_computed // self.block_size
             partial = parent.num_computed % self.block_size != 0
             if partial and self.blocks.num_free == 0:
@@ -499,6 +508,6 @@ class RolloutEngine:
         lp = torch.cat(r.logprobs) if r.logprobs else torch.zeros(0, dtype=torch.float32, device=self.model.device)
         self._finished.append(RolloutOutput(
             request_id=r.request_id, prompt_token_ids=list(r.prompt), token_ids=list(r.output), logprobs=lp,
-            finish_reason=reason, temperature=r.params.temperature, seed=r.params.seed,
+            finish_reason=reason, temperature=r.params.temperature, seed=r.params.seed, sample_index=r.sample_index,
             weights_version=self.weights_version, num_preemptions=r.num_preemptions, error=error,
         ))

@@ -1,10 +1,12 @@
 """Sampling parameters and the deterministic, batch-invariant sampler of the rollout engine.
 
 A sampled row's (token, log-prob) is a function of that row alone: its logits, its
-``SamplingParams``, its request key and the absolute position of the token being sampled
-(DESIGN §2, "Sampling"). Nothing depends on the other rows of the step, the batch size or order,
-the thread count, or any global RNG state, so preemption + recompute, a different arrival order or
-a replay of the run reproduce every token bit for bit.
+``SamplingParams`` (with the seed), its key — the engine passes the sample's index within its
+request (0 .. n-1) — and the absolute position of the token being sampled (docs/numerics.md,
+"Sampling"). Nothing depends on the other rows of the step, the batch size or order, the request
+id the engine assigned, the thread count, or any global RNG state, so the same request with the
+same seed samples the same tokens alone or among any others, and preemption + recompute, a
+different arrival order or a replay of the run reproduce every token bit for bit.
 
 Per row, with ``T = params.temperature``:
 
@@ -16,6 +18,8 @@ Per row, with ``T = params.temperature``:
   (not renormalised over the top-k set), accumulated by a fixed-order scan. The token is drawn
   by Gumbel-max, ``argmax over candidates of z + G`` (ties -> lower index), with
   ``G = -log(-log(u))`` and ``u`` a counter-based hash of ``(seed, key, position, vocab index)``.
+  A row with ``T > 0`` needs a seed: ``SamplingParams.seed=None`` means "the engine draws one" (and
+  records it on the output), so ``sample`` itself refuses None.
   Because the noise of a vocab entry does not depend on the filter, a filter that does not
   exclude the unfiltered winner leaves the drawn token unchanged.
 * The recorded log-prob is ``token_logprobs(logits_row, token, T)``: the log-softmax of the
@@ -42,7 +46,7 @@ from zmrl.kernels_batch_invariant._dispatch import invariant_op
 from zmrl.kernels_batch_invariant.logprob import _scaled_logits, token_logprobs
 from zmrl.kernels_batch_invariant.reduce import tree_sum
 
-__all__ = ["SamplingParams", "request_key", "sample", "sample_scaled"]
+__all__ = ["SamplingParams", "derive_seed", "sample", "sample_scaled"]
 
 _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64 Weyl increment (odd, ~2^64 / golden ratio)
@@ -74,16 +78,17 @@ class SamplingParams:
 
     temperature: 0 = greedy, else the softmax temperature (finite, > 0).
     top_p: nucleus mass in (0, 1]; 1 = off.       top_k: -1 = off, else >= 1.
-    max_tokens: generated-token limit (>= 1).     seed: int >= 0 (with the request id and the
-    position it fixes every draw).                stop_token_ids: ids that end the request.
-    n: samples per prompt; each sample must get its own request id (hence its own key).
+    max_tokens: generated-token limit (>= 1).     stop_token_ids: ids that end the request.
+    seed: int >= 0, or None (the engine draws one and records it on the output). With the sample
+    index and the position it fixes every draw, wherever the request sits in a batch.
+    n: samples per prompt; sample j draws with key j, so the n samples differ.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
     max_tokens: int = 16
-    seed: int = 0
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
 
@@ -101,8 +106,8 @@ class SamplingParams:
             raise _bad("max_tokens", self.max_tokens, "an int >= 1")
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "an int >= 1")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise _bad("seed", self.seed, "an int >= 0")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise _bad("seed", self.seed, "None (the engine draws one) or an int >= 0")
         stops = self.stop_token_ids
         if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
             raise _bad("stop_token_ids", stops, "a sequence of token ids (ints >= 0)")
@@ -111,7 +116,8 @@ class SamplingParams:
         if bad:
             raise _bad("stop_token_ids", self.stop_token_ids, f"ints >= 0 (bad entry {bad[0]!r})")
         for name, value in (("temperature", float(t) + 0.0), ("top_p", float(p)), ("top_k", int(k)),
-                            ("max_tokens", int(self.max_tokens)), ("n", int(self.n)), ("seed", int(self.seed)),
+                            ("max_tokens", int(self.max_tokens)), ("n", int(self.n)),
+                            ("seed", None if self.seed is None else int(self.seed)),
                             ("stop_token_ids", tuple(int(s) for s in stops))):  # + 0.0: -0.0 -> 0.0
             object.__setattr__(self, name, value)
 
@@ -120,13 +126,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def request_key(request_id: str) -> int:
-    """A stable 63-bit key for a request id: blake2b of its UTF-8 bytes (never Python's salted
-    ``hash()``), so the same id draws the same tokens in every process and on every machine."""
-    if not isinstance(request_id, str):
-        raise TypeError(f"request_id must be a str, got {type(request_id).__name__} ({request_id!r})")
-    digest = hashlib.blake2b(request_id.encode("utf-8"), digest_size=8, person=b"zmrl-req").digest()
-    return int.from_bytes(digest, "big") >> 1
+def derive_seed(seed: int, *parts: object) -> int:
+    """A 63-bit seed from a base seed and labels (e.g. step and prompt index): blake2b of their text,
+    the same in every process. Requests given one seed share their noise; derived seeds do not."""
+    text = ":".join(map(str, (seed, *parts))).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8, person=b"zmrl-sd").digest(), "big") >> 1
 
 
 # ----------------------------------------------------------------------------- counter-based noise
@@ -162,8 +166,8 @@ def _mix64_t(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_state(seed: int, key: int, position: int) -> int:
-    """The per-row counter state from (seed, request key, position), in [0, 2^64). Seeds wider than
-    64 bits are folded in 64-bit limbs."""
+    """The per-row counter state from (seed, key = sample index, position), in [0, 2^64). Seeds wider
+    than 64 bits are folded in 64-bit limbs."""
     h = _mix64(((seed & _M64) ^ _DOMAIN) + _GAMMA & _M64)
     rest = seed >> 64
     while rest:
@@ -328,7 +332,7 @@ def _raise_nonfinite(x: torch.Tensor, rows: list[int], keys: Sequence[int], posi
     r = int(bad.any(dim=-1).nonzero()[0, 0])
     col = int(bad[r].nonzero()[0, 0])
     b = rows[r]
-    where = f"logits row {b} (request key {keys[b]}, position {positions[b]})"
+    where = f"logits row {b} (key {keys[b]}, position {positions[b]})"
     if temperature is None:
         raise ValueError(f"sample: {where} has a non-finite value {float(x[r, col])} at vocab index {col}; "
                          "NaN/Inf logits cannot be sampled")
@@ -350,7 +354,11 @@ def _check_args(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Se
             raise TypeError(f"sample: params[{i}] must be a SamplingParams, got {type(p).__name__}")
     for i, k in enumerate(keys):
         if not _is_int(k) or not 0 <= k <= _M64:
-            raise ValueError(f"sample: keys[{i}] must be an int in [0, 2^64) (see request_key), got {k!r}")
+            raise ValueError(f"sample: keys[{i}] must be an int in [0, 2^64) (the sample index), got {k!r}")
+    for i, p in enumerate(params):
+        if p.seed is None and not p.greedy:
+            raise ValueError(f"sample: params[{i}].seed is None; a sampled row needs a seed (RolloutEngine draws one "
+                             "for a request without one)")
     for i, pos in enumerate(positions):
         if not _is_int(pos) or not 0 <= pos < 1 << 63:
             raise ValueError(f"sample: positions[{i}] must be an int >= 0, got {pos!r}")
@@ -366,7 +374,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], 
     """Sample one token per row and record its log-prob.
 
     logits: [B, V] (fp32; bf16/fp16 are upcast the way ``token_logprobs`` upcasts them), one row
-    per request sampling this step. params[b], keys[b] (``request_key`` of the row's request) and
+    per request sampling this step. params[b], keys[b] (the row's sample index within its request) and
     positions[b] (absolute position of the token being sampled: len(prompt) + len(generated))
     describe row b. vocab_size: if given, only the first ``vocab_size`` columns are the vocabulary
     (padding columns are ignored for the draw *and* the recorded log-prob; the trainer must slice

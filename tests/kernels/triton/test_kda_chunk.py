@@ -15,20 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zmrl.kernels_batch_invariant import kernel_mode
+from zmrl.kernels_batch_invariant import current_numerics, kernel_mode
 from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, kda_chunk, kda_chunk_ref, kda_recurrent_ref
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
-try:
-    from zmrl.kernels_batch_invariant.triton.kda_chunk import DOT_PRECISION
-except ImportError:  # no triton: every test here skips (the device fixture)
-    DOT_PRECISION = "tf32x3"
+DOT_PRECISION = current_numerics().kda_dot_precision
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
 C = CHUNK_SIZE
 # fp32-level dots (tf32x3 / ieee, and every dot under the interpreter): ~1e-7..1e-6 relative error
-# measured, 2e-5 leaves margin. Opt-in single-pass TF32 (ZMRL_KDA_DOT_PRECISION=tf32) rounds the
+# measured, 2e-5 leaves margin. Opt-in single-pass TF32 (Numerics.kda_dot_precision="tf32") rounds the
 # dot operands to 10 mantissa bits: ~1e-3 relative, 1e-2 leaves margin (still far below the O(1)
 # error of a real bug).
 REL = 1e-2 if DOT_PRECISION == "tf32" and torch.cuda.is_available() else 2e-5

@@ -36,12 +36,13 @@ sequences share the launch:
   so rows j > i of Y add exact zeros to row i whatever they hold; every other product is row-wise;
 * the recurrence advances the state only when the chunk is complete, in ascending chunk order.
 
-Dots run on fp32 operands with ``input_precision`` = ``ZMRL_KDA_DOT_PRECISION``: "tf32x3" (default:
+Dots run on fp32 operands with ``input_precision`` = the process's ``Numerics.kda_dot_precision``
+(zmrl/kernels_batch_invariant/numerics.py; ``ZMRL_KDA_DOT_PRECISION`` sets its default): "tf32x3" (default:
 three TF32 tensor-core passes, fp32-level accuracy, ~1e-6 relative), "ieee" (fp32 FMA, slowest) or
 "tf32" (one pass, fastest, ~1e-3 relative: still 8x finer than the bf16 operands fla-core uses).
 The precision changes the bits but not the invariance: it is a compile-time constant of the kernel,
-read once at import, so the rollout and trainer processes must run with the same value (the
-default unless someone sets it).
+read from the applied numerics contract at every launch; the rollout and trainer processes compare
+their contracts (``numerics.fingerprint``) before the first step.
 
 Decode step (``kda_chunk_step``, the CUDA-graph entry): the same two kernels on a fixed layout, N
 chunks of 64 rows, sequence i's chunk at rows [64 i, 64 i + num_rows[i]) of the [N*64, H, d] inputs.
@@ -57,7 +58,6 @@ torch backend.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -65,14 +65,12 @@ import triton
 import triton.language as tl
 
 from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step
+from ..kda.decode import KDADecodeCache, check_decode_args, kda_decode_prime, kda_decode_step
+from ..numerics import kda_dot_precision
 from ._common import cdiv, next_pow2
 from ._autograd import with_reference_backward
 
 _SUB = 16  # sub-block rows of the intra-chunk A products (the off-diagonal factorisation)
-_DOT_PRECISIONS = ("tf32x3", "ieee", "tf32")
-DOT_PRECISION: str = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
-if DOT_PRECISION not in _DOT_PRECISIONS:
-    raise ValueError(f"ZMRL_KDA_DOT_PRECISION must be one of {_DOT_PRECISIONS}, got {DOT_PRECISION!r}")
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -82,27 +80,34 @@ if DOT_PRECISION not in _DOT_PRECISIONS:
 
 @triton.jit
 def _kda_intra_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # packed [T, H, d] / [T, H] inputs
-    chunk_tok_ptr, chunk_rows_ptr,  # [NC] first token and number of real rows of each chunk
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # [T, H, d] / [T, H] inputs (q addressed through QTOK)
+    info_ptr,  # [NC, 6] int32 chunk table: TOK, ROWS, QTOK, ROW0, OUT0, KEEP (see _chunk_info)
     qg_ptr, kd_ptr, aqk_ptr, w_ptr, u_ptr,  # fp32 scratch [NC, H, 64, dk | dk | 64 | dk | dv]
     dec_ptr,  # fp32 scratch [NC, H, dk]: exp(gc of row 63), the state decay of a complete chunk
+    tt_ptr,  # fp32 [*, H, 64, 64] at KEEP: T^T, the solved rows of T = (I + A_kk)^-1 (read for rows < ROW0)
     scale, H,
     DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BK: tl.constexpr,
     BVI: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    tok0 = tl.load(chunk_tok_ptr + cid).to(tl.int64)
-    nr = tl.load(chunk_rows_ptr + cid)
+    info = info_ptr + cid * 6
+    tok0 = tl.load(info + 0).to(tl.int64)
+    nr = tl.load(info + 1)
+    qtok0 = tl.load(info + 2).to(tl.int64)
+    row0 = tl.load(info + 3)  # rows < row0 of T are already solved (held at KEEP)
+    out0 = tl.load(info + 4)  # rows < out0 have no query (their outputs are not wanted)
+    keep = tl.load(info + 5).to(tl.int64)
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     dks = tl.arange(0, DKP)
     rmask = rows < nr
     kmask = dks < DK
-    all_rows = rows >= 0  # full-shape masks for the scratch stores
+    all_rows = rows >= 0  # full-shape masks for the scratch loads
+    new_rows = rows >= row0  # the rows this call solves and stores
     sk = H * DK  # token stride of q, k, g
     sv = H * DV  # token stride of v
-    q_base = q_ptr + (tok0 * H + h) * DK
+    q_base = q_ptr + (qtok0 * H + h) * DK
     k_base = k_ptr + (tok0 * H + h) * DK
     g_base = g_ptr + (tok0 * H + h) * DK
     v_base = v_ptr + (tok0 * H + h) * DV
@@ -114,6 +119,7 @@ def _kda_intra_kernel(
     u_base = u_ptr + sc * DV
     aqk_base = aqk_ptr + sc * C
     dec_base = dec_ptr + (cid * H + h) * DK
+    tt_base = tt_ptr + (keep * H + h) * C * C
 
     # In-chunk cumulative log-decay; pad rows carry g = 0, so they repeat the last real row. It is
     # parked in the qg scratch (overwritten with q * exp(gc) at the end); the loads below read rows
@@ -124,10 +130,15 @@ def _kda_intra_kernel(
     tl.store(gc_base + rows[:, None] * DK + dks[None, :], gc, mask=all_rows[:, None] & kmask[None, :])
     tl.debug_barrier()
 
-    tt = tl.zeros([C, C], dtype=tl.float32)  # T^T, where T = (I + A_kk)^-1 is built row by row
-    for blk in range(0, C // BC):  # a run-time loop: 4x less code to compile than unrolled
+    # T^T, built column by column (column i = row i of T); the columns < row0 were solved by an earlier
+    # call on the same chunk (decode) and are read back, the rest start at zero.
+    tt = tl.load(tt_base + rows[:, None] * C + cols[None, :], mask=all_rows[:, None] & (cols < row0)[None, :],
+                 other=0.0)
+    # Blocks before row0's block hold no unsolved row; blocks from nr's on hold no real row.
+    for blk in range(row0 // BC, (nr + BC - 1) // BC):  # a run-time loop: 4x less code than unrolled
         lo = blk * BC
         r16 = lo + tl.arange(0, BC)
+        qrow = (r16 < nr) & (r16 >= out0)
         a_qk = tl.zeros([BC, C], dtype=tl.float32)
         a_kk = tl.zeros([BC, C], dtype=tl.float32)
         if blk > 0:
@@ -137,9 +148,10 @@ def _kda_intra_kernel(
             for kb in tl.static_range(DKP // BK):
                 kc = kb * BK + tl.arange(0, BK)
                 kcm = kc < DK
-                m16 = (r16 < nr)[:, None] & kcm[None, :]
-                q_b = tl.load(q_base + r16[:, None] * sk + kc[None, :], mask=m16, other=0.0).to(tl.float32) * scale
-                k_b = tl.load(k_base + r16[:, None] * sk + kc[None, :], mask=m16, other=0.0).to(tl.float32)
+                q_b = tl.load(q_base + r16[:, None] * sk + kc[None, :], mask=qrow[:, None] & kcm[None, :],
+                              other=0.0).to(tl.float32) * scale
+                k_b = tl.load(k_base + r16[:, None] * sk + kc[None, :], mask=(r16 < nr)[:, None] & kcm[None, :],
+                              other=0.0).to(tl.float32)
                 gc_b = tl.load(gc_base + r16[:, None] * DK + kc[None, :], mask=(r16 >= 0)[:, None] & kcm[None, :],
                                other=0.0)
                 gc_r = tl.load(gc_base + lo * DK + kc, mask=kcm, other=0.0)
@@ -153,7 +165,8 @@ def _kda_intra_kernel(
                 a_kk = tl.dot(k_b * left, right_t, acc=a_kk, input_precision=DOT_PREC)
         # Diagonal block, one column at a time: exp of masked exponent differences, reduced over dk.
         m16 = (r16 < nr)[:, None] & kmask[None, :]
-        q_i = tl.load(q_base + r16[:, None] * sk + dks[None, :], mask=m16, other=0.0).to(tl.float32) * scale
+        q_i = tl.load(q_base + r16[:, None] * sk + dks[None, :], mask=qrow[:, None] & kmask[None, :],
+                      other=0.0).to(tl.float32) * scale
         k_i = tl.load(k_base + r16[:, None] * sk + dks[None, :], mask=m16, other=0.0).to(tl.float32)
         gc_i = tl.load(gc_base + r16[:, None] * DK + dks[None, :], mask=(r16 >= 0)[:, None] & kmask[None, :],
                        other=0.0)
@@ -173,25 +186,38 @@ def _kda_intra_kernel(
         tl.store(aqk_base + r16[:, None] * C + cols[None, :], a_qk)
         b_i = tl.load(b_base + r16 * H, mask=r16 < nr, other=0.0).to(tl.float32)
         a_kk = tl.where(cols[None, :] < r16[:, None], a_kk, 0.0) * b_i[:, None]
-        # Forward substitution for this block's rows of T (row i reads rows < i of T only).
-        for ii in range(0, n_real):
+        # Forward substitution for this block's unsolved rows of T (row i reads rows < i of T only).
+        for ii in range(tl.maximum(row0 - lo, 0), n_real):
             i = lo + ii
             a_row = tl.sum(tl.where(r16[:, None] == i, a_kk, 0.0), axis=0)  # A_kk[i, :], exact
             t_row = -tl.sum(tt * a_row[None, :], axis=1)  # T[i, c] for every c
             t_row = tl.where(rows == i, 1.0, t_row)
             tt = tl.where(cols[None, :] == i, t_row[:, None], tt)
+    tl.store(tt_base + rows[:, None] * C + cols[None, :], tt, mask=all_rows[:, None] & new_rows[None, :])
 
     # W = T diag(beta) exp(gc) K, U = T diag(beta) V and the recurrence factors, BK / BVI columns at
     # a time (columns are independent: the blocking changes no arithmetic, only the registers held).
-    t_mat = tl.trans(tt)
+    # W and U are computed for the 16-row blocks holding rows >= row0 only, as [16, 64] @ [64, cols]
+    # products whose left rows are T's rows read back from the tt buffer (an MMA computes each output
+    # row from its own left row: row i's bits do not depend on the block height, which the decode
+    # kernels rely on too); only rows >= row0 are stored (the recurrence reads the earlier ones from
+    # the v_e it kept), except kd (elementwise), which a complete chunk's state update needs for every row.
+    tl.debug_barrier()  # the tt columns stored above are read back below by other threads
+    kd_row0 = tl.where(nr == C, 0, row0)
+    blk0 = row0 // BC
+    blk1 = (nr + BC - 1) // BC
     b_all = tl.load(b_base + rows * H, mask=rmask, other=0.0).to(tl.float32)
     for vb in range(0, DVP // BVI):
         vc = vb * BVI + tl.arange(0, BVI)
         vcm = vc < DV
         v_t = tl.load(v_base + rows[:, None] * sv + vc[None, :], mask=rmask[:, None] & vcm[None, :],
                       other=0.0).to(tl.float32)
-        u = tl.dot(t_mat, v_t * b_all[:, None], input_precision=DOT_PREC)
-        tl.store(u_base + rows[:, None] * DV + vc[None, :], u, mask=all_rows[:, None] & vcm[None, :])
+        x_v = v_t * b_all[:, None]
+        for blk in range(blk0, blk1):
+            r16 = blk * BC + tl.arange(0, BC)
+            t_b = tl.load(tt_base + cols[None, :] * C + r16[:, None])  # rows r16 of T
+            u = tl.dot(t_b, x_v, input_precision=DOT_PREC)
+            tl.store(u_base + r16[:, None] * DV + vc[None, :], u, mask=(r16 >= row0)[:, None] & vcm[None, :])
     for kb in range(0, DKP // BK):
         kt_c = kb * BK + tl.arange(0, BK)
         kt_cm = kt_c < DK
@@ -202,23 +228,28 @@ def _kda_intra_kernel(
         k_t = tl.load(k_base + in_t, mask=m_t, other=0.0).to(tl.float32)
         gc_t = tl.load(gc_base + sc_t, mask=sm_t, other=0.0)
         g_last = tl.load(gc_base + (C - 1) * DK + kt_c, mask=kt_cm, other=0.0)
-        w = tl.dot(t_mat, k_t * tl.exp(gc_t) * b_all[:, None], input_precision=DOT_PREC)
-        tl.store(w_base + sc_t, w, mask=sm_t)
+        x_k = k_t * tl.exp(gc_t) * b_all[:, None]
+        for blk in range(blk0, blk1):
+            r16 = blk * BC + tl.arange(0, BC)
+            t_b = tl.load(tt_base + cols[None, :] * C + r16[:, None])
+            w = tl.dot(t_b, x_k, input_precision=DOT_PREC)
+            tl.store(w_base + r16[:, None] * DK + kt_c[None, :], w, mask=(r16 >= row0)[:, None] & kt_cm[None, :])
         # The state-independent factors of the recurrence, so that the sequential kernel runs no
         # exp: kd = exp(g_last - gc) * K (state update), qg = scale * q * exp(gc) (read-out).
-        tl.store(kd_base + sc_t, k_t * tl.exp(g_last[None, :] - gc_t), mask=sm_t)
+        tl.store(kd_base + sc_t, k_t * tl.exp(g_last[None, :] - gc_t), mask=(rows >= kd_row0)[:, None] & kt_cm[None, :])
         tl.store(dec_base + kt_c, tl.exp(g_last), mask=kt_cm)
-        qg = tl.load(q_base + in_t, mask=m_t, other=0.0).to(tl.float32) * scale * tl.exp(gc_t)
+        qg = tl.load(q_base + in_t, mask=(rmask & (rows >= out0))[:, None] & kt_cm[None, :],
+                     other=0.0).to(tl.float32) * scale * tl.exp(gc_t)
         tl.debug_barrier()  # every thread is done reading these gc columns before qg overwrites them
-        tl.store(qg_base + sc_t, qg, mask=sm_t)
+        tl.store(qg_base + sc_t, qg, mask=new_rows[:, None] & kt_cm[None, :])
 
 
 @triton.jit
 def _kda_inter_kernel(
     qg_ptr, kd_ptr, aqk_ptr, w_ptr, u_ptr, dec_ptr,  # scratch written by _kda_intra_kernel
-    h0_ptr, o_ptr, ht_ptr, cs_ptr,  # [N, H, dk, dv] in, [T, H, dv] out, [N, H, dk, dv], [NCC, H, dk, dv]
-    seq_tok0_ptr, seq_len_ptr,  # [N] first token and number of tokens of each sequence
-    seq_chunk0_ptr, seq_complete0_ptr,  # [N] first chunk / complete chunk ids
+    ve_ptr,  # fp32 [*, H, 64, dv] at KEEP: v_e = U - W S of each chunk row (read for rows < ROW0)
+    h0_ptr, o_ptr, ht_ptr, cs_ptr,  # states [*, H, dk, dv] at STATE in and out, o [T, H, dv], [NCC, H, dk, dv]
+    cinfo_ptr, sinfo_ptr,  # [NC, 6] chunk table (as the intra kernel), [N, 6] sequence table (_seq_info)
     H,
     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, HAS_H0: tl.constexpr, STORE_CS: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -228,13 +259,16 @@ def _kda_inter_kernel(
     s = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    # Start and length as separate tables (not cu_seqlens): the decode step's sequences sit at fixed
-    # 64-row slots (start 64 i, length num_rows[i]), with gaps between them.
-    bos = tl.load(seq_tok0_ptr + s).to(tl.int64)
-    n = tl.load(seq_len_ptr + s).to(tl.int64)
+    sinfo = sinfo_ptr + s.to(tl.int64) * 6
+    # Output rows, lengths, chunk ids and state rows come from tables (not cu_seqlens): the decode
+    # step's sequences read their chunks from cache slots and write one output row each.
+    bos = tl.load(sinfo + 0).to(tl.int64)
+    n = tl.load(sinfo + 1).to(tl.int64)
     n_chunks = ((n + C - 1) // C).to(tl.int32)
-    chunk0 = tl.load(seq_chunk0_ptr + s).to(tl.int64)
-    comp0 = tl.load(seq_complete0_ptr + s).to(tl.int64)
+    chunk0 = tl.load(sinfo + 2).to(tl.int64)
+    comp0 = tl.load(sinfo + 3).to(tl.int64)
+    st_row = tl.load(sinfo + 4).to(tl.int64)
+    always_store = tl.load(sinfo + 5) != 0
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     k0 = tl.arange(0, BK)
@@ -243,7 +277,7 @@ def _kda_inter_kernel(
     k0m = k0 < DK
     k1m = k1 < DK
     vmask = vs < DV
-    st_base = (s * H + h).to(tl.int64) * DK
+    st_base = (st_row * H + h) * DK
     st0 = (st_base + k0[:, None]) * DV + vs[None, :]
     st1 = (st_base + k1[:, None]) * DV + vs[None, :]
     st0m = k0m[:, None] & vmask[None, :]
@@ -257,29 +291,40 @@ def _kda_inter_kernel(
             s1 = tl.load(h0_ptr + st1, mask=st1m, other=0.0).to(tl.float32)
         else:
             s1 = tl.zeros([BK, BV], dtype=tl.float32)
-    sc0m = (rows >= 0)[:, None] & k0m[None, :]
-    sc1m = (rows >= 0)[:, None] & k1m[None, :]
     for c in range(0, n_chunks):
         cid = chunk0 + c
+        cinfo = cinfo_ptr + cid * 6
+        row0 = tl.load(cinfo + 3)
+        out0 = tl.load(cinfo + 4)
+        keep = tl.load(cinfo + 5).to(tl.int64)
         tok0 = bos + c * C
         nr = tl.minimum(n - c * C, C)
+        new = (rows >= row0) & (rows < nr)  # W / U rows past the chunk's end are not written: read as 0
+        qrow = rows >= out0
         sc_base = (cid * H + h) * C
         sc0 = (sc_base + rows[:, None]) * DK + k0[None, :]
         sc1 = (sc_base + rows[:, None]) * DK + k1[None, :]
-        u = tl.load(u_ptr + (sc_base + rows[:, None]) * DV + vs[None, :],
-                    mask=(rows >= 0)[:, None] & vmask[None, :], other=0.0)
-        ws = tl.dot(tl.load(w_ptr + sc0, mask=sc0m, other=0.0), s0, input_precision=DOT_PREC)
+        u = tl.load(u_ptr + (sc_base + rows[:, None]) * DV + vs[None, :], mask=new[:, None] & vmask[None, :], other=0.0)
+        ws = tl.dot(tl.load(w_ptr + sc0, mask=new[:, None] & k0m[None, :], other=0.0), s0, input_precision=DOT_PREC)
         if TWO:
-            ws = tl.dot(tl.load(w_ptr + sc1, mask=sc1m, other=0.0), s1, acc=ws, input_precision=DOT_PREC)
-        v_e = u - ws
-        o = tl.dot(tl.load(qg_ptr + sc0, mask=sc0m, other=0.0), s0, input_precision=DOT_PREC)
+            ws = tl.dot(tl.load(w_ptr + sc1, mask=new[:, None] & k1m[None, :], other=0.0), s1, acc=ws,
+                        input_precision=DOT_PREC)
+        # v_e of the rows solved by an earlier call on this chunk (the same values, computed then).
+        ve_off = ((keep * H + h) * C + rows[:, None]) * DV + vs[None, :]
+        ve_old = tl.load(ve_ptr + ve_off, mask=(rows < row0)[:, None] & vmask[None, :], other=0.0)
+        v_e = tl.where(new[:, None], u - ws, ve_old)
+        tl.store(ve_ptr + ve_off, v_e, mask=(new & (rows < nr))[:, None] & vmask[None, :])
+        o = tl.dot(tl.load(qg_ptr + sc0, mask=qrow[:, None] & k0m[None, :], other=0.0), s0, input_precision=DOT_PREC)
         if TWO:
-            o = tl.dot(tl.load(qg_ptr + sc1, mask=sc1m, other=0.0), s1, acc=o, input_precision=DOT_PREC)
-        a_qk = tl.load(aqk_ptr + (sc_base + rows[:, None]) * C + cols[None, :])
+            o = tl.dot(tl.load(qg_ptr + sc1, mask=qrow[:, None] & k1m[None, :], other=0.0), s1, acc=o,
+                       input_precision=DOT_PREC)
+        a_qk = tl.load(aqk_ptr + (sc_base + rows[:, None]) * C + cols[None, :],
+                       mask=(qrow & (rows < nr))[:, None] & (cols >= 0)[None, :], other=0.0)
         o = o + tl.dot(a_qk, v_e, input_precision=DOT_PREC)
         o_off = ((tok0 + rows[:, None]) * H + h) * DV + vs[None, :]
-        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=(rows < nr)[:, None] & vmask[None, :])
+        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=(qrow & (rows < nr))[:, None] & vmask[None, :])
         if nr == C:  # only complete chunks advance the state
+            sc0m = (rows >= 0)[:, None] & k0m[None, :]
             dec_base = (cid * H + h) * DK
             kd0 = tl.load(kd_ptr + sc0, mask=sc0m, other=0.0)
             dec0 = tl.load(dec_ptr + dec_base + k0, mask=k0m, other=0.0)
@@ -288,57 +333,61 @@ def _kda_inter_kernel(
             if STORE_CS:
                 tl.store(cs_ptr + (cs_base + k0[:, None]) * DV + vs[None, :], s0, mask=st0m)
             if TWO:
+                sc1m = (rows >= 0)[:, None] & k1m[None, :]
                 kd1 = tl.load(kd_ptr + sc1, mask=sc1m, other=0.0)
                 dec1 = tl.load(dec_ptr + dec_base + k1, mask=k1m, other=0.0)
                 s1 = dec1[:, None] * s1 + tl.dot(tl.trans(kd1), v_e, input_precision=DOT_PREC)
                 if STORE_CS:
                     tl.store(cs_ptr + (cs_base + k1[:, None]) * DV + vs[None, :], s1, mask=st1m)
-    tl.store(ht_ptr + st0, s0, mask=st0m)
-    if TWO:
-        tl.store(ht_ptr + st1, s1, mask=st1m)
+    # A decode step whose chunk stays partial leaves its state as it was: no write.
+    if always_store | (n >= C):
+        tl.store(ht_ptr + st0, s0, mask=st0m)
+        if TWO:
+            tl.store(ht_ptr + st1, s1, mask=st1m)
 
 
 # --------------------------------------------------------------------------------------- host side
+# Both kernels read their work from int32 tables, one row per chunk and one per sequence, so that the
+# prefill/trainer path (chunks of packed sequences) and the decode step (one row of a cached chunk per
+# sequence) run the same compiled kernels:
+#   chunk table [NC, 6]: TOK (token of the chunk's row 0 in k/v/g/beta), ROWS (real rows), QTOK (token
+#     of row 0 in q), ROW0 (first row to solve: earlier rows of T and v_e are read back from KEEP), OUT0
+#     (first row with a query / an output), KEEP (row of the tt / v_e buffers);
+#   sequence table [N, 6]: OTOK (output token of row 0 of the first chunk), LEN (tokens), CHUNK0 (first
+#     chunk id), COMPLETE0 (first complete-chunk id), STATE (row of the state buffers), FLAGS (1: always
+#     write the final state; 0: only when a chunk completed).
+_INFO_COLS = 6
 
 
 @dataclass
-class _ChunkTables:
-    """Per-chunk and per-sequence index tables (int32, on the compute device)."""
-
-    chunk_tok: torch.Tensor  # [NC] first token of each chunk
-    chunk_rows: torch.Tensor  # [NC] real rows of each chunk (1..64)
-    seq_chunk0: torch.Tensor  # [N] id of each sequence's first chunk
-    seq_complete0: torch.Tensor  # [N] id of each sequence's first complete chunk
-    seq_tok0: torch.Tensor  # [N] first token of each sequence
-    seq_len: torch.Tensor  # [N] tokens of each sequence
+class _Tables:
+    chunk_info: torch.Tensor  # [NC, 6] int32, on the compute device
+    seq_info: torch.Tensor  # [N, 6] int32
     n_chunks: int
     n_complete: int
 
 
-def _tables(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> _ChunkTables:
+def _tables(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> _Tables:
+    """Tables of the packed varlen path: every chunk solved from its row 0, outputs for every row."""
     c = CHUNK_SIZE
     cu = [int(x) for x in cu_seqlens.tolist()]
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     if not cu or cu[0] != 0 or cu[-1] != total or any(n < 0 for n in lens):
         raise ValueError(f"kda_chunk: cu_seqlens {cu} does not describe {total} packed tokens")
-    chunk_tok, chunk_rows, seq_chunk0, seq_complete0 = [], [], [], []
-    acc_c = 0
-    for a, n in zip(cu[:-1], lens):
-        seq_chunk0.append(len(chunk_tok))
-        seq_complete0.append(acc_c)
-        acc_c += n // c
-        for start in range(0, n, c):
-            chunk_tok.append(a + start)
-            chunk_rows.append(min(c, n - start))
     if total >= 2**31:
         raise ValueError("kda_chunk (triton): more than 2^31 tokens")
-
-    def dev(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
-
-    cu_d = dev(cu)
-    return _ChunkTables(dev(chunk_tok), dev(chunk_rows), dev(seq_chunk0), dev(seq_complete0), cu_d[:-1],
-                        cu_d[1:] - cu_d[:-1], len(chunk_tok), acc_c)
+    chunks: list[int] = []
+    seqs: list[int] = []
+    n_complete = 0
+    for s, (a, n) in enumerate(zip(cu[:-1], lens)):
+        seqs += [a, n, len(chunks) // _INFO_COLS, n_complete, s, 1]
+        n_complete += n // c
+        for start in range(0, n, c):
+            cid = len(chunks) // _INFO_COLS
+            chunks += [a + start, min(c, n - start), a + start, 0, 0, cid]
+    info = torch.tensor(chunks + seqs, dtype=torch.int32).to(device, non_blocking=True)
+    nc = len(chunks) // _INFO_COLS
+    return _Tables(info[: len(chunks)].view(nc, _INFO_COLS), info[len(chunks):].view(-1, _INFO_COLS), nc, n_complete)
 
 
 def _pow2(n: int) -> int:
@@ -404,21 +453,26 @@ def kda_chunk_triton_forward(
         return o, final, chunk_states
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    _launch(q, k, v, g, beta, tab, h0, o, final, chunk_states, scale)
+    # Every chunk is solved from row 0 here: the kept T / v_e rows are written, never read back.
+    tt = torch.empty(tab.n_chunks, h, CHUNK_SIZE, CHUNK_SIZE, dtype=torch.float32, device=dev)
+    ve = torch.empty(tab.n_chunks, h, CHUNK_SIZE, dv, dtype=torch.float32, device=dev)
+    _launch(q, k, v, g, beta, tab, h0, final, o, chunk_states, tt, ve, scale)
     return o, final, chunk_states
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            tab: _ChunkTables, h0: torch.Tensor | None, o: torch.Tensor, final: torch.Tensor,
-            chunk_states: torch.Tensor | None, scale: float) -> None:
-    """Both kernels over the chunks and sequences of ``tab`` (packed contiguous [T, H, d] inputs, fp32
-    contiguous ``h0``); writes ``o`` (rows of real tokens only), ``final`` and ``chunk_states``. The
-    grid and every launch parameter come from host shapes (N, chunk count, H, dk, dv) only."""
+            tab: _Tables, h0: torch.Tensor | None, ht: torch.Tensor, o: torch.Tensor,
+            chunk_states: torch.Tensor | None, tt: torch.Tensor, ve: torch.Tensor, scale: float) -> None:
+    """Both kernels over the chunks and sequences of ``tab`` (contiguous [*, H, d] inputs, fp32 states
+    ``h0`` / ``ht`` addressed by the STATE column, which may be one buffer updated in place); writes
+    ``o`` (the rows >= OUT0 of real tokens), ``ht``, ``chunk_states`` and the kept ``tt`` / ``ve`` rows.
+    The grid and every launch parameter come from host shapes (N, chunk count, H, dk, dv) only."""
     h, dk = q.shape[1], q.shape[2]
     dv = v.shape[-1]
-    n = final.shape[0]
+    n = tab.seq_info.shape[0]
     dev = q.device
     cfg = _launch_config(dk, dv)
+    dot_prec = kda_dot_precision()
     c = CHUNK_SIZE
     nc = tab.n_chunks
     qg = torch.empty(nc, h, c, dk, dtype=torch.float32, device=dev)
@@ -428,16 +482,16 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     u = torch.empty(nc, h, c, dv, dtype=torch.float32, device=dev)
     dec = torch.empty(nc, h, dk, dtype=torch.float32, device=dev)
     _kda_intra_kernel[(nc, h)](
-        q, k, v, g, beta, tab.chunk_tok, tab.chunk_rows, qg, kd, a_qk, w, u, dec, scale, h,
+        q, k, v, g, beta, tab.chunk_info, qg, kd, a_qk, w, u, dec, tt, scale, h,
         DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
-        DOT_PREC=DOT_PRECISION, num_warps=cfg["intra_warps"], num_stages=1,
+        DOT_PREC=dot_prec, num_warps=cfg["intra_warps"], num_stages=1,
     )
     _kda_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
-        qg, kd, a_qk, w, u, dec,
-        h0 if h0 is not None else final, o, final, chunk_states if chunk_states is not None else final,
-        tab.seq_tok0, tab.seq_len, tab.seq_chunk0, tab.seq_complete0, h,
+        qg, kd, a_qk, w, u, dec, ve,
+        h0 if h0 is not None else ht, o, ht, chunk_states if chunk_states is not None else ht,
+        tab.chunk_info, tab.seq_info, h,
         DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, HAS_H0=h0 is not None,
-        STORE_CS=chunk_states is not None, DOT_PREC=DOT_PRECISION,
+        STORE_CS=chunk_states is not None, DOT_PREC=dot_prec,
         num_warps=cfg["inter_warps"], num_stages=1,
     )
 
@@ -470,8 +524,9 @@ def kda_chunk_step_triton(
     state: torch.Tensor,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kda_chunk_step`` on the GPU (see its docstring; no autograd). CUDA-graph capturable: no host
-    reads of device values, every table built on the device, the grid from N, H, dk, dv only."""
+    """``kda_chunk_step`` on the GPU (see its docstring; no autograd): every chunk re-solved from row 0.
+    CUDA-graph capturable: no host reads of device values, the tables built on the device, the grid from
+    N, H, dk, dv only."""
     n, h, dk, dv = _check_step_args(q, k, v, g, beta, num_rows, state)
     if q.dtype == torch.float64:  # the kernels are fp32; fp64 only comes from reference checks
         return kda_chunk_step.impls["torch"](q, k, v, g, beta, num_rows, state, scale)
@@ -488,13 +543,219 @@ def kda_chunk_step_triton(
     # clamping on the device costs no sync.
     rows = num_rows.clamp(0, c).to(torch.int32)
     seq = torch.arange(n, dtype=torch.int32, device=dev)
+    zero, one = torch.zeros_like(seq), torch.ones_like(seq)
     tok0 = seq * c
-    # n_chunks / n_complete only size the scratch (N chunks) and the unused chunk-state output.
-    tab = _ChunkTables(chunk_tok=tok0, chunk_rows=rows, seq_chunk0=seq, seq_complete0=seq, seq_tok0=tok0,
-                       seq_len=rows, n_chunks=n, n_complete=0)
+    # n_chunks only sizes the scratch (N chunks); n_complete the unused chunk-state output.
+    tab = _Tables(chunk_info=torch.stack([tok0, rows, tok0, zero, zero, seq], dim=1).contiguous(),
+                  seq_info=torch.stack([tok0, rows, seq, seq, seq, one], dim=1).contiguous(), n_chunks=n, n_complete=0)
     q2, k2, g2 = (x.reshape(n * c, h, dk).contiguous() for x in (q, k, g))
     v2 = v.reshape(n * c, h, dv).contiguous()
     b2 = beta.reshape(n * c, h).contiguous()
     h0 = state.to(torch.float32).contiguous()
-    _launch(q2, k2, v2, g2, b2, tab, h0, o.view(n * c, h, dv), final, None, scale)
+    tt = torch.empty(n, h, c, c, dtype=torch.float32, device=dev)
+    ve = torch.empty(n, h, c, dv, dtype=torch.float32, device=dev)
+    _launch(q2, k2, v2, g2, b2, tab, h0, final, o.view(n * c, h, dv), None, tt, ve, scale)
     return o, final
+
+
+# --------------------------------------------------------------------------------------- decode step
+
+
+@triton.jit
+def _decode_prep_kernel(
+    pos_ptr, slot_ptr, solved_ptr,  # [N] positions, [N] int64 slots, [S] int32 rows kept per slot
+    k_ptr, v_ptr, g_ptr, beta_ptr,  # the new rows [N, H, dk | dv | dk], [N, H]
+    ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,  # the cache's chunk rows [S, 64, H, ...]
+    cinfo_ptr, sinfo_ptr,  # out: [N, 6] chunk and sequence tables
+    HK: tl.constexpr, HV: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr,
+):
+    """Per sequence: store the new row at its chunk row in the cache and write the kernels' tables."""
+    i = tl.program_id(0)
+    pos = tl.load(pos_ptr + i)
+    slot = tl.load(slot_ptr + i)
+    r = (pos % C).to(tl.int32)
+    row0 = tl.minimum(tl.load(solved_ptr + slot), r)
+    tl.store(solved_ptr + slot, r + 1)
+    dst = slot * C + r  # token row of the cache's [S * 64, H, d] view
+    for b in tl.static_range(0, HK, BLOCK):
+        e = b + tl.arange(0, BLOCK)
+        m = e < HK
+        tl.store(ck_ptr + dst * HK + e, tl.load(k_ptr + i * HK + e, mask=m).to(ck_ptr.dtype.element_ty), mask=m)
+        tl.store(cg_ptr + dst * HK + e, tl.load(g_ptr + i * HK + e, mask=m).to(cg_ptr.dtype.element_ty), mask=m)
+    for b in tl.static_range(0, HV, BLOCK):
+        e = b + tl.arange(0, BLOCK)
+        m = e < HV
+        tl.store(cv_ptr + dst * HV + e, tl.load(v_ptr + i * HV + e, mask=m).to(cv_ptr.dtype.element_ty), mask=m)
+    hb = tl.arange(0, BLOCK)
+    mb = hb < H
+    tl.store(cbeta_ptr + dst * H + hb, tl.load(beta_ptr + i * H + hb, mask=mb).to(cbeta_ptr.dtype.element_ty), mask=mb)
+    s32 = slot.to(tl.int32)
+    # chunk: TOK, ROWS, QTOK, ROW0, OUT0, KEEP
+    ci = cinfo_ptr + i * 6
+    tl.store(ci + 0, s32 * C)
+    tl.store(ci + 1, r + 1)
+    tl.store(ci + 2, i - r)
+    tl.store(ci + 3, row0)
+    tl.store(ci + 4, r)
+    tl.store(ci + 5, s32)
+    # sequence: OTOK, LEN, CHUNK0, COMPLETE0, STATE, FLAGS
+    si = sinfo_ptr + i * 6
+    tl.store(si + 0, i - r)
+    tl.store(si + 1, r + 1)
+    tl.store(si + 2, i)
+    tl.store(si + 3, i)
+    tl.store(si + 4, s32)
+    tl.store(si + 5, 0)
+
+
+@kda_decode_step.register("triton")
+def kda_decode_step_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    cache: KDADecodeCache,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``kda_decode_step`` on the GPU (see its docstring). The rows before the new one are kept in the
+    cache (``kda_decode_prime`` when a slot is loaded, then every step), so each step runs the chunk
+    kernel's intra-chunk code from the new row on and the recurrence's products for that row only.
+    Three launches, no host reads: CUDA-graph capturable."""
+    n, h, dk, dv = check_decode_args(q, k, v, g, beta, positions, slots, cache)
+    if q.dtype == torch.float64 or cache.g.dtype == torch.float64:
+        return kda_decode_step.impls["torch"](q, k, v, g, beta, positions, slots, cache, scale)
+    dev = q.device
+    scale = dk**-0.5 if scale is None else float(scale)
+    o = torch.empty(n, h, dv, dtype=v.dtype, device=dev)
+    if n == 0:
+        return o
+    c = CHUNK_SIZE
+    cfg = _launch_config(dk, dv)
+    info = torch.empty(2, n, _INFO_COLS, dtype=torch.int32, device=dev)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    block = max(next_pow2(h), 1024)
+    _decode_prep_kernel[(n,)](positions, slots, cache.solved, k, v, g, beta, cache.k, cache.v, cache.g, cache.beta,
+                              info[0], info[1], HK=h * dk, HV=h * dv, H=h, BLOCK=block, C=c, num_warps=4)
+    qg = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
+    kd = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
+    a_qk = torch.empty(n, h, c, c, dtype=torch.float32, device=dev)
+    w = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
+    u = torch.empty(n, h, c, dv, dtype=torch.float32, device=dev)
+    dec = torch.empty(n, h, dk, dtype=torch.float32, device=dev)
+    _kda_intra_kernel[(n, h)](
+        q, cache.k, cache.v, cache.g, cache.beta, info[0], qg, kd, a_qk, w, u, dec, cache.solved_t, scale, h,
+        DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
+        DOT_PREC=kda_dot_precision(), num_warps=cfg["intra_warps"], num_stages=1,
+    )
+    _kda_decode_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
+        qg, kd, a_qk, w, u, dec, cache.v_e, cache.state, o, info[0], h,
+        DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, BC=_SUB, DOT_PREC=kda_dot_precision(),
+        num_warps=4, num_stages=1,
+    )
+    return o
+
+
+@kda_decode_prime.register("triton")
+def kda_decode_prime_triton(slots: torch.Tensor, num_rows: torch.Tensor, cache: KDADecodeCache,
+                            scale: float | None = None) -> None:
+    """``kda_decode_prime`` on the GPU: the chunk kernels over each slot's ``num_rows`` cached rows with no
+    query (OUT0 = ROWS: no output), keeping their rows of T and v_e; the state is left as it is."""
+    m = slots.numel()
+    if m == 0 or cache.g.dtype == torch.float64:
+        cache.solved[slots] = num_rows.to(torch.int32)
+        return
+    h, dk, dv = cache.state.shape[1:]
+    dev = cache.state.device
+    c = CHUNK_SIZE
+    scale = dk**-0.5 if scale is None else float(scale)
+    s32, r32 = slots.to(torch.int32), num_rows.to(torch.int32)
+    zero = torch.zeros_like(s32)
+    tab = _Tables(chunk_info=torch.stack([s32 * c, r32, zero, zero, r32, s32], dim=1).contiguous(),
+                  seq_info=torch.stack([zero, r32, torch.arange(m, dtype=torch.int32, device=dev), zero, s32, zero],
+                                       dim=1).contiguous(), n_chunks=m, n_complete=0)
+    rows = (cache.k.view(-1, h, dk), cache.v.view(-1, h, dv), cache.g.view(-1, h, dk), cache.beta.view(-1, h))
+    no_output = torch.empty(0, h, dv, dtype=cache.v.dtype, device=dev)
+    _launch(rows[0], *rows, tab, cache.state, cache.state, no_output, None, cache.solved_t, cache.v_e, scale)
+    cache.solved[slots] = r32
+
+
+@triton.jit
+def _kda_decode_inter_kernel(
+    qg_ptr, kd_ptr, aqk_ptr, w_ptr, u_ptr, dec_ptr,  # scratch written by _kda_intra_kernel (chunk id = i)
+    ve_ptr, st_ptr, o_ptr,  # [S, H, 64, dv] kept v_e, [S, H, dk, dv] states (in place), o [N, H, dv]
+    cinfo_ptr,  # [N, 6] chunk table of the step (_decode_prep_kernel)
+    H,
+    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, TWO: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The recurrence kernel's arithmetic for the one new row r of each sequence, whose earlier rows
+    are kept (ROW0 == OUT0 == r, what ``kda_decode_prime`` guarantees). Every product that gives row r
+    is the recurrence kernel's ``tl.dot`` with the same K blocking and accumulation chain, cut to the
+    16-row block holding r (the other rows of the left operand exact zeros): an MMA computes each
+    output row from its own row of the left operand, so row r gets the bits the 64-row tile gives it.
+    The state update of a completed chunk is the recurrence kernel's own 64-row product."""
+    i = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    ci = cinfo_ptr + i * 6
+    r = tl.load(ci + 4)
+    keep = tl.load(ci + 5).to(tl.int64)  # the slot
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    r16 = (r // BC) * BC + tl.arange(0, BC)
+    is_r = r16 == r
+    k0 = tl.arange(0, BK)
+    k1 = BK + tl.arange(0, BK)
+    vs = vb * BV + tl.arange(0, BV)
+    k0m = k0 < DK
+    k1m = k1 < DK
+    vmask = vs < DV
+    st_base = (keep * H + h) * DK
+    st0 = (st_base + k0[:, None]) * DV + vs[None, :]
+    st1 = (st_base + k1[:, None]) * DV + vs[None, :]
+    st0m = k0m[:, None] & vmask[None, :]
+    st1m = k1m[:, None] & vmask[None, :]
+    s0 = tl.load(st_ptr + st0, mask=st0m, other=0.0)
+    if TWO:
+        s1 = tl.load(st_ptr + st1, mask=st1m, other=0.0)
+    sc_base = (i * H + h) * C
+    m0 = is_r[:, None] & k0m[None, :]
+    m1 = is_r[:, None] & k1m[None, :]
+    u = tl.load(u_ptr + (sc_base + r16[:, None]) * DV + vs[None, :], mask=is_r[:, None] & vmask[None, :], other=0.0)
+    ws = tl.dot(tl.load(w_ptr + (sc_base + r16[:, None]) * DK + k0[None, :], mask=m0, other=0.0), s0,
+                input_precision=DOT_PREC)
+    if TWO:
+        ws = tl.dot(tl.load(w_ptr + (sc_base + r16[:, None]) * DK + k1[None, :], mask=m1, other=0.0), s1, acc=ws,
+                    input_precision=DOT_PREC)
+    # Row r alone, exactly: x + (-0.0) == x for every x, signed zeros included.
+    ve_row = tl.sum(tl.where(is_r[:, None], u - ws, -0.0), axis=0)
+    ve_off = ((keep * H + h) * C + rows[:, None]) * DV + vs[None, :]
+    v_e = tl.load(ve_ptr + ve_off, mask=(rows < r)[:, None] & vmask[None, :], other=0.0)
+    v_e = tl.where((rows == r)[:, None], ve_row[None, :], v_e)
+    tl.store(ve_ptr + ((keep * H + h) * C + r) * DV + vs, ve_row, mask=vmask)
+    o = tl.dot(tl.load(qg_ptr + (sc_base + r16[:, None]) * DK + k0[None, :], mask=m0, other=0.0), s0,
+               input_precision=DOT_PREC)
+    if TWO:
+        o = tl.dot(tl.load(qg_ptr + (sc_base + r16[:, None]) * DK + k1[None, :], mask=m1, other=0.0), s1, acc=o,
+                   input_precision=DOT_PREC)
+    a_qk = tl.load(aqk_ptr + (sc_base + r16[:, None]) * C + cols[None, :], mask=is_r[:, None] & (cols >= 0)[None, :],
+                   other=0.0)
+    o = o + tl.dot(a_qk, v_e, input_precision=DOT_PREC)
+    o_row = tl.sum(tl.where(is_r[:, None], o, -0.0), axis=0)
+    tl.store(o_ptr + (i * H + h) * DV + vs, o_row.to(o_ptr.dtype.element_ty), mask=vmask)
+    if r == C - 1:  # the chunk is complete: advance the state (the recurrence kernel's 64-row product)
+        sc0 = (sc_base + rows[:, None]) * DK + k0[None, :]
+        dec_base = (i * H + h) * DK
+        kd0 = tl.load(kd_ptr + sc0, mask=(rows >= 0)[:, None] & k0m[None, :], other=0.0)
+        dec0 = tl.load(dec_ptr + dec_base + k0, mask=k0m, other=0.0)
+        s0 = dec0[:, None] * s0 + tl.dot(tl.trans(kd0), v_e, input_precision=DOT_PREC)
+        tl.store(st_ptr + st0, s0, mask=st0m)
+        if TWO:
+            sc1 = (sc_base + rows[:, None]) * DK + k1[None, :]
+            kd1 = tl.load(kd_ptr + sc1, mask=(rows >= 0)[:, None] & k1m[None, :], other=0.0)
+            dec1 = tl.load(dec_ptr + dec_base + k1, mask=k1m, other=0.0)
+            s1 = dec1[:, None] * s1 + tl.dot(tl.trans(kd1), v_e, input_precision=DOT_PREC)
+            tl.store(st_ptr + st1, s1, mask=st1m)

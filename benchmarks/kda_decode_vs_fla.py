@@ -1,0 +1,146 @@
+"""The KDA decode step: zmrl's ``kda_decode_step`` vs fla-core's ``fused_recurrent_kda`` (H200).
+
+One decode step of one KDA layer for B sequences (bench preset heads: H = 16, dk = dv = 128; fp32 state,
+bf16 v), averaged over 64 consecutive positions (a whole chunk: the rows a step reads grow from 1 to 64)
+and over sequences spread over all chunk rows. Compared with:
+
+* ``zmrl_step``: ``kda_decode_step`` (Triton; solves the new row only) — the engine's path;
+* ``zmrl_resolve``: ``kda_chunk_step`` on gathered slots (the previous decode path: the whole partial
+  chunk re-solved every step) — for the record;
+* ``fla_recurrent``: fla-core's ``fused_recurrent_kda`` one token with ``initial_state`` and
+  ``output_final_state`` (reads and writes the state every step; not bitwise equal to any chunked pass).
+
+Bound: the bytes a step must move for each method (zmrl: the state read, the chunk rows so far and the kept
+rows of the solve, the state written once per 64 steps; fla: the state read and written) over the
+device-to-device copy bandwidth measured in the same run.
+
+    python benchmarks/kda_decode_vs_fla.py [--batches 1 64 256] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from _common import copy_bandwidth_tb_s, default_out, env, setup_logging, table, write_json
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_chunk_step, kda_decode_step
+from zmrl.kernels_batch_invariant.triton import triton_impl
+
+log = logging.getLogger("benchmarks.kda_decode")
+H, DK, DV, C = 16, 128, 128, CHUNK_SIZE
+
+
+def events_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Mean ms of ``fn`` over ``reps`` calls after a warm-up call (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def inputs(b: int, dev: torch.device, gen: torch.Generator):
+    q = F.normalize(torch.randn(b, H, DK, generator=gen), dim=-1).to(dev)
+    k = F.normalize(torch.randn(b, H, DK, generator=gen), dim=-1).to(dev)
+    v = torch.randn(b, H, DV, generator=gen).to(dev, torch.bfloat16)
+    g = (-0.05 * torch.rand(b, H, DK, generator=gen)).to(dev)
+    beta = torch.sigmoid(torch.randn(b, H, generator=gen)).to(dev)
+    return q, k, v, g, beta
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    setup_logging()
+    if not torch.cuda.is_available():
+        raise SystemExit("kda_decode_vs_fla.py needs a CUDA device")
+    dev = torch.device("cuda")
+    bw = copy_bandwidth_tb_s(dev)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        from fla.ops.kda import fused_recurrent_kda
+    except Exception as exc:  # fla-core missing or failing to initialise
+        fused_recurrent_kda, fla_error = None, f"{type(exc).__name__}: {exc}"
+    else:
+        fla_error = None
+    step = triton_impl(kda_decode_step)
+    resolve = triton_impl(kda_chunk_step)
+    rows: list[dict[str, Any]] = []
+    for b in a.batches:
+        row: dict[str, Any] = {"batch": b}
+        rows.append(row)
+        q, k, v, g, beta = inputs(b, dev, gen)
+        cache = KDADecodeCache.allocate(b, H, DK, DV, torch.bfloat16, torch.float32, dev)
+        cache.state.normal_(0, 0.1)
+        slots = torch.randperm(b, generator=gen).to(dev)
+        # sequences spread over every chunk row; each call advances every position by one
+        pos0 = torch.randint(0, C, (b,), generator=gen).to(dev)
+        positions = [pos0 + i for i in range(C)]
+        it = iter(range(1 << 30))
+
+        def zmrl_step() -> None:
+            with torch.no_grad():
+                step(q, k, v, g, beta, positions[next(it) % C], slots, cache)
+
+        for p in positions:  # fill the cache rows once (every row of every chunk written)
+            with torch.no_grad():
+                step(q, k, v, g, beta, p, slots, cache)
+        row["zmrl_step_us"] = events_ms(zmrl_step, 4 * C) * 1e3
+        rows_read = (C + 1) / 2  # mean chunk rows so far
+        state = H * DK * DV * 4
+        per_row = H * (DK * 4 + DV * 2 + DK * 4 + 4) + H * (C * 4 + DV * 4)  # k, v, g, beta + kept T row, v_e row
+        zmrl_bytes = b * (state + rows_read * per_row + state / C)
+        row["zmrl_bound_us"] = zmrl_bytes / (bw * 1e12) * 1e6
+        row["zmrl_frac"] = row["zmrl_bound_us"] / row["zmrl_step_us"]
+
+        n_rows = (pos0 % C + 1)
+        qc = torch.zeros(b, C, H, DK, device=dev)
+        kc, gc = cache.k[slots], cache.g[slots]
+        vc, bc = cache.v[slots], cache.beta[slots]
+
+        def zmrl_resolve() -> None:
+            with torch.no_grad():
+                resolve(qc, kc, vc, gc, bc, n_rows, cache.state[slots])
+
+        row["zmrl_resolve_us"] = events_ms(zmrl_resolve, 20) * 1e3
+        if fused_recurrent_kda is not None:
+            st = torch.randn(b, H, DK, DV, device=dev) * 0.1
+            q4, k4, v4, b4 = (x[:, None].to(torch.bfloat16) for x in (q, k, v, beta))  # [B, T=1, H, ...]
+            g4 = g[:, None]  # log-space gate stays fp32
+
+            def fla_step() -> None:
+                with torch.no_grad():
+                    fused_recurrent_kda(q4, k4, v4, g4, b4, scale=DK**-0.5, initial_state=st, output_final_state=True)
+
+            try:
+                row["fla_recurrent_us"] = events_ms(fla_step, 50) * 1e3
+                row["fla_bound_us"] = b * 2 * state / (bw * 1e12) * 1e6
+                row["zmrl_over_fla"] = row["fla_recurrent_us"] / row["zmrl_step_us"]
+            except Exception as exc:  # keep the zmrl numbers
+                row["fla_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        del cache
+        torch.cuda.empty_cache()
+    cols = [("batch", "batch", "d"), ("zmrl_step_us", "zmrl step us", ".1f"), ("zmrl_bound_us", "bound us", ".1f"),
+            ("zmrl_frac", "of bound", ".1%"), ("zmrl_resolve_us", "re-solve us", ".1f"),
+            ("fla_recurrent_us", "fla recurrent us", ".1f"), ("zmrl_over_fla", "fla/zmrl time", ".2f")]
+    print(f"\nKDA decode step, H={H} dk={DK} dv={DV}, copy bandwidth {bw:.2f} TB/s" +
+          (f" (fla unavailable: {fla_error})" if fla_error else ""))
+    print(table(rows, cols))
+    write_json(a.out or default_out("kda_decode_vs_fla"),
+               {"benchmark": "kda_decode_vs_fla", **env(), "copy_bandwidth_tb_s": bw, "heads": H, "dk": DK, "dv": DV,
+                "fla_error": fla_error, "results": rows, "time": time.time()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""Every op of zmrl.kernels_batch_invariant (torch backend) at 1, 2 and 4 torch threads, on shapes wide
+enough that stock kernels split a row's reduction across threads (K = 4096 GEMMs with few rows, vocab
+65536 log-softmax, 16384-wide norms): the bits must not change. The per-op test files sweep the same
+thread counts with batch and position changes; this file is the one place that lists every op."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from zmrl.kernels_batch_invariant import bmm_fixed, grouped_linear, linear, tree_mean, tree_sum
+from zmrl.kernels_batch_invariant.fp8 import dequantize_fp8, quantize_fp8
+from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
+from zmrl.kernels_batch_invariant.hadamard import hadamard_rotate
+from zmrl.kernels_batch_invariant.kda_gate import kda_gate
+from zmrl.kernels_batch_invariant.l2norm import l2_norm
+from zmrl.kernels_batch_invariant.logprob import log_softmax, token_logprobs
+from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
+from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_route
+from zmrl.kernels_batch_invariant.norms import layer_norm, rms_norm, rms_norm_gated
+from zmrl.kernels_batch_invariant.pointwise import relu, sigmoid, silu, softplus
+from zmrl.kernels_batch_invariant.short_conv import causal_short_conv
+from zmrl.rollout.sampling import sample_scaled
+
+from .invariance import THREAD_COUNTS, num_threads
+
+_g = torch.Generator().manual_seed(0)
+
+
+def _r(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=_g).to(dtype)
+
+
+W4096 = _r(512, 4096)
+BF = torch.bfloat16
+# name -> (op, inputs). Ops covered elsewhere at 1, 2 and 4 threads with their own paged/packed inputs:
+# mla_attention(_dense) and dsa_index_scores/dsa_topk (test_mla_attention.py, test_dsa_indexer.py),
+# kda_chunk(_step) (test_kda.py, test_kda_chunk_step.py), and all of them in tests/bitwise/test_thread_count.py.
+CASES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
+    "linear 1 row fp32": (linear, (_r(1, 4096), W4096)),
+    "linear 1 row bf16": (linear, (_r(1, 4096, dtype=BF), W4096.to(BF))),
+    "linear 33 rows + bias": (linear, (_r(33, 4096), W4096, _r(512))),
+    "linear K=1000 N=100": (linear, (_r(1, 1000), _r(100, 1000))),
+    "grouped_linear": (grouped_linear, (_r(2, 3, 4096), _r(2, 256, 4096))),
+    "bmm_fixed": (bmm_fixed, (_r(2, 16, 4096), _r(2, 4096, 64))),
+    "expert_linear": (expert_linear, (_r(5, 4096), _r(2, 256, 4096), [0, 2, 5])),
+    "token_logprobs": (token_logprobs, (_r(2, 65536), torch.tensor([3, 60000]), 0.7)),
+    "log_softmax": (log_softmax, (_r(1, 65536),)),
+    "sample_scaled": (sample_scaled, (_r(2, 65536), torch.tensor([11, -5]), torch.tensor([65536, 40]),
+                                      torch.tensor([1.0, 0.9]))),
+    "rms_norm": (rms_norm, (_r(2, 16384), _r(16384), 1e-6)),
+    "layer_norm": (layer_norm, (_r(2, 16384), _r(16384), _r(16384), 1e-5)),
+    "rms_norm_gated": (rms_norm_gated, (_r(2, 16384), _r(2, 16384), _r(16384), 1e-6)),
+    "l2_norm": (l2_norm, (_r(2, 16384),)),
+    "tree_sum": (tree_sum, (_r(1, 100_000),)),
+    "tree_mean": (tree_mean, (_r(1, 100_000),)),
+    "swiglu": (swiglu, (_r(1, 100_000), _r(1, 100_000))),
+    "situ_glu": (situ_glu, (_r(1, 100_000), _r(1, 100_000))),
+    "sigmoid": (sigmoid, (_r(100_000),)),
+    "silu": (silu, (_r(100_000),)),
+    "softplus": (softplus, (_r(100_000),)),
+    "relu": (relu, (_r(100_000),)),
+    "hadamard_rotate": (hadamard_rotate, (_r(3, 4096),)),
+    "quantize_fp8": (quantize_fp8, (_r(2, 16384),)),
+    "dequantize_fp8": (lambda x: dequantize_fp8(*quantize_fp8(x)), (_r(2, 16384),)),
+    "kda_gate": (kda_gate, (_r(3, 4096), _r(16), _r(4096), 16)),
+    "moe_route": (moe_route, (_r(3, 4096), _r(64, 4096), _r(64), 6, 8, 4, True, 2.5)),
+    "moe_combine": (moe_combine, (_r(3, 8, 4096), _r(3, 8))),
+    "causal_short_conv": (causal_short_conv, (_r(100, 4096), _r(4096, 4), torch.tensor([0, 37, 100]))),
+}
+
+
+def _flat(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flat(o)]
+    return [getattr(out, f) for f in out.__dataclass_fields__]  # RouterOutput
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_bits_at_every_thread_count(name: str) -> None:
+    op, args = CASES[name]
+    with num_threads(1):
+        ref = _flat(op(*args))
+    for threads in THREAD_COUNTS[1:]:
+        with num_threads(threads):
+            got = _flat(op(*args))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"{name}: {threads} threads differ from 1"

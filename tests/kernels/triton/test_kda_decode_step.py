@@ -1,0 +1,74 @@
+"""Triton ``kda_decode_step``: every decoded row bitwise equal to the Triton ``kda_chunk`` one-shot row,
+while the kernels solve only the rows not yet kept in the cache (and the whole chunk again after a slot
+is reloaded mid-chunk); the cache state ends as kda_chunk's; the step is capturable in a CUDA graph.
+
+Under TRITON_INTERPRET=1 (CPU) tiny shapes run; on CUDA also the bench dims (H = 16, dk = dv = 128).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zmrl.kernels_batch_invariant.kda import KDADecodeCache, kda_decode_step
+from zmrl.kernels_batch_invariant.triton import triton_impl
+
+from ..test_kda_decode_step import decode_scenario, sequence_inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.triton]
+
+
+@pytest.mark.parametrize("reset_every", [0, 7])
+def test_rows_equal_one_shot_kda_chunk(device, interpret, reset_every):
+    h, dk, dv = (1, 16, 16) if interpret else (16, 128, 128)
+    lengths, starts = ([70, 131, 3], [60, 60, 0]) if interpret else ([200, 131, 70, 64, 129], [0, 62, 5, 63, 100])
+    v_dtype = torch.float32 if interpret else torch.bfloat16
+    n = decode_scenario(triton_impl(kda_decode_step), device, h=h, dk=dk, dv=dv, lengths=lengths, starts=starts,
+                        seed=11, v_dtype=v_dtype, pad_rows=2, reset_every=reset_every)
+    assert n == sum(L - s for L, s in zip(lengths, starts))
+
+
+def test_odd_dims(device, interpret):
+    """dk != dv, a non-power-of-two dv (masked columns)."""
+    h, dk, dv = (2, 16, 24) if interpret else (4, 64, 48)
+    decode_scenario(triton_impl(kda_decode_step), device, h=h, dk=dk, dv=dv, lengths=[66, 20], starts=[60, 10],
+                    seed=5, reset_every=5)
+
+
+def test_cuda_graph_capture(device, interpret):
+    """Captured once, replayed for consecutive positions: the same rows as eager calls."""
+    if interpret:
+        pytest.skip("CUDA graphs need a GPU")
+    h, dk, dv, n = 16, 128, 128, 8
+    gen = torch.Generator().manual_seed(0)
+    seqs = [tuple(x.to(device) for x in sequence_inputs(80, h, dk, dv, gen, torch.bfloat16)) for _ in range(n)]
+    slots = torch.arange(n, device=device).flip(0).contiguous()
+
+    def fresh() -> KDADecodeCache:
+        return KDADecodeCache.allocate(n, h, dk, dv, torch.bfloat16, torch.float32, device)
+
+    def inputs(p: int):
+        return [torch.stack([s[j][p] for s in seqs]) for j in range(5)]
+
+    step = triton_impl(kda_decode_step)
+    eager_cache, eager = fresh(), []
+    with torch.no_grad():
+        for p in range(70):
+            eager.append(step(*inputs(p), torch.full((n,), p, device=device), slots, eager_cache))
+    cache = fresh()
+    static = [x.clone() for x in inputs(0)]
+    positions = torch.zeros(n, dtype=torch.int64, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        step(*static, positions, slots, fresh())  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = step(*static, positions, slots, cache)
+    for p in range(70):
+        for buf, x in zip(static, inputs(p)):
+            buf.copy_(x)
+        positions.fill_(p)
+        graph.replay()
+        assert torch.equal(out, eager[p]), f"position {p}"
+    assert torch.equal(cache.state, eager_cache.state)

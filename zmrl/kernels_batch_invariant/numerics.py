@@ -1,0 +1,223 @@
+"""The numerics contract of a process: every setting that changes the bits an op produces.
+
+A rollout engine and a trainer give bitwise equal log-probs only if they run the same ops with the
+same settings. Those settings live in one frozen record, ``Numerics``, applied to the process by one
+function, ``apply_numerics``; nothing else in zmrl changes them. ``fingerprint()`` summarises the
+applied contract plus the parts of the software environment that also change bits (torch and Triton
+versions, the CPU vector path); the two sides of an RL run exchange fingerprints and
+``check_same_numerics`` stops the run, naming the field, if they differ. See docs/numerics.md.
+
+Fields:
+
+* ``kernel_mode``: "bitwise" (the batch-invariant kernels) or "fast" (stock kernels where an op has
+  them, no parity).
+* ``kda_dot_precision``: input precision of the dots in the Triton KDA kernels ("tf32x3", "ieee",
+  "tf32"); a compile-time constant of those kernels. Default: ``$ZMRL_KDA_DOT_PRECISION`` if set when
+  this module is first imported, else "tf32x3".
+* ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
+  ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
+  result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs
+  across threads on AVX-512 CPUs, so a row's bits depend on ``torch.set_num_threads``. MKL reads the
+  variable at its first GEMM: zmrl's package ``__init__`` sets it unless the user did (a user's value
+  outside the modes here makes the default "off"), and ``apply_numerics`` verifies with a probe GEMM
+  that the mode took effect. "off" leaves MKL alone (faster on AVX-512; bits then depend on the thread
+  count and the CPU).
+* ``cpu_threads``: torch intra-op threads (None leaves torch's choice). Not part of the fingerprint:
+  with the default ``cpu_gemm_cnr`` no op's bits depend on it (tests/kernels sweep 1, 2 and 4 threads).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from . import _dispatch
+from ._dispatch import Mode
+
+KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)
+KDA_DOT_PRECISIONS: tuple[str, ...] = ("tf32x3", "ieee", "tf32")
+CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
+DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
+# Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
+_KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
+
+# MKL reads MKL_CBWR when it runs its first GEMM; set it now (before any zmrl op can run one) unless
+# the user chose a value. apply_numerics checks that MKL actually runs in the mode the contract asks for.
+os.environ.setdefault("MKL_CBWR", DEFAULT_CPU_GEMM_CNR)
+# The process's starting contract says what MKL was told: a user's own MKL_CBWR (e.g. AUTO) is "off".
+_CPU_GEMM_CNR_ENV = os.environ["MKL_CBWR"] if os.environ["MKL_CBWR"] in CPU_GEMM_CNR_MODES else "off"
+
+
+class NumericsError(RuntimeError):
+    """The process cannot run the requested numerics, or two processes run different ones."""
+
+
+@dataclass(frozen=True)
+class Numerics:
+    kernel_mode: str = "bitwise"
+    kda_dot_precision: str = _KDA_DOT_PRECISION_ENV
+    cpu_gemm_cnr: str = _CPU_GEMM_CNR_ENV
+    cpu_threads: int | None = dataclasses.field(default=None, metadata={"bits": False})
+
+    def validate(self) -> "Numerics":
+        for name, allowed in (("kernel_mode", KERNEL_MODES), ("kda_dot_precision", KDA_DOT_PRECISIONS),
+                              ("cpu_gemm_cnr", CPU_GEMM_CNR_MODES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"Numerics.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"Numerics.cpu_threads must be None or an int >= 1, got {self.cpu_threads!r}")
+        return self
+
+    def replace(self, **changes: object) -> "Numerics":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class NumericsFingerprint:
+    """What two processes compare: ``fields`` (name -> value, every one that changes bits) and
+    ``digest``, a short hash of them for logs."""
+
+    digest: str
+    fields: dict[str, str]
+
+    def differences(self, other: "NumericsFingerprint") -> list[str]:
+        names = sorted(set(self.fields) | set(other.fields))
+        return [n for n in names if self.fields.get(n) != other.fields.get(n)]
+
+
+_current = Numerics().validate()
+_cnr_verified: set[str] = set()
+
+
+def current_numerics() -> Numerics:
+    """The contract this process runs under (the defaults until ``apply_numerics`` changes it)."""
+    return _current
+
+
+def _probe_gemm_thread_invariance() -> bool:
+    """One GEMM whose K reduction MKL splits over threads on AVX-512 CPUs unless CNR is on (measured:
+    1x4096 @ 4096x512 differs at 2 and 4 threads): same bits at 1 and 2 threads?"""
+    from .matmul import linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 4096, generator=g), torch.randn(512, 4096, generator=g)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(linear.impls["torch"](x, w))
+    finally:
+        torch.set_num_threads(before)
+    return torch.equal(results[0], results[1])
+
+
+def _apply_cpu_gemm_cnr(mode: str) -> None:
+    if mode == "off":
+        return
+    if mode in _cnr_verified:
+        return
+    if os.environ.get("MKL_CBWR") != mode:
+        os.environ["MKL_CBWR"] = mode  # effective only if MKL has not run a GEMM yet: the probe tells
+    if torch.backends.mkl.is_available() and not _probe_gemm_thread_invariance():
+        raise NumericsError(
+            f"cpu_gemm_cnr={mode!r} is not in effect: MKL gives different bits at 1 and 2 threads. MKL reads "
+            f"MKL_CBWR at its first GEMM (now {os.environ.get('MKL_CBWR')!r}); import zmrl before running any "
+            f"torch matmul, or export MKL_CBWR={mode} before starting Python")
+    _cnr_verified.add(mode)
+
+
+def apply_numerics(numerics: Numerics) -> Numerics:
+    """Make ``numerics`` the contract of this process (kernel mode, KDA dot precision, MKL mode, thread
+    count); returns the previous contract. The only function in zmrl that changes these settings."""
+    global _current
+    numerics.validate()
+    _apply_cpu_gemm_cnr(numerics.cpu_gemm_cnr)
+    # The thread count is set when the contract changes it (re-applying or restoring a contract does not
+    # undo a later torch.set_num_threads: no op's bits depend on it).
+    if numerics.cpu_threads is not None and numerics.cpu_threads != _current.cpu_threads:
+        torch.set_num_threads(numerics.cpu_threads)
+    _dispatch._set_dispatch_mode(numerics.kernel_mode)  # type: ignore[arg-type]
+    previous, _current = _current, numerics
+    return previous
+
+
+@contextlib.contextmanager
+def numerics_scope(numerics: Numerics) -> Iterator[Numerics]:
+    """Apply ``numerics`` for the body and restore the previous contract afterwards."""
+    previous = apply_numerics(numerics)
+    try:
+        yield numerics
+    finally:
+        apply_numerics(previous)
+
+
+def _cpu_vector_path() -> str:
+    # ATen's vectorised CPU kernels: its AVX2 and AVX-512 builds give the same bits (measured on the
+    # whole tiny model, see docs/numerics.md), the unvectorised DEFAULT build does not.
+    cap = torch.backends.cpu.get_cpu_capability()
+    return "avx2-or-avx512" if cap in ("AVX2", "AVX512") else cap.lower()
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__
+
+
+def fingerprint(numerics: Numerics | None = None) -> NumericsFingerprint:
+    """The bit-relevant settings of ``numerics`` (default: the applied contract) plus this process's
+    torch and Triton versions and CPU vector path."""
+    n = numerics or _current
+    fields = {f.name: str(getattr(n, f.name)) for f in dataclasses.fields(n) if f.metadata.get("bits", True)}
+    fields.update(torch=torch.__version__, triton=_triton_version(), cpu_vector_path=_cpu_vector_path())
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    return NumericsFingerprint(digest=digest, fields=fields)
+
+
+def check_same_numerics(fingerprints: dict[str, NumericsFingerprint]) -> None:
+    """Raise ``NumericsError`` naming the first field where any process differs from the first one.
+
+    fingerprints: process name (e.g. "trainer", "rollout 0") -> its fingerprint."""
+    items = list(fingerprints.items())
+    if not items:
+        return
+    ref_name, ref = items[0]
+    for name, fp in items[1:]:
+        diff = ref.differences(fp)
+        if diff:
+            field = diff[0]
+            raise NumericsError(
+                f"numerics differ between {ref_name} and {name}: {field} is {ref.fields.get(field)!r} in {ref_name} "
+                f"and {fp.fields.get(field)!r} in {name} (fingerprints {ref.digest} vs {fp.digest}); both sides "
+                f"must run the same numerics for bitwise log-prob parity")
+
+
+# ----------------------------------------------------------------------------- kernel-mode shorthands
+def set_mode(mode: Mode) -> None:
+    """``apply_numerics`` with only the kernel mode changed."""
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"kernel mode must be one of {KERNEL_MODES}, got {mode!r}")
+    apply_numerics(_current.replace(kernel_mode=mode))
+
+
+@contextlib.contextmanager
+def kernel_mode(mode: Mode) -> Iterator[None]:
+    """Run the body under another kernel mode (the rest of the contract unchanged)."""
+    with numerics_scope(_current.replace(kernel_mode=mode)):
+        yield
+
+
+def kda_dot_precision() -> str:
+    """The KDA dot precision of the applied contract (read by the Triton KDA kernels at launch)."""
+    return _current.kda_dot_precision
