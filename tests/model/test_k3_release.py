@@ -285,3 +285,24 @@ def test_bare_kimi_linear_layout(release_dir, tmp_path) -> None:
     tensors = {k.removeprefix("language_model."): v for k, v in load_file(str(path / "model.safetensors")).items()}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     assert torch.equal(_logits(load_pretrained(tmp_path, dtype="float32")), _logits(model))
+
+
+def test_header_only_check_and_training_preflight(release_dir, tmp_path) -> None:
+    """``check_checkpoint`` (headers only) accepts the release layout and names a mis-shaped tensor;
+    the training preflight (``model.path``) uses it, so a release checkpoint passes it too."""
+    from zmrl.model.checkpoint import check_checkpoint
+    from zmrl.rl.preflight import InputError
+    from zmrl.rl.preflight import check_checkpoint as preflight
+
+    path, _ = release_dir
+    assert check_checkpoint(path) == load_pretrained(path).config
+    preflight(str(path))
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "language_model.model.layers.2.mlp_res_proj.weight"
+    tensors[name] = torch.zeros(1, 63)
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{name}: checkpoint \(63,\) vs model \(64,\)"):
+        check_checkpoint(tmp_path)
+    with pytest.raises(InputError, match="model.path=.*mlp_res_proj"):
+        preflight(str(tmp_path))

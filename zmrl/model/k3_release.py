@@ -2,8 +2,8 @@
 
 Config: ``{"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear", ...}, ...}`` (a
 multimodal wrapper; the text model is inside). A bare ``kimi_linear`` config (no wrapper) is read the same
-way (its tensors carry no ``language_model.`` prefix). Field names map to ``ModelConfig`` as in ``TEXT_FIELDS``; the KDA gate fields live inside
-``linear_attn_config``. A field missing from the text config takes Kimi-Linear's default (``DEFAULTS``),
+way (its tensors carry no ``language_model.`` prefix). Field names map to ``ModelConfig`` as in
+``TEXT_FIELDS``; the KDA gate fields live inside ``linear_attn_config``. A field missing from the text config takes Kimi-Linear's default (``DEFAULTS``),
 not zmrl's. No ``index_*`` field means no DSA indexer (the K3 release has none; K3.1 Pro adds one).
 
 Tensors (text model under ``language_model.``): MoE layers under ``block_sparse_moe.`` with
@@ -291,6 +291,21 @@ def convert_tensor(src: Source, read: Callable[[str], torch.Tensor], num_heads: 
     if src.kind == "a_log":
         return t.reshape(-1)[:num_heads]
     return t
+
+
+def converted_shape(src: Source, shapes: list[tuple[int, ...]], num_heads: int) -> tuple[int, ...]:
+    """The zmrl shape ``convert_tensor`` gives for ``src`` from its tensors' header shapes alone."""
+    if src.kind == "mxfp4":
+        (out, half), _ = shapes
+        return (out, 2 * half)
+    n = 1
+    for d in shapes[0]:
+        n *= d
+    if src.kind == "row":
+        return (n,)
+    if src.kind == "a_log":
+        return (min(n, num_heads),)
+    return shapes[0]
 
 
 def release_state(cfg: ModelConfig, state: dict[str, torch.Tensor], quantize_experts: bool, prefix: str = PREFIX
