@@ -27,11 +27,13 @@ def tiny_k3(**over) -> ModelConfig:
 
 @torch.no_grad()
 def random_k3_model(cfg: ModelConfig, seed: int = 0, mxfp4_experts: bool = True) -> HybridForCausalLM:
-    """fp32 model with weights large enough that every branch moves the logits: MLP / expert / latent
+    """fp32 model with weights chosen so that every branch moves the logits: MLP / expert / latent
     projections drawn with std 0.5/sqrt(fan_in) (the model init's 0.02 leaves the MoE nearly silent, so
-    its routing weights would hardly show in the logits), small MLA latents, AttnRes pseudo-queries drawn (init has them 0, a uniform mix), norms away
-    from 1, and (``mxfp4_experts``) routed-expert weights rounded onto the MXFP4 grid so that the
-    release's quantised storage holds them exactly."""
+    its routing weights would hardly show in the logits), small MLA latents (so their norms' eps shows),
+    AttnRes pseudo-queries drawn (init has them 0, a uniform mix), norms away from 1, and
+    (``mxfp4_experts``) routed-expert weights rounded onto the MXFP4 grid so that the release's quantised
+    storage holds them exactly. The scales also keep both implementations' fp32 rounding small
+    (tests/model/test_mlx_reference.py measures it)."""
     model = build_model(cfg, seed=seed, dtype="float32")
     g = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():

@@ -274,3 +274,35 @@ def test_k3_1_pro_is_k3_plus_the_seed_indexer() -> None:
     assert (pro.index_n_heads, pro.index_head_dim, pro.index_topk, pro.index_use_hadamard) == (32, 128, 2048, True)
     assert dataclasses.replace(pro, index_topk=None, index_n_heads=k3.index_n_heads, index_head_dim=k3.index_head_dim,
                                index_use_hadamard=k3.index_use_hadamard) == k3
+
+
+def test_bare_kimi_linear_layout(release_dir, tmp_path) -> None:
+    """A ``kimi_linear`` config without the multimodal wrapper: the same names without ``language_model.``."""
+    path, model = release_dir
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps(text))
+    tensors = {k.removeprefix("language_model."): v for k, v in load_file(str(path / "model.safetensors")).items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert torch.equal(_logits(load_pretrained(tmp_path, dtype="float32")), _logits(model))
+
+
+def test_header_only_check_and_training_preflight(release_dir, tmp_path) -> None:
+    """``check_checkpoint`` (headers only) accepts the release layout and names a mis-shaped tensor;
+    the training preflight (``model.path``) uses it, so a release checkpoint passes it too."""
+    from zmrl.model.checkpoint import check_checkpoint
+    from zmrl.rl.preflight import InputError
+    from zmrl.rl.preflight import check_checkpoint as preflight
+
+    path, _ = release_dir
+    assert check_checkpoint(path) == load_pretrained(path).config
+    preflight(str(path))
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "language_model.model.layers.2.mlp_res_proj.weight"
+    tensors[name] = torch.zeros(1, 63)
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{name}: checkpoint \(63,\) vs model \(64,\)"):
+        check_checkpoint(tmp_path)
+    with pytest.raises(InputError, match="model.path=.*mlp_res_proj"):
+        preflight(str(tmp_path))

@@ -24,7 +24,8 @@ from zmrl.capacity.sizing import weight_shapes
 
 def small(**over) -> ModelConfig:
     base = dict(vocab_size=64, hidden_size=32, intermediate_size=48,
-                linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=8, kda_layers=[1, 3], full_attn_layers=[2, 4]),
+                linear_attn_config=LinearAttnConfig(num_heads=2, head_dim=8, kda_layers=[1, 3],
+                                                    full_attn_layers=[2, 4]),
                 num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                 v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                 moe_intermediate_size=16)
@@ -58,7 +59,8 @@ def test_situ_betas_come_from_the_config() -> None:
     cfg = small(moe_glu="situ", activation_situ_beta=2.0, activation_situ_linear_beta=None)
     model = build_model(cfg, seed=0, dtype="float64")
     x = torch.randn(5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    for mlp in (model.model.layers[0].mlp, model.model.layers[1].mlp.experts[2], model.model.layers[1].mlp.shared_experts):
+    moe = model.model.layers[1].mlp
+    for mlp in (model.model.layers[0].mlp, moe.experts[2], moe.shared_experts):
         assert isinstance(mlp, MLP)
         want = mlp.down_proj.weight @ situ_glu_ref(x @ mlp.gate_proj.weight.T, x[:, :mlp.up_proj.in_features]
                                                    @ mlp.up_proj.weight.T, 2.0, None).T
@@ -111,7 +113,8 @@ def test_tied_embeddings(tmp_path) -> None:
         assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
     again = load_pretrained(tmp_path)
     assert again.lm_head.weight is again.model.embed_tokens.weight
-    assert torch.equal(forward_packed(again, ids, cu_seqlens_from_lens([7])), forward_packed(model, ids, cu_seqlens_from_lens([7])))
+    cu = cu_seqlens_from_lens([7])
+    assert torch.equal(forward_packed(again, ids, cu), forward_packed(model, ids, cu))
 
 
 def test_no_indexer_unless_declared() -> None:

@@ -13,7 +13,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
-from .k3_release import Source, config_to_release, convert_tensor, is_release_config, map_release_tensors, release_state
+from .hf_config import config_to_hf
+from .k3_release import (Source, config_to_release, convert_tensor, converted_shape, is_release_config,
+                         map_release_tensors, release_state, tensor_prefix)
 from .mxfp4 import MXFP4Error
 from .model import DTYPES, HybridForCausalLM, cast_model, checkpoint_state
 
@@ -26,7 +28,7 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the model: the message names the tensors."""
 
 
-FORMATS = ("zmrl", "k3")
+FORMATS = ("zmrl", "k3", "hf")
 
 
 def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard_bytes: int | None = None,
@@ -35,18 +37,22 @@ def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard
 
     ``format="zmrl"``: zmrl's flat config and module names. ``format="k3"``: the released Kimi K3 layout
     (k3_release.py): nested config, ``language_model.`` names, routed experts as MXFP4 when
-    ``quantize_experts`` (exact or an error: weights read from MXFP4 write back the same values)."""
+    ``quantize_experts`` (exact or an error: weights read from MXFP4 write back the same values).
+    ``format="hf"``: the transformers config of the model's ``model_type`` (hf_config.py; deepseek_v3),
+    with zmrl's tensor names, which are transformers' for that type."""
     if format not in FORMATS:
         raise ValueError(f"save_pretrained: format must be one of {FORMATS}, got {format!r}")
     out = Path(path)
     cfg = model.config
     cfg.torch_dtype = {v: k for k, v in DTYPES.items()}[model.dtype]
     state = {k: v.detach().contiguous().cpu() for k, v in checkpoint_state(model).items()}
+    if format == "hf":
+        config = config_to_hf(cfg)  # before writing anything: a model it cannot express is refused
     if format == "k3":
         config = config_to_release(cfg, quantized_experts=quantize_experts and cfg.n_routed_experts > 0)
         state = release_state(cfg, state, quantize_experts)
     out.mkdir(parents=True, exist_ok=True)
-    if format == "k3":
+    if format in ("k3", "hf"):
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     else:
         cfg.to_json(out / "config.json")
@@ -85,11 +91,9 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return names
 
 
-def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: torch.device | str = "cpu") -> HybridForCausalLM:
-    """Load a checkpoint folder (zmrl's format or the released Kimi K3's); missing, unexpected or
-    mis-shaped tensors are refused by name. Release tensors outside the text model are skipped (logged)."""
-    root = Path(path)
+def _plan(root: Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], dict[str, Path], dict[str, Source]]:
+    """(config, expected zmrl shapes, tensor name -> file, zmrl name -> where it comes from); raises
+    ConfigError / CheckpointError naming the field or the missing and unexpected tensors."""
     if not (root / "config.json").exists():
         raise CheckpointError(f"{root}: no config.json")
     try:
@@ -100,14 +104,12 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
         cfg = ModelConfig.from_dict(raw)
     except ConfigError as e:
         raise ConfigError(f"{root / 'config.json'}: {e}") from e
-    release = is_release_config(raw)
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or DTYPES[cfg.torch_dtype])
     with torch.device("meta"):
         model = HybridForCausalLM(cfg, dtype=torch.float32)
     expected = {k: tuple(v.shape) for k, v in checkpoint_state(model).items()}
     files = _tensor_files(root)
-    if release:
-        sources, missing, unexpected, skipped = map_release_tensors(cfg, expected, files)
+    if is_release_config(raw):
+        sources, missing, unexpected, skipped = map_release_tensors(cfg, expected, files, tensor_prefix(raw))
         for reason, names in skipped.items():
             log.info("%s: skipped %d tensor(s) outside the text model (%s), e.g. %s", root, len(names), reason,
                      names[0])
@@ -119,6 +121,40 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
         raise CheckpointError(f"{root}: checkpoint does not match the config: missing tensors {missing[:20]}"
                               f"{' ...' if len(missing) > 20 else ''}; unexpected tensors {unexpected[:20]}"
                               f"{' ...' if len(unexpected) > 20 else ''}")
+    return cfg, expected, files, sources
+
+
+def check_checkpoint(path: str | os.PathLike) -> ModelConfig:
+    """What ``load_pretrained`` checks before reading any weight, from the safetensors headers only:
+    the config parses, and the files hold exactly the tensors it builds (names and shapes, in any
+    layout ``load_pretrained`` reads). Returns the config."""
+    root = Path(path)
+    cfg, expected, files, sources = _plan(root)
+    num_heads = cfg.linear_attn_config.num_heads
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted({files[n] for src in sources.values() for n in src.names}):
+        with safe_open(str(f), framework="pt") as sf:
+            shapes.update({n: tuple(sf.get_slice(n).get_shape()) for n in sf.keys()})
+    bad = []
+    for k, src in sources.items():
+        got = converted_shape(src, [shapes[n] for n in src.names], num_heads)
+        if got != expected[k]:
+            bad.append(f"{'+'.join(src.names)}: checkpoint {got} vs model {expected[k]}")
+    if bad:
+        raise CheckpointError(f"{root}: mis-shaped tensors: " + "; ".join(bad))
+    return cfg
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: torch.device | str = "cpu") -> HybridForCausalLM:
+    """Load a checkpoint folder (zmrl's format, the released Kimi K3's, or a transformers deepseek_v3);
+    missing, unexpected or mis-shaped tensors are refused by name. Release tensors outside the text model
+    are skipped (logged)."""
+    root = Path(path)
+    cfg, expected, files, sources = _plan(root)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or DTYPES[cfg.torch_dtype])
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg, dtype=torch.float32)
     state: dict[str, torch.Tensor] = {}
     bad = []
     num_heads = cfg.linear_attn_config.num_heads

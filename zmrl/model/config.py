@@ -183,11 +183,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        """zmrl's flat config, or the released Kimi K3 / Kimi-Linear format (k3_release.py)."""
+        """zmrl's flat config, the released Kimi K3 / Kimi-Linear format (k3_release.py), or a transformers
+        config of a supported ``model_type`` (hf_config.py)."""
+        from .hf_config import config_from_hf, is_hf_config
         from .k3_release import config_from_release, is_release_config
 
         if is_release_config(data):
             return config_from_release(data)
+        if is_hf_config(data):
+            return config_from_hf(data)
         data = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in data if k not in known and k not in IGNORED_HF_KEYS)

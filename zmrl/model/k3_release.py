@@ -2,8 +2,8 @@
 
 Config: ``{"model_type": "kimi_k3", "text_config": {"model_type": "kimi_linear", ...}, ...}`` (a
 multimodal wrapper; the text model is inside). A bare ``kimi_linear`` config (no wrapper) is read the same
-way. Field names map to ``ModelConfig`` as in ``TEXT_FIELDS``; the KDA gate fields live inside
-``linear_attn_config``. A field missing from the text config takes Kimi-Linear's default (``DEFAULTS``),
+way (its tensors carry no ``language_model.`` prefix). Field names map to ``ModelConfig`` as in
+``TEXT_FIELDS``; the KDA gate fields live inside ``linear_attn_config``. A field missing from the text config takes Kimi-Linear's default (``DEFAULTS``),
 not zmrl's. No ``index_*`` field means no DSA indexer (the K3 release has none; K3.1 Pro adds one).
 
 Tensors (text model under ``language_model.``): MoE layers under ``block_sparse_moe.`` with
@@ -221,16 +221,21 @@ def release_name(cfg: ModelConfig, name: str) -> str:
     return name
 
 
-def _alternatives(cfg: ModelConfig, name: str) -> list[Source]:
+def tensor_prefix(data: dict[str, Any]) -> str:
+    """``language_model.`` under the multimodal ``kimi_k3`` wrapper; none for a bare ``kimi_linear`` model."""
+    return PREFIX if "text_config" in data else ""
+
+
+def _alternatives(cfg: ModelConfig, name: str, prefix: str) -> list[Source]:
     """Release spellings of zmrl tensor ``name``, preferred first."""
-    base = PREFIX + release_name(cfg, name)
+    base = prefix + release_name(cfg, name)
     if ".block_sparse_moe.experts." in base and base.endswith(".weight"):
         stem = base[: -len(".weight")]
         return [Source((base,), "plain"), Source((stem + ".weight_packed", stem + ".weight_scale"), "mxfp4")]
     for kind in ("proj", "norm"):
         if name.endswith(f"_res_{kind}.weight"):  # <site>_res_proj.weight, also spelled <site>_res.proj_weight
             site = name[: -len(f"_{kind}.weight")]
-            return [Source((base,), "row"), Source((f"{PREFIX}{site}.{kind}_weight",), "row")]
+            return [Source((base,), "row"), Source((f"{prefix}{site}.{kind}_weight",), "row")]
     if name.endswith(".A_log"):
         return [Source((base,), "a_log")]
     if name.endswith(".gate.e_score_correction_bias") and ".block_sparse_moe." in base:
@@ -249,16 +254,16 @@ def skip_reason(cfg: ModelConfig, name: str) -> str | None:
     return None
 
 
-def map_release_tensors(cfg: ModelConfig, expected: Iterable[str], available: Iterable[str]
+def map_release_tensors(cfg: ModelConfig, expected: Iterable[str], available: Iterable[str], prefix: str = PREFIX
                         ) -> tuple[dict[str, Source], list[str], list[str], dict[str, list[str]]]:
     """(zmrl name -> Source, missing zmrl names with their release spellings, unexpected release names,
-    skipped release names by reason)."""
+    skipped release names by reason). ``prefix``: ``tensor_prefix`` of the config."""
     have = set(available)
     used: set[str] = set()
     sources: dict[str, Source] = {}
     missing: list[str] = []
     for name in expected:
-        alts = _alternatives(cfg, name)
+        alts = _alternatives(cfg, name, prefix)
         found = next((a for a in alts if all(n in have for n in a.names)), None)
         if found is None:
             missing.append(f"{name} (release: {' or '.join('+'.join(a.names) for a in alts)})")
@@ -288,13 +293,28 @@ def convert_tensor(src: Source, read: Callable[[str], torch.Tensor], num_heads: 
     return t
 
 
-def release_state(cfg: ModelConfig, state: dict[str, torch.Tensor], quantize_experts: bool
+def converted_shape(src: Source, shapes: list[tuple[int, ...]], num_heads: int) -> tuple[int, ...]:
+    """The zmrl shape ``convert_tensor`` gives for ``src`` from its tensors' header shapes alone."""
+    if src.kind == "mxfp4":
+        (out, half), _ = shapes
+        return (out, 2 * half)
+    n = 1
+    for d in shapes[0]:
+        n *= d
+    if src.kind == "row":
+        return (n,)
+    if src.kind == "a_log":
+        return (min(n, num_heads),)
+    return shapes[0]
+
+
+def release_state(cfg: ModelConfig, state: dict[str, torch.Tensor], quantize_experts: bool, prefix: str = PREFIX
                   ) -> dict[str, torch.Tensor]:
     """zmrl tensors (checkpoint names) -> release tensors. Routed experts become MXFP4 when
     ``quantize_experts`` (exactly, or MXFP4Error); AttnRes projections [1, D]; ``A_log`` [1, 1, H, 1]."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        rname = PREFIX + release_name(cfg, name)
+        rname = prefix + release_name(cfg, name)
         if ".block_sparse_moe.experts." in rname and quantize_experts:
             stem = rname[: -len(".weight")]
             out[stem + ".weight_packed"], out[stem + ".weight_scale"] = quantize_mxfp4(t, exact=True, name=name)
