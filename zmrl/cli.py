@@ -12,10 +12,10 @@ import sys
 
 # name -> (module, function registering the subcommand on a subparsers object, one-line help)
 _LAZY = {
-    "plan": ("zmrl.rollout.planner", "add_plan_subcommand", "KV-cache capacity: tokens and full-length contexts "
-             "that fit"),
-    "parity": ("zmrl.parity", "add_parity_subcommand", "randomized rollout/trainer log-prob parity audit on the "
-               "tiny model"),
+    "plan": ("zmrl.rollout.planner", "add_plan_subcommand",
+             "KV-cache capacity: tokens and full-length contexts that fit"),
+    "parity": ("zmrl.parity", "add_parity_subcommand",
+               "randomized rollout/trainer log-prob parity audit on the tiny model"),
 }
 
 
