@@ -70,21 +70,24 @@ def build_parser(real: str | None = None) -> argparse.ArgumentParser:
         if name == real:
             getattr(importlib.import_module(module), register)(sub)
         else:
-            stub = sub.add_parser(name, help=help_text, add_help=False)
-            stub.add_argument("rest", nargs=argparse.REMAINDER)
-            stub.set_defaults(func=None)
+            sub.add_parser(name, help=help_text, add_help=False).set_defaults(func=None)
     add_dashboard_subcommand(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
     if args.func is None:  # a lazy subcommand: parse again with its real parser
         args = build_parser(real=args.command).parse_args(argv)
+    elif extra:
+        build_parser().parse_args(argv)  # exits with argparse's message about the unknown arguments
     from zmrl.train import setup_logging
 
     setup_logging(logging.DEBUG if args.verbose or getattr(args, "debug", False) else logging.INFO)
+    if args.command == "parity":  # the audit prints its table only at the end: say what is running
+        print(f"zmrl parity: auditing {args.num_requests} requests over {args.steps + 1} rollout round(s) "
+              f"(seed {args.seed}, scenario {args.scenario}, {args.device}) ...", file=sys.stderr, flush=True)
     return args.func(args)
 
 
