@@ -72,9 +72,7 @@ def build_parser(real: str | None = None) -> argparse.ArgumentParser:
         if name == real:
             getattr(importlib.import_module(module), register)(sub)
         else:
-            stub = sub.add_parser(name, help=help_text, add_help=False)
-            stub.add_argument("rest", nargs=argparse.REMAINDER)
-            stub.set_defaults(func=None)
+            sub.add_parser(name, help=help_text, add_help=False).set_defaults(func=None)
     add_dashboard_subcommand(sub)
     return parser
 
@@ -90,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     from zmrl.train import setup_logging
 
     setup_logging(logging.DEBUG if args.verbose or getattr(args, "debug", False) else logging.INFO)
+    if args.command == "parity":  # the audit prints its table only at the end: say what is running
+        print(f"zmrl parity: auditing {args.num_requests} requests over {args.steps + 1} rollout round(s) "
+              f"(seed {args.seed}, scenario {args.scenario}, {args.device}) ...", file=sys.stderr, flush=True)
     try:
         return args.func(args)
     except MissingExtraError as e:  # names the pip extra to install

@@ -125,8 +125,8 @@ def summary_line(history: list[dict], out_dir: str, initial_eval: dict | None = 
                 and h["mismatch/kl_k3"] == 0.0 for h in history)
     evals = [(h["step"], v) for h in [{"step": 0, **(initial_eval or {})}, *history]
              for k, v in h.items() if k.startswith("eval/")]
-    parts = [f"done: {history[-1]['step']} steps", f"mean reward {first:.3f} (first {n} steps) -> {last:.3f} "
-             f"(last {n})"]
+    parts = [f"done: {history[-1]['step']} steps",
+             f"mean reward {first:.3f} (first {n} steps) -> {last:.3f} (last {n})"]
     if evals:
         parts.append(f"held-out {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} (step {evals[-1][0]})")
     parts.append(f"parity: {tokens} tokens compared, " + ("all bitwise equal, KL 0 at every step" if equal else

@@ -1,8 +1,9 @@
 """The embedded demo learns: a shortened version of the README's main job raises the held-out reward.
 
-Shortened to stay near two minutes on two cores: the bootstrap's teacher and task are the default
-ones (the box in a quarter of the answers) but on operands 0..5 and 40 SFT steps, and the RL run is 6
-steps; problems go through .jsonl files, so the real loop, data and eval paths run. Everything is
+Shortened to stay near a few minutes on a quiet two-core machine: the bootstrap's task is the default
+one (the teacher boxes a quarter of its answers) on operands 0..5, so 80 SFT steps do what 120 do on
+0..9; the RL run is 6 steps at lr 2e-3; problems go through .jsonl files, so the real loop, data and
+eval paths run. Everything is
 seeded and single-threaded, so the run is deterministic (the same bits on the same torch build and CPU
 kernels). The assertion is a floor below the measured numbers (``MEASURED``), not their exact values,
 so that another CPU's kernels (a different summation order) do not fail a run that learns as well;
@@ -17,8 +18,8 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "aime_lora.yaml"
 
 # Held-out mean reward (32 problems x 2 samples) before the first update and after step 6, measured on
 # the 2-core CPU box with exactly this file's settings.
-MEASURED = {"before": None, "after": None}
-MIN_GAIN = 0.15
+MEASURED = {"before": 0.125, "after": 0.703125}  # 397 s at load average ~5 (other jobs on both cores)
+MIN_GAIN = 0.3
 
 
 def _write(path: Path, problems: list[dict]) -> Path:
@@ -34,14 +35,14 @@ def test_shortened_demo_raises_the_heldout_reward(tmp_path):
 
     task = TaskSpec(add_max=5, sub_max=5)
     t0 = time.perf_counter()
-    model = bootstrap_model(tmp_path / "boot", recipe=BootstrapRecipe(task=task, max_steps=40), evaluate=False,
+    model = bootstrap_model(tmp_path / "boot", recipe=BootstrapRecipe(task=task, max_steps=80), evaluate=False,
                             progress=False)
     train = _write(tmp_path / "train.jsonl", make_dataset(48, seed=7, spec=task))
     heldout = _write(tmp_path / "heldout.jsonl", make_dataset(32, seed=HELDOUT_SEED, spec=task))
     steps = 6
     cfg = load_recipe(str(RECIPE), [
         f"trainer.out_dir={tmp_path}/run", f"model.path={model}", f"data.train={train}", f"data.eval={heldout}",
-        f"trainer.total_steps={steps}", "trainer.save_every=0", "data.prompts_per_step=8", "rollout.n=4",
+        f"trainer.total_steps={steps}", "trainer.save_every=0", "data.prompts_per_step=8", "rollout.n=4", "trainer.lr=0.002",
         f"eval.every={steps}", "eval.n=2", "logging.wandb_mode=disabled", "trainer.num_threads=1"])
     history = RLRunner(cfg).run()
     elapsed = time.perf_counter() - t0

@@ -12,7 +12,7 @@ import torch
 
 from zmrl.parity import compare_logprobs
 from zmrl.rl.config import RecipeError, load_recipe
-from zmrl.rl.dashboard import build_dashboard, parity_verdict, collect_series
+from zmrl.rl.dashboard import build_dashboard, collect_series, parity_verdict
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "aime_lora.yaml"
 

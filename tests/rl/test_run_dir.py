@@ -83,8 +83,13 @@ def test_wandb_id_is_kept_on_resume(tmp_path):
 
 def test_wandb_offline_resume_continues_the_same_run(tmp_path):
     pytest.importorskip("wandb")
+    ids = []
     for step in (1, 2):
         with MetricsLogger(tmp_path, wandb_mode="offline") as lg:
+            assert lg._wandb_run is not None
+            ids.append(lg._wandb_run.id)
             lg.log({"x": float(step)}, step=step)
+    assert ids[0] == ids[1] == json.loads((tmp_path / "run.json").read_text())["wandb_id"]
+    # wandb's offline folders are named by start second and run id (plus -N within one second)
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and len({r.rsplit("-", 1)[1] for r in runs}) == 1, runs  # one id, two sessions
+    assert runs and all(r.split("-")[3] == ids[0] for r in runs), runs

@@ -156,6 +156,19 @@ def test_smoke_with_a_bogus_preset_is_one_line():
                                                  "['bench', 'k3', 'k3.1-pro', 'tiny']")
 
 
+def test_lazy_subcommands_parse_their_own_options(capsys):
+    from zmrl.cli import main
+
+    assert main(["plan", "--preset", "bogus"]) == 2
+    assert "zmrl plan: error: unknown preset 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["parity", "--help"])
+    assert e.value.code == 0 and "--num-requests" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["smoke", "--bogus-flag"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus-flag" in capsys.readouterr().err
+
+
 def test_train_without_a_recipe_uses_the_readme_recipe(monkeypatch):
     from zmrl import train
 

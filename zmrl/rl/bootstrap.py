@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 BOOTSTRAP_FILE = "bootstrap.json"
 BOOTSTRAP_VERSION = 2  # bump when the training code changes in a way that changes the weights
-DEFAULT_STEPS = 120
+DEFAULT_STEPS = 80
 
 
 @dataclass

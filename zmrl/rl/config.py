@@ -24,7 +24,7 @@ class ModelSection:
     path: str | None = None  # HF-style folder (config.json + safetensors + tokenizer); None = embedded default
     dtype: str = "float32"
     bootstrap_dir: str = "~/.cache/zmrl/bootstrap"  # where the embedded default model is built and cached
-    bootstrap_steps: int = 120  # SFT steps of the embedded default (a step budget: the same model everywhere)
+    bootstrap_steps: int = 80  # SFT steps of the embedded default (a step budget: the same model everywhere)
     # "bitwise": batch-invariant kernels, rollout log-probs equal the trainer's bit for bit (the
     # contract). "fast": stock kernels where an op has them, for measuring what bitwise costs; the
     # rollout/trainer parity metrics are then expected to be < 1. Applies to the engine and the trainer.

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from .run_files import METRICS_FILE, RUN_FILE, read_metrics  # noqa: F401 -- read_metrics re-exported
+from .run_files import METRICS_FILE, RUN_FILE, read_metrics
 
 logger = logging.getLogger(__name__)
 

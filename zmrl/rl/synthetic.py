@@ -2,8 +2,9 @@
 model picks up on CPU in a few minutes of SFT, leaving a gap that RL visibly closes.
 
 Problems are small arithmetic questions, e.g. ``What is 7 + 8?`` -> 15. The mix of operations and
-operand ranges (``TaskSpec``) sets the difficulty; the default is single-digit sums and differences
-(a >= b), 155 distinct problems.
+operand ranges (``TaskSpec``) sets the difficulty; the default is sums and differences (a >= b) of
+operands 0..5, 57 distinct problems: small enough that the 4-layer model learns the arithmetic in 80
+SFT steps on one CPU thread, so the demo's time goes to RL.
 
 The SFT target (``format_solution``) is one line of work, then the boxed answer:
 ``7+8=15 \\boxed{15}``. Restating the expression puts the operands right before the answer digits, which
@@ -13,11 +14,11 @@ the 4-layer model exploits far sooner than operands 20 bytes back in the prompt.
 reads. The reward (``zmrl.rl.reward``) reads only a box or an "Answer: N", so the bootstrapped policy
 earns little reward at T = 1 although its arithmetic is mostly right, and GRPO has a clear, shared
 direction to learn (box the answer) plus the arithmetic to sharpen. The longest default target is
-``9+9=18 \\boxed{18}`` + EOS = 18 tokens, so rollouts need ``max_tokens >= 18``.
+``5+5=10 \\boxed{10}`` + EOS = 18 tokens, so rollouts need ``max_tokens >= 18``.
 
 Splits: training pools and the bootstrap draw from seeded streams; the held-out split
 (``heldout_problems``, ``data.eval=synthetic``) is the first problems of another stream
-(``HELDOUT_SEED``). With 155 distinct problems the two share problems: the held-out curve measures the
+(``HELDOUT_SEED``). With 57 distinct problems the two share problems: the held-out curve measures the
 policy on the task's distribution with samples it never trained on, not on unseen facts.
 """
 from __future__ import annotations
@@ -42,8 +43,8 @@ class TaskSpec:
     add_weight: float = 1.0
     sub_weight: float = 1.0
     mul_weight: float = 0.0
-    add_max: int = 9
-    sub_max: int = 9
+    add_max: int = 5
+    sub_max: int = 5
     mul_max: int = 9
 
     def to_dict(self) -> dict:
