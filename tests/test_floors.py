@@ -34,12 +34,13 @@ GROUPS = {"cli": "entry points", "train": "entry points", "__main__": "entry poi
 # appears. ModelConfig's sizing conveniences (param_counts, kv_bytes_per_token_per_layer,
 # kda_state_bytes_per_request) delegate to zmrl.capacity.sizing, and ModelConfig.preset reads the preset
 # table in presets.py, which builds ModelConfig objects: both are public API of ModelConfig.
-# ModelConfig.from_json reads the released Kimi K3 format through k3_release.py, which builds ModelConfig
-# objects (a lazy import inside the reader).
+# ModelConfig.from_json reads the released Kimi K3 format and HF configs through k3_release.py and
+# hf_config.py, which build ModelConfig objects (lazy imports inside the reader).
 ALLOWED = {
     ("zmrl.model.config", "zmrl.capacity.sizing"),
     ("zmrl.model.config", "zmrl.model.presets"),
     ("zmrl.model.config", "zmrl.model.k3_release"),
+    ("zmrl.model.config", "zmrl.model.hf_config"),
 }
 
 

@@ -130,3 +130,27 @@ def test_bad_arguments():
         kda_decode_step(q[:, :1], q[:, :1], q[:, :1], q[:, :1], torch.zeros(3, 1), pos, slots, cache)
     with pytest.raises(RuntimeError, match="no_grad"):
         kda_decode_step(q.requires_grad_(), q, q, q, torch.zeros(3, 2), pos, slots, cache)
+
+
+def test_same_bits_at_every_thread_count():
+    """One decode step (and the prime before it) at 1, 2 and 4 CPU threads: the same output and state bits."""
+    gen = torch.Generator().manual_seed(7)
+    h, dk, dv, n = 2, 32, 32, 5
+    seqs = [sequence_inputs(C, h, dk, dv, gen, torch.float32) for _ in range(n)]
+    starts = [0, 1, 30, 63, 17]
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            cache = KDADecodeCache.allocate(n, h, dk, dv, torch.float32, torch.float32, "cpu")
+            for i, p0 in enumerate(starts):
+                load_prefix(cache, i, seqs[i], p0, 0.1 * torch.ones(h, dk, dv), kda_decode_prime)
+            q, k, v, g, beta = (torch.stack([s[j][p] for s, p in zip(seqs, starts)]) for j in range(5))
+            with torch.no_grad():
+                o = kda_decode_step(q, k, v, g, beta, torch.tensor(starts), torch.arange(n), cache)
+            results.append((o, cache.state.clone()))
+    finally:
+        torch.set_num_threads(before)
+    for o, st in results[1:]:
+        assert torch.equal(o, results[0][0]) and torch.equal(st, results[0][1])

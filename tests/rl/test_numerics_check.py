@@ -13,8 +13,9 @@ from zmrl.model.checkpoint import save_pretrained
 from zmrl.rl.cluster import ActorEnv, LocalHandle
 from zmrl.rl.config import load_recipe
 from zmrl.rl.loop import RLRunner
-from zmrl.rl.workers import RolloutWorker, TrainerWorker
+from zmrl.rl.workers import ModelSpec, RolloutHandle, RolloutWorker, TrainerHandle, TrainerWorker
 from zmrl.rollout import EngineConfig
+from zmrl.trainer import TrainerConfig
 
 
 class _Reports:
@@ -38,18 +39,18 @@ def test_driver_stops_before_the_first_step_naming_the_field():
     same = kbi.fingerprint(kbi.Numerics())
     other = kbi.fingerprint(kbi.Numerics(kda_dot_precision="ieee" if same.fields["kda_dot_precision"] != "ieee"
                                          else "tf32"))
-    runner.trainer = LocalHandle(_Reports(same))
-    runner.rollouts = [LocalHandle(_Reports(same)), LocalHandle(_Reports(other))]
+    runner.trainer = TrainerHandle(LocalHandle(_Reports(same)))
+    runner.rollouts = [RolloutHandle(LocalHandle(_Reports(same))), RolloutHandle(LocalHandle(_Reports(other)))]
     with pytest.raises(kbi.NumericsError, match=r"between trainer and rollout worker 1: kda_dot_precision is"):
         runner._finish_init()
 
 
 def test_workers_report_the_contract_they_run(tmp_path):
     save_pretrained(build_model(ModelConfig.preset("tiny"), seed=0), tmp_path / "m")
-    lora = LoraConfig(r=4)
-    trainer = TrainerWorker(str(tmp_path / "m"), "float32", lora, 1e-3, 0.0, None, "native", kernel_mode="fast")
+    model = ModelSpec(str(tmp_path / "m"), "float32", LoraConfig(r=4))
+    trainer = TrainerWorker(model, TrainerConfig(lr=1e-3), load_recipe(None).algorithm.objective(), kernel_mode="fast")
     assert trainer.numerics_fingerprint().fields["kernel_mode"] == "fast" and kbi.get_mode() == "fast"
-    rollout = RolloutWorker(str(tmp_path / "m"), "float32", lora, EngineConfig(num_blocks=8, kernel_mode="fast"))
+    rollout = RolloutWorker(model, EngineConfig(num_blocks=8, kernel_mode="fast"))
     kbi.check_same_numerics({"trainer": trainer.numerics_fingerprint(), "rollout": rollout.numerics_fingerprint()})
     # the process contract changed under a built engine: its worker reports the engine's own contract
     kbi.set_mode("bitwise")

@@ -9,15 +9,7 @@ import numpy as np
 import torch
 
 from zmrl.extras import require
-
-
-def _pad(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
-    mask = torch.zeros(len(rows), width, dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-        mask[i, : r.numel()] = 1.0
-    return out, mask
+from zmrl.trainer import pad_rows
 
 
 def compute_advantages(rewards: list[float], lengths: list[int], groups: list[int], estimator: str = "grpo",
@@ -30,7 +22,7 @@ def compute_advantages(rewards: list[float], lengths: list[int], groups: list[in
     for i, (r, n) in enumerate(zip(rewards, lengths)):
         if n:
             token_rewards[i, n - 1] = r
-    _, mask = _pad([torch.zeros(n) for n in lengths], width)
+    _, mask = pad_rows([torch.zeros(n) for n in lengths])  # the response mask, [B, width]
     fn = core_algos.get_adv_estimator_fn(estimator)
     kwargs = dict(token_level_rewards=token_rewards, response_mask=mask, index=np.array(groups))
     if estimator == "grpo":
