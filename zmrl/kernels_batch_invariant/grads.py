@@ -1,6 +1,6 @@
 """Analytic backwards of the cheap row-wise / elementwise ops, in plain torch ops.
 
-DESIGN §2 asks the backward to be correct and deterministic, not batch-invariant. The Triton
+docs/numerics.md asks the backward to be correct and deterministic, not batch-invariant. The Triton
 forwards of these ops used to get their gradient by re-running the op's torch composition under
 autograd (``triton/_autograd.with_reference_backward``): correct, but the compositions are built for
 invariance (tree reductions of log2(D) levels, a [T, W, C] window gather for the short conv whose

@@ -1,7 +1,7 @@
 """Backward of ``kda_chunk`` on the GPU through fla-core's chunked KDA backward.
 
 The forward stays zmrl's bitwise Triton kernel (``kda_chunk.py``); only the gradient comes from
-fla-core (a dependency, used through its public ``fla.ops.kda.chunk_kda``). DESIGN §2 lets the
+fla-core (a dependency, used through its public ``fla.ops.kda.chunk_kda``). docs/numerics.md lets the
 backward differ from the forward's arithmetic as long as it is the gradient of the same function,
 checked against float64, and deterministic run to run.
 
