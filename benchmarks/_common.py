@@ -158,6 +158,13 @@ def build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
+def experts_hit(cfg: ModelConfig, batch: int) -> float:
+    """Expected distinct routed experts of one MoE layer that ``batch`` tokens pick (top-k each, uniform):
+    k at batch 1, ``E * (1 - (1 - k/E)^B)`` beyond."""
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return k if batch == 1 or not e else e * (1.0 - (1.0 - k / e) ** batch)
+
+
 def weight_bytes_per_decode_token(cfg: ModelConfig, dtype_bytes: int = 2, batch: int = 1) -> int:
     """Bytes of weights one decode step of ``batch`` tokens must read: every weight except the routed
     experts no token picks and the embedding rows no token looks up. At batch 1 each MoE layer reads its
@@ -165,8 +172,7 @@ def weight_bytes_per_decode_token(cfg: ModelConfig, dtype_bytes: int = 2, batch:
     top-k choices, ``E * (1 - (1 - k/E)^B)`` (all of them at the batches RL decodes at)."""
     from zmrl.capacity.sizing import _EXPERT_RE, weight_shapes
 
-    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    hit = k if batch == 1 or not e else e * (1.0 - (1.0 - k / e) ** batch)
+    hit = experts_hit(cfg, batch)
     total = 0.0
     for name, shape in weight_shapes(cfg).items():
         n = math.prod(shape)

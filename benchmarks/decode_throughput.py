@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from _common import (OOM_ERRORS, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, default_out, empty_cache, env,
+                     experts_hit,
                      free_gib, model_config, pick_device, setup_logging, table, weight_bytes_per_decode_token,
                      write_json)
 from zmrl.kernels_batch_invariant import kernel_mode
@@ -198,8 +199,7 @@ def main() -> int:
     def weight_bytes_at(batch: int) -> int:
         """Weights one decode step of ``batch`` tokens reads (see weight_bytes_per_decode_token)."""
         base = weight_bytes_per_decode_token(cfg, batch=batch)
-        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        frac = (k if batch == 1 else e * (1.0 - (1.0 - k / e) ** batch)) / e if e else 0.0
+        frac = experts_hit(cfg, batch) / cfg.n_routed_experts if cfg.n_routed_experts else 0.0
         return int(base + lora_dense + lora_experts * frac)
 
     weight_bytes = weight_bytes_at(1)

@@ -24,7 +24,7 @@ their shared scratch slot). A slot whose rows are written by anything but this o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -71,9 +71,6 @@ class KDADecodeCache:
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The chunk-row buffers (k, v, g, beta)."""
         return self.k, self.v, self.g, self.beta
-
-    def nbytes_per_slot(self) -> int:
-        return sum(getattr(self, f.name)[0].nbytes for f in fields(self))
 
 
 def check_decode_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
