@@ -29,6 +29,8 @@ VARIANTS = {
     "q_lora_grouped": dict(q_lora_rank=32, n_group=2, topk_group=1, num_experts_per_tok=2),
     "q_proj_ungrouped_top3": dict(q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=3,
                                   norm_topk_prob=False, first_k_dense_replace=2),
+    # split-half rope (zmrl's rope_interleave: false) on the MLA rope dims
+    "split_half_rope": dict(q_lora_rank=32, n_group=2, topk_group=1, num_experts_per_tok=2, rope_interleave=False),
 }
 
 
@@ -69,6 +71,7 @@ def test_logits_agree_with_transformers(saved) -> None:
     hf, path = saved
     cfg = ModelConfig.from_json(path / "config.json")
     assert cfg.model_type == "deepseek_v3" and not cfg.has_indexer and not cfg.linear_attn_config.kda_layers
+    assert cfg.rope_interleave == hf.config.rope_interleave
     z32, z64 = load_pretrained(path, dtype="float32"), load_pretrained(path, dtype="float64")
     hf64 = copy.deepcopy(hf).double()
     g = torch.Generator().manual_seed(2)
@@ -100,7 +103,9 @@ def test_zmrl_format_of_a_deepseek_model_reloads(saved, tmp_path) -> None:
 @pytest.mark.parametrize("over,needle", [
     ({"brand_new": 1}, "unknown config field(s) ['brand_new']"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "known but not supported"),
-    ({"rope_interleave": False}, "'rope_interleave' = False is known but not supported"),
+    ({"num_key_value_heads": 1}, "'num_key_value_heads' = 1 is known but not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "'quantization_config.quant_method' = 'fp8' is known but"),
+    ({"model_type": "llama"}, "'model_type' = 'llama' is not supported"),
     ({"hidden_act": "gelu"}, "'hidden_act' = 'gelu'"),
     ({"num_experts_per_tok": 1, "norm_topk_prob": True}, "renormalises only when top-k > 1"),
     ({"qk_head_dim": 7}, "'qk_head_dim' = 7 is inconsistent"),
@@ -123,6 +128,6 @@ def test_saved_as_hf_reloads_in_transformers(saved, tmp_path) -> None:
     for k in want:
         assert torch.equal(want[k], got[k]), k
     assert ModelConfig.from_json(tmp_path / "config.json") == model.config
-    with pytest.raises(ConfigError, match="cannot be written as a deepseek_v3"):
+    with pytest.raises(ConfigError, match="cannot be written as a transformers config.json"):
         save_pretrained(build_model(ModelConfig.preset("tiny")), tmp_path / "x", format="hf")  # KDA, DSA: not V3
     assert not (tmp_path / "x").exists()

@@ -14,12 +14,16 @@ class CacheFullError(RuntimeError):
 
 def latent_store(cfg: ModelConfig, num_pages: int, page_size: int = 64, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> PagedLatentStore:
-    """The page pool of every MLA layer of ``cfg`` (latents, and index keys when the model has a DSA indexer)."""
+    """The page pool of every MLA layer of ``cfg`` (latents, and index keys when the model has a DSA indexer:
+    FP8, or the model dtype with ``index_quant: none``, for the layers whose indexer computes a selection)."""
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     mla_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i)]
+    index_layers = [i for i in mla_layers if cfg.index_source_layer(i) == i]
+    index_dtype = torch.float8_e4m3fn if cfg.index_quant == "fp8" else dtype
     return PagedLatentStore(mla_layers, num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                            cfg.index_head_dim if cfg.has_indexer else None, dtype, device)
+                            cfg.index_head_dim if cfg.has_indexer else None, dtype, device,
+                            index_dtype=index_dtype, index_layers=index_layers)
 
 
 class ModelCache:

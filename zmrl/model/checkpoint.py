@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
-from .hf_config import config_to_hf
+from .hf_config import config_to_hf, is_hf_config, skipped_tensor
 from .k3_release import (Source, config_to_release, convert_tensor, converted_shape, is_release_config,
                          map_release_tensors, release_state, tensor_prefix)
 from .mxfp4 import MXFP4Error
@@ -38,8 +38,8 @@ def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard
     ``format="zmrl"``: zmrl's flat config and module names. ``format="k3"``: the released Kimi K3 layout
     (k3_release.py): nested config, ``language_model.`` names, routed experts as MXFP4 when
     ``quantize_experts`` (exact or an error: weights read from MXFP4 write back the same values).
-    ``format="hf"``: the transformers config of the model's ``model_type`` (hf_config.py; deepseek_v3),
-    with zmrl's tensor names, which are transformers' for that type."""
+    ``format="hf"``: the transformers config of the model's ``model_type`` (hf_config.py: deepseek_v3,
+    deepseek_v32, glm_moe_dsa), with zmrl's tensor names, which are transformers' for those types."""
     if format not in FORMATS:
         raise ValueError(f"save_pretrained: format must be one of {FORMATS}, got {format!r}")
     out = Path(path)
@@ -117,6 +117,12 @@ def _plan(root: Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], dict[str
         sources = {k: Source((k,), "plain") for k in expected if k in files}
         missing = sorted(set(expected) - set(files))
         unexpected = sorted(set(files) - set(expected))
+        if is_hf_config(raw):
+            mtp = [n for n in unexpected if skipped_tensor(raw, n)]
+            if mtp:
+                log.info("%s: skipped %d tensor(s) of the multi-token-prediction layer(s), e.g. %s", root, len(mtp),
+                         mtp[0])
+                unexpected = [n for n in unexpected if n not in set(mtp)]
     if missing or unexpected:
         raise CheckpointError(f"{root}: checkpoint does not match the config: missing tensors {missing[:20]}"
                               f"{' ...' if len(missing) > 20 else ''}; unexpected tensors {unexpected[:20]}"
@@ -147,7 +153,8 @@ def check_checkpoint(path: str | os.PathLike) -> ModelConfig:
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     device: torch.device | str = "cpu") -> HybridForCausalLM:
-    """Load a checkpoint folder (zmrl's format, the released Kimi K3's, or a transformers deepseek_v3);
+    """Load a checkpoint folder (zmrl's format, the released Kimi K3 / Kimi-Linear's, or a transformers
+    deepseek_v3 / deepseek_v32 / glm_moe_dsa);
     missing, unexpected or mis-shaped tensors are refused by name. Release tensors outside the text model
     are skipped (logged)."""
     root = Path(path)

@@ -65,12 +65,23 @@ class ModelConfig:
     mla_use_nope: bool = True  # Kimi: no rotary anywhere
     mla_use_output_gate: bool = False  # K3 gated MLA: o * sigmoid(g_proj x) before o_proj
     rope_theta: float = 10000.0
+    # Rotary layout (when mla_use_nope is false): True rotates the pairs (0,1), (2,3), ... (DeepSeek MLA);
+    # False rotates (i, i + dim/2) (split-half / NeoX, as GLM-MoE-DSA's MLA). Same on every path.
+    rope_interleave: bool = True
+    index_rope_interleave: bool = False  # the same choice for the DSA indexer's rope dims (DeepSeek: split-half)
 
     # DSA indexer (on every MLA layer when index_topk is set; a config without it has none)
     index_n_heads: int = 4
     index_head_dim: int = 32
     index_topk: int | None = None
     index_use_hadamard: bool = False
+    # "fp8": indexer queries and keys quantised to FP8 e4m3 with one scale per 128 values (DeepSeek-V3.2's
+    # inference); "none": kept in the model dtype (transformers' GlmMoeDsa indexer). Both sides use it.
+    index_quant: str = "fp8"
+    # Per layer "full" (computes its top-k) or "shared" (reuses the selection of the nearest earlier MLA
+    # layer, as GLM-MoE-DSA's indexer_types); None = every MLA layer full. Shared layers keep their
+    # indexer weights (checkpoints carry them) but never run them.
+    indexer_types: list[str] | None = None
 
     # MoE
     n_routed_experts: int = 8
@@ -79,6 +90,8 @@ class ModelConfig:
     moe_intermediate_size: int = 128
     first_k_dense_replace: int = 1
     moe_layer_freq: int = 1  # MoE on layers i >= first_k_dense_replace with i % moe_layer_freq == 0
+    # Per layer "dense" or "sparse" (GLM-MoE-DSA's mlp_layer_types); overrides the two fields above when set.
+    mlp_layer_types: list[str] | None = None
     n_group: int = 4
     topk_group: int = 2
     routed_scaling_factor: float = 2.5
@@ -107,8 +120,19 @@ class ModelConfig:
         return (layer_idx + 1) in self.linear_attn_config.kda_layers
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return (self.n_routed_experts > 0 and layer_idx >= self.first_k_dense_replace
-                and layer_idx % self.moe_layer_freq == 0)
+        if self.n_routed_experts <= 0:
+            return False
+        if self.mlp_layer_types is not None:
+            return self.mlp_layer_types[layer_idx] == "sparse"
+        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+
+    def index_source_layer(self, layer_idx: int) -> int:
+        """The MLA layer whose DSA top-k selection layer ``layer_idx`` uses: itself when its indexer is
+        "full" (or no earlier MLA layer exists), else the source of the nearest earlier MLA layer."""
+        if self.indexer_types is None or self.indexer_types[layer_idx] == "full":
+            return layer_idx
+        earlier = [i for i in range(layer_idx) if not self.is_kda_layer(i)]
+        return self.index_source_layer(earlier[-1]) if earlier else layer_idx
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "ModelConfig":
@@ -168,6 +192,14 @@ class ModelConfig:
             need(self.n_group == 1 or per_group >= 2, "n_group", "group scores need >= 2 experts per group")
             need(self.topk_group * per_group >= self.num_experts_per_tok, "topk_group",
                  "the kept groups hold fewer experts than num_experts_per_tok")
+        for name, allowed in (("indexer_types", ("full", "shared")), ("mlp_layer_types", ("dense", "sparse"))):
+            kinds = getattr(self, name)
+            if kinds is not None:
+                need(isinstance(kinds, list) and len(kinds) == self.num_hidden_layers, name,
+                     f"must list one entry per layer ({self.num_hidden_layers}), got {kinds!r}")
+                bad = sorted({k for k in kinds if k not in allowed})
+                need(not bad, name, f"entries must be one of {list(allowed)}, got {bad}")
+        need(self.index_quant in ("fp8", "none"), "index_quant", f"must be 'fp8' or 'none', got {self.index_quant!r}")
         need(self.moe_glu in ("swiglu", "situ"), "moe_glu", f"must be 'swiglu' or 'situ', got {self.moe_glu!r}")
         need(self.torch_dtype in ("float32", "bfloat16", "float16", "float64"), "torch_dtype",
              f"unsupported dtype {self.torch_dtype!r}")
@@ -192,6 +224,13 @@ class ModelConfig:
             return config_from_release(data)
         if is_hf_config(data):
             return config_from_hf(data)
+        from .hf_config import HF_MODEL_TYPES
+        from .k3_release import RELEASE_MODEL_TYPE, TEXT_MODEL_TYPE
+
+        supported = (RELEASE_MODEL_TYPE, TEXT_MODEL_TYPE, *HF_MODEL_TYPES)
+        if data.get("model_type", RELEASE_MODEL_TYPE) not in supported:
+            raise ConfigError(f"config field 'model_type' = {data['model_type']!r} is not supported (supported: "
+                              f"{list(supported)})")
         data = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in data if k not in known and k not in IGNORED_HF_KEYS)

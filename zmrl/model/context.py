@@ -95,7 +95,10 @@ class PagedLatentStore(LatentStore):
     """Engine-side store: one preallocated page pool per MLA layer, written in place."""
 
     def __init__(self, mla_layers: list[int], num_pages: int, page_size: int, latent_dim: int,
-                 index_dim: int | None, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 index_dim: int | None, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 index_dtype: torch.dtype = torch.float8_e4m3fn, index_layers: list[int] | None = None):
+        """Index keys (``index_dim`` values of ``index_dtype`` per token) are kept for ``index_layers``
+        (default: every MLA layer); layers whose indexer is shared write none."""
         if page_size % 64:
             raise ValueError(f"page_size must be a multiple of 64, got {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
@@ -103,8 +106,10 @@ class PagedLatentStore(LatentStore):
         self.k8: dict[int, torch.Tensor] = {}
         self.kscale: dict[int, torch.Tensor] = {}
         if index_dim is not None:
-            for i in mla_layers:
-                self.k8[i] = torch.zeros(num_pages, page_size, index_dim, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+            for i in (mla_layers if index_layers is None else index_layers):
+                # float8 has no zeros kernel on CPU: zero the bytes, then view them as index_dtype
+                nbytes = index_dim * torch.empty((), dtype=index_dtype).element_size()
+                self.k8[i] = torch.zeros(num_pages, page_size, nbytes, dtype=torch.uint8, device=device).view(index_dtype)
                 self.kscale[i] = torch.zeros(num_pages, page_size, dtype=torch.float32, device=device)
 
     @torch.no_grad()
@@ -114,7 +119,7 @@ class PagedLatentStore(LatentStore):
         if index_k8 is None:
             return kv, None, None
         k8, ks = self.k8[layer_idx], self.kscale[layer_idx]
-        k8.view(torch.uint8).view(-1, k8.shape[-1])[slots] = index_k8.view(torch.uint8)
+        k8.view(torch.uint8).view(-1, k8.shape[-1] * k8.element_size())[slots] = index_k8.to(k8.dtype).view(torch.uint8)
         ks.view(-1)[slots] = index_scale
         return kv, k8, ks
 
@@ -149,6 +154,10 @@ class ForwardContext:
     # False skips the token-id range check (a host sync): the decode runner feeds sampled ids, in range by
     # construction, and prompts were checked when they were added.
     validate_ids: bool = True
+    # DSA top-k selections [T, topk] of this forward by the layer that computed them, for the layers
+    # whose indexer is "shared" (config.index_source_layer). Keyed by layer, so an activation-recompute
+    # pass of a later layer reads the same selection as its first pass.
+    index_selection: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -25,6 +25,7 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.rope_dim = cfg.qk_rope_head_dim
         self.use_hadamard = cfg.index_use_hadamard
+        self.rope_interleave, self.quant = cfg.index_rope_interleave, cfg.index_quant
         self.quant_block = min(128, self.head_dim)
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype)
         self.wk = Linear(cfg.hidden_size, self.head_dim, dtype=dtype)
@@ -34,21 +35,28 @@ class Indexer(nn.Module):
     def _prepare(self, t: torch.Tensor, positions: torch.Tensor, rope: RotaryTable | None) -> torch.Tensor:
         if rope is not None:
             r = self.rope_dim
-            t = torch.cat([rope.rotate(t[..., :r], positions, interleaved=False), t[..., r:]], dim=-1)
+            t = torch.cat([rope.rotate(t[..., :r], positions, interleaved=self.rope_interleave), t[..., r:]], dim=-1)
         if self.use_hadamard:
             t = hadamard_rotate(t)
         return t
 
+    def _quantize(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, fp32 scale [..., 1]): FP8 with one scale per block, or (``index_quant: none``) the
+        values in the model dtype with scale 1."""
+        if self.quant == "fp8":
+            return quantize_fp8(t, block=self.quant_block)
+        return t.to(dtype), torch.ones(*t.shape[:-1], 1, dtype=torch.float32, device=t.device)
+
     def keys(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable | None):
         k = self.k_norm(self.wk(x, out_dtype=torch.float32))
-        return quantize_fp8(self._prepare(k, positions, rope), block=self.quant_block)
+        return self._quantize(self._prepare(k, positions, rope), x.dtype)
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, k8_cache: torch.Tensor, k_scale_cache: torch.Tensor,
                ctx: ForwardContext, rope: RotaryTable | None) -> torch.Tensor:
         """Returns the selected key positions [T, topk], ascending, -1 padded."""
         T = x.shape[0]
         q = self.wq_b(q_latent, out_dtype=torch.float32).view(T, self.n_heads, self.head_dim)
-        q8, q_scale = quantize_fp8(self._prepare(q, ctx.positions, rope), block=self.quant_block)
+        q8, q_scale = self._quantize(self._prepare(q, ctx.positions, rope), x.dtype)
         w = self.weights_proj(x, out_dtype=torch.float32) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         scores = dsa_index_scores(q8, q_scale.squeeze(-1), w, k8_cache, k_scale_cache, ctx.block_table,
                                   ctx.seq_idx, ctx.positions, kv_len=ctx.static_kv_len)
@@ -77,6 +85,10 @@ class MLAAttention(nn.Module):
         if cfg.mla_use_output_gate:
             self.g_proj = Linear(d, h * cfg.v_head_dim, dtype=dtype)
         self.indexer = Indexer(cfg, dtype=dtype) if cfg.has_indexer else None
+        # A "shared" indexer layer attends over the selection of this (earlier) layer; its own indexer
+        # weights stay loaded (checkpoints carry them) but do not run.
+        self.index_source = cfg.index_source_layer(layer_idx) if cfg.has_indexer else layer_idx
+        self.rope_interleave = cfg.rope_interleave
         self.rope = None if cfg.mla_use_nope else RotaryTable(cfg.qk_rope_head_dim, cfg.rope_theta,
                                                                cfg.max_position_embeddings)
 
@@ -104,8 +116,8 @@ class MLAAttention(nn.Module):
         c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_pe = kv[:, self.kv_lora_rank:]
         if self.rope is not None:
-            q_pe = self.rope.rotate(q_pe, ctx.positions, interleaved=True)
-            k_pe = self.rope.rotate(k_pe, ctx.positions, interleaved=True)
+            q_pe = self.rope.rotate(q_pe, ctx.positions, interleaved=self.rope_interleave)
+            k_pe = self.rope.rotate(k_pe, ctx.positions, interleaved=self.rope_interleave)
         if ctx.latent_format == "fp8":
             # The engine caches FP8 latents; quantise->dequantise here too so both sides attend to the
             # same values (straight-through gradient). The rope part stays in the model dtype.
@@ -113,7 +125,8 @@ class MLAAttention(nn.Module):
         latent = torch.cat([c_kv, k_pe], dim=-1)
 
         index_k8 = index_scale = None
-        if self.indexer is not None:
+        computes_selection = self.indexer is not None and self.index_source == self.layer_idx
+        if computes_selection:
             index_k8, index_scale = self.indexer.keys(x, ctx.positions, self.rope)
             index_scale = index_scale.squeeze(-1)
         kv_cache, k8_cache, ks_cache = ctx.store.write(self.layer_idx, ctx.slot_mapping, latent, index_k8, index_scale)
@@ -129,7 +142,11 @@ class MLAAttention(nn.Module):
             q_lat = q_lat + lora.scale * grouped_linear(t, lora.lora_A.t().unsqueeze(0).expand(
                 self.num_heads, -1, -1).contiguous(), out_dtype=torch.float32).transpose(0, 1)
         if self.indexer is not None:
-            positions = self.indexer.select(x, q_latent, k8_cache, ks_cache, ctx, self.rope)
+            if computes_selection:
+                positions = ctx.index_selection[self.layer_idx] = self.indexer.select(
+                    x, q_latent, k8_cache, ks_cache, ctx, self.rope)
+            else:
+                positions = ctx.index_selection[self.index_source]
             o_lat = mla_attention(q_lat, q_pe.float(), kv_cache, ctx.block_table, ctx.seq_idx, positions,
                                   self.softmax_scale, self.kv_lora_rank, kv_len=ctx.static_kv_len)
         else:
