@@ -34,6 +34,8 @@ from zmrl.model import mla as zmla
 from zmrl.model.checkpoint import check_checkpoint
 
 transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
+    pytest.skip("this transformers has no GlmMoeDsaForCausalLM (added in 5.x)", allow_module_level=True)
 
 TOL = 1e-5
 TOPK = 16
