@@ -28,7 +28,13 @@ from zmrl.model import ModelConfig, cu_seqlens_from_lens
 from zmrl.model.context import packed_context
 from zmrl.model.mla import MLAAttention
 
-naive = pytest.importorskip("fla.ops.dsa.naive")
+from .fla_reference import load_fla_naive
+
+
+@pytest.fixture(scope="module")
+def naive():
+    return load_fla_naive("dsa", "naive_dsa_indexer")
+
 
 LENS = [7, 90, 150]
 
@@ -68,7 +74,7 @@ def _compare(mine: torch.Tensor, theirs: torch.Tensor, scores: torch.Tensor, pos
 
 
 @pytest.mark.parametrize("quantized", [True, False])
-def test_kernel_on_exact_scores(quantized: bool) -> None:
+def test_kernel_on_exact_scores(naive, quantized: bool) -> None:
     g = torch.Generator().manual_seed(0)
     hi, di, topk = 4, 32, 24
     total = sum(LENS)
@@ -93,7 +99,7 @@ def test_kernel_on_exact_scores(quantized: bool) -> None:
           "tie picks")
 
 
-def test_model_indexer_v32() -> None:
+def test_model_indexer_v32(naive) -> None:
     cfg = ModelConfig.from_dict(_v32_config())
     assert cfg.index_use_hadamard and cfg.index_quant == "fp8" and cfg.rope_interleave and not cfg.index_rope_interleave
     attn = MLAAttention(cfg, 0)
