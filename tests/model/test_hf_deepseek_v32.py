@@ -26,10 +26,9 @@ transformers = pytest.importorskip("transformers")
 TOPK, HI, DI = 24, 4, 32
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def write_v32_checkpoint(path):
+    """A tiny DeepSeek-V3.2 folder at ``path``; returns the transformers V3 model it was made from."""
     hf = _hf_model(q_lora_rank=32, n_group=2, topk_group=1, num_experts_per_tok=2)
-    path = tmp_path_factory.mktemp("v32")
     hf.save_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], index_topk=TOPK,
@@ -48,7 +47,13 @@ def saved(tmp_path_factory):
     # a multi-token-prediction layer (num_nextn_predict_layers: 1): not part of the causal LM
     state[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(d, 2 * d)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return hf, path
+    return hf
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v32")
+    return write_v32_checkpoint(path), path
 
 
 def test_every_tensor_loads(saved) -> None:
