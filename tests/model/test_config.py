@@ -299,3 +299,37 @@ def test_q_lora_none_fine_without_indexer() -> None:
     d["index_topk"] = None
     cfg = ModelConfig.from_dict(d)
     assert not cfg.has_indexer and math.prod(weight_shapes(cfg)["model.layers.3.self_attn.q_proj.weight"]) > 0
+
+
+def test_layer_kind_fields() -> None:
+    """``mlp_layer_types`` overrides the dense prefix; a "shared" indexer layer takes its top-k from the
+    nearest earlier MLA layer that computes one (KDA layers in between are skipped), a shared first MLA
+    layer computes its own."""
+    la = LinearAttnConfig(num_heads=2, head_dim=16, kda_layers=[2, 4], full_attn_layers=[1, 3, 5, 6])
+    cfg = ModelConfig(num_hidden_layers=6, linear_attn_config=la, index_topk=8,
+                      indexer_types=["shared", "full", "shared", "full", "full", "shared"],
+                      mlp_layer_types=["sparse", "dense", "sparse", "dense", "dense", "sparse"]).validate()
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [True, False, True, False, False, True]
+    assert [cfg.index_source_layer(i) for i in (0, 2, 4, 5)] == [0, 0, 4, 4]
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(indexer_types=["full"] * 3), "'indexer_types': must list one entry per layer (4)"),
+    (dict(indexer_types=["full", "full", "full", "lazy"]), "'indexer_types': entries must be one of"),
+    (dict(mlp_layer_types=["dense", "moe", "dense", "dense"]), "'mlp_layer_types': entries must be one of"),
+    (dict(index_quant="int8"), "'index_quant': must be 'fp8' or 'none'"),
+])
+def test_layer_kind_errors(changes: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        dataclasses.replace(ModelConfig.preset("tiny"), **changes).validate()
+    assert needle in str(ei.value)
+
+
+@pytest.mark.parametrize("changes", [dict(rope_interleave=False), dict(index_quant="none"),
+                                     dict(indexer_types=["full"] * 4)])
+def test_release_format_refuses_fields_it_cannot_write(changes: dict) -> None:
+    from zmrl.model.k3_release import config_to_release
+
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), **changes).validate()
+    with pytest.raises(ConfigError, match=f"'{next(iter(changes))}' = .* cannot be written in the release format"):
+        config_to_release(cfg, quantized_experts=False)

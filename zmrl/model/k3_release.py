@@ -180,6 +180,11 @@ def config_to_release(cfg: ModelConfig, quantized_experts: bool) -> dict[str, An
                            "tie_word_embeddings": cfg.tie_word_embeddings, "text_config": text}
     if quantized_experts:
         out["quantization_config"] = dict(SUPPORTED_QUANT)
+    # settings the release format has no field for: only their Kimi values can be written
+    for name in ("rope_interleave", "index_rope_interleave", "index_quant", "indexer_types", "mlp_layer_types"):
+        if getattr(cfg, name) != getattr(ModelConfig, name):
+            raise ConfigError(f"config field {name!r} = {getattr(cfg, name)!r} cannot be written in the release "
+                              f"format (it has no such field; Kimi's value is {getattr(ModelConfig, name)!r})")
     if cfg.mla_latent_norm_eps != ModelConfig.mla_latent_norm_eps:
         raise ConfigError(f"config field 'mla_latent_norm_eps' = {cfg.mla_latent_norm_eps} cannot be written in the "
                           f"release format (its code fixes {ModelConfig.mla_latent_norm_eps})")
