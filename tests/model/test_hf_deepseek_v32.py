@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from zmrl.model import (CheckpointError, ConfigError, ModelConfig, cu_seqlens_from_lens, forward_packed,
+from zmrl.model import (CheckpointError, ConfigError, cu_seqlens_from_lens, forward_packed,
                         load_pretrained, save_pretrained)
 from zmrl.model.checkpoint import check_checkpoint
 

@@ -64,7 +64,8 @@ def kimi_linear_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     lin("model.embed_tokens.weight", c["vocab_size"], D)
     lin("lm_head.weight", c["vocab_size"], D)
     norm("model.norm.weight", D)
-    heads, nope, rope, v, kv = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    heads, nope, rope = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"]
+    v, kv = c["v_head_dim"], c["kv_lora_rank"]
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         norm(p + "input_layernorm.weight", D)

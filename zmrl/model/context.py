@@ -109,7 +109,8 @@ class PagedLatentStore(LatentStore):
             for i in (mla_layers if index_layers is None else index_layers):
                 # float8 has no zeros kernel on CPU: zero the bytes, then view them as index_dtype
                 nbytes = index_dim * torch.empty((), dtype=index_dtype).element_size()
-                self.k8[i] = torch.zeros(num_pages, page_size, nbytes, dtype=torch.uint8, device=device).view(index_dtype)
+                zeros = torch.zeros(num_pages, page_size, nbytes, dtype=torch.uint8, device=device)
+                self.k8[i] = zeros.view(index_dtype)
                 self.kscale[i] = torch.zeros(num_pages, page_size, dtype=torch.float32, device=device)
 
     @torch.no_grad()

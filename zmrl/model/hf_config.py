@@ -175,7 +175,8 @@ def config_from_hf(data: dict[str, Any]) -> ModelConfig:
                               "qk_nope_head_dim / qk_rope_head_dim")
     if "num_key_value_heads" in data and data["num_key_value_heads"] != d["num_attention_heads"]:
         raise _unsupported("num_key_value_heads", data["num_key_value_heads"],
-                           f"MLA has one latent per token: it must equal num_attention_heads={d['num_attention_heads']}")
+                           "MLA has one latent per token: it must equal num_attention_heads="
+                           f"{d['num_attention_heads']}")
     if out["num_experts_per_tok"] == 1 and out["norm_topk_prob"]:
         # DeepSeek-V3 renormalises even a single expert's weight (to 1); zmrl follows the Kimi K3 rule
         raise _unsupported("norm_topk_prob", True, "with num_experts_per_tok 1 DeepSeek-V3 renormalises to 1; "
@@ -228,7 +229,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         checks += [("moe_layer_freq", cfg.moe_layer_freq == 1), ("mlp_layer_types", cfg.mlp_layer_types is None)]
     if mt == DEEPSEEK_V32:
         checks += [("index_topk", cfg.has_indexer), ("index_quant", cfg.index_quant == "fp8"),
-                   ("index_use_hadamard", cfg.index_use_hadamard), ("index_rope_interleave", not cfg.index_rope_interleave),
+                   ("index_use_hadamard", cfg.index_use_hadamard),
+                   ("index_rope_interleave", not cfg.index_rope_interleave),
                    ("indexer_types", cfg.indexer_types is None)]
     if mt == GLM_MOE_DSA:
         checks += [("index_topk", cfg.has_indexer), ("index_quant", cfg.index_quant == "none"),
