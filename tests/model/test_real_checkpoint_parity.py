@@ -4,7 +4,8 @@ indexer tensors for deepseek_v32, the published names for kimi_linear), the roll
 (chunked prefill, staggered arrivals, greedy and sampled requests, prompts longer than index_topk and than
 a KDA chunk) and the trainer's log-prob of every generated token is ``torch.equal`` to the engine's, with
 the eager and the fixed-shape ("static", the CUDA-graph code path without capture) decode, in fp32 and in
-bf16 (the dtype real checkpoints ship in)."""
+bf16 (the dtype real checkpoints ship in). ``ZMRL_TEST_DEVICE=cuda`` runs it on the GPU (Triton kernels, and
+CUDA-graph decode too)."""
 from __future__ import annotations
 
 import copy
@@ -18,6 +19,8 @@ from zmrl.parity.audit import _drive
 from zmrl.parity.metric import compare_logprobs
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from zmrl.trainer import compute_logprobs
+
+from ..device import ON_CUDA, TEST_DEVICE
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,12 +51,12 @@ def checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def loaded(request, checkpoint):
     model_type, path = checkpoint
-    model = load_pretrained(path, dtype=request.param).eval()
+    model = load_pretrained(path, dtype=request.param, device=TEST_DEVICE).eval()
     assert model.config.model_type in (model_type, "kimi_k3")
     return model
 
 
-@pytest.mark.parametrize("decode_graphs", ["off", "static"])
+@pytest.mark.parametrize("decode_graphs", ["off", "static"] + (["cuda"] if ON_CUDA else []))
 def test_engine_and_trainer_logprobs_are_bitwise_equal(loaded, decode_graphs: str) -> None:
     model = loaded
     cfg = model.config

@@ -15,7 +15,8 @@ Supported here:
 * ``glm_moe_dsa`` (transformers' ``GlmMoeDsaConfig``): MLA with split-half rope, the DSA indexer with
   ``indexer_types`` ("full" layers compute a top-k, "shared" ones reuse the previous layer's) and
   ``mlp_layer_types`` ("dense" / "sparse"), with transformers' indexer semantics (no Hadamard rotation,
-  queries and keys unquantised: ``index_quant: none``).
+  queries and keys unquantised: ``index_quant: none``). A file's ``rope_interleave`` /
+  ``indexer_rope_interleave`` (transformers' GLM class has neither and rotates split-half) are honoured.
 
 A field a file leaves out takes the default of that model type's transformers config (not zmrl's).
 zmrl's own ``config.json`` always has ``linear_attn_config``; these files never do, which is how the two
