@@ -318,6 +318,7 @@ def test_layer_kind_fields() -> None:
     (dict(indexer_types=["full", "full", "full", "lazy"]), "'indexer_types': entries must be one of"),
     (dict(mlp_layer_types=["dense", "moe", "dense", "dense"]), "'mlp_layer_types': entries must be one of"),
     (dict(index_quant="int8"), "'index_quant': must be 'fp8' or 'none'"),
+    (dict(index_topk=None, indexer_types=["full"] * 4), "'indexer_types': set without a DSA indexer"),
 ])
 def test_layer_kind_errors(changes: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as ei:

@@ -199,6 +199,8 @@ class ModelConfig:
                      f"must list one entry per layer ({self.num_hidden_layers}), got {kinds!r}")
                 bad = sorted({k for k in kinds if k not in allowed})
                 need(not bad, name, f"entries must be one of {list(allowed)}, got {bad}")
+        need(self.indexer_types is None or self.has_indexer, "indexer_types",
+             "set without a DSA indexer (index_topk is null)")
         need(self.index_quant in ("fp8", "none"), "index_quant", f"must be 'fp8' or 'none', got {self.index_quant!r}")
         need(self.moe_glu in ("swiglu", "situ"), "moe_glu", f"must be 'swiglu' or 'situ', got {self.moe_glu!r}")
         need(self.torch_dtype in ("float32", "bfloat16", "float16", "float64"), "torch_dtype",
