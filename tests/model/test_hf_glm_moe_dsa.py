@@ -29,7 +29,8 @@ import json
 import pytest
 import torch
 
-from zmrl.model import ConfigError, ModelConfig, cu_seqlens_from_lens, forward_packed, load_pretrained, save_pretrained
+from zmrl.model import (CheckpointError, ConfigError, ModelConfig, cu_seqlens_from_lens, forward_packed,
+                        load_pretrained, save_pretrained)
 from zmrl.model import mla as zmla
 from zmrl.model.checkpoint import check_checkpoint
 
@@ -268,3 +269,29 @@ def test_defaults_follow_transformers() -> None:
                  ("v_head_dim", "v_head_dim"), ("rms_norm_eps", "rms_norm_eps"), ("n_group", "n_group")):
         assert getattr(cfg, z) == getattr(ref, h), z
     assert cfg.rope_theta == ref.rope_parameters["rope_theta"]
+
+
+def test_fused_expert_layout_loads(saved, tmp_path) -> None:
+    """A file holding transformers' in-memory fused experts (``mlp.experts.gate_up_proj`` [E, 2I, D],
+    ``mlp.experts.down_proj`` [E, D, I]) loads to the same model as the per-expert file; a fused tensor
+    with another number of experts is named."""
+    from safetensors.torch import save_file
+
+    hf, path = saved
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    fused = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused)
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    want = load_pretrained(path, dtype="float32").state_dict()
+    assert check_checkpoint(tmp_path) == load_pretrained(path).config
+    got = load_pretrained(tmp_path, dtype="float32").state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    name = next(k for k in fused if k.endswith("mlp.experts.down_proj"))
+    fused[name] = fused[name][:-1].contiguous()
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    for fn in (check_checkpoint, load_pretrained):
+        with pytest.raises(CheckpointError, match=f"mis-shaped tensors: {name}: checkpoint") as ei:
+            fn(tmp_path)
+        assert "\n" not in str(ei.value)

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
-from .hf_config import config_to_hf, is_hf_config, skipped_tensor
+from .hf_config import (config_to_hf, fused_expert_shape, fused_expert_source, is_hf_config, skipped_tensor,
+                        slice_fused_expert)
 from .k3_release import (Source, config_to_release, convert_tensor, converted_shape, is_release_config,
                          map_release_tensors, release_state, tensor_prefix)
 from .mxfp4 import MXFP4Error
@@ -118,16 +119,36 @@ def _plan(root: Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], dict[str
         missing = sorted(set(expected) - set(files))
         unexpected = sorted(set(files) - set(expected))
         if is_hf_config(raw):
+            # transformers' fused in-memory expert layout, where a file stores it
+            available = set(files)
+            for k in list(missing):
+                fused = fused_expert_source(k, available)
+                if fused is not None:
+                    sources[k] = Source((fused[0],), f"fused_{fused[1]}:{fused[2]}")
+                    missing.remove(k)
+            used = {n for src in sources.values() for n in src.names}
+            unexpected = sorted(set(files) - used)
             mtp = [n for n in unexpected if skipped_tensor(raw, n)]
             if mtp:
                 log.info("%s: skipped %d tensor(s) of the multi-token-prediction layer(s), e.g. %s", root, len(mtp),
                          mtp[0])
-                unexpected = [n for n in unexpected if n not in set(mtp)]
+                unexpected = sorted(set(unexpected) - set(mtp))
     if missing or unexpected:
         raise CheckpointError(f"{root}: checkpoint does not match the config: missing tensors {missing[:20]}"
                               f"{' ...' if len(missing) > 20 else ''}; unexpected tensors {unexpected[:20]}"
                               f"{' ...' if len(unexpected) > 20 else ''}")
     return cfg, expected, files, sources
+
+
+def _source_shape(src: Source, shapes: list[tuple[int, ...]], cfg: ModelConfig) -> tuple[int, ...]:
+    """The zmrl shape ``src`` gives from its tensors' shapes. A fused expert tensor ([E, ...]) holding
+    another number of experts than the config gives its own shape, so the check reports it."""
+    if src.kind.startswith("fused_"):
+        (shape,) = shapes
+        if not shape or shape[0] != cfg.n_routed_experts:
+            return shape
+        return fused_expert_shape(shape, src.kind[len("fused_"):].split(":")[0])
+    return converted_shape(src, shapes, cfg.linear_attn_config.num_heads)
 
 
 def check_checkpoint(path: str | os.PathLike) -> ModelConfig:
@@ -136,18 +157,17 @@ def check_checkpoint(path: str | os.PathLike) -> ModelConfig:
     layout ``load_pretrained`` reads). Returns the config."""
     root = Path(path)
     cfg, expected, files, sources = _plan(root)
-    num_heads = cfg.linear_attn_config.num_heads
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted({files[n] for src in sources.values() for n in src.names}):
         with safe_open(str(f), framework="pt") as sf:
             shapes.update({n: tuple(sf.get_slice(n).get_shape()) for n in sf.keys()})
     bad = []
     for k, src in sources.items():
-        got = converted_shape(src, [shapes[n] for n in src.names], num_heads)
+        got = _source_shape(src, [shapes[n] for n in src.names], cfg)
         if got != expected[k]:
             bad.append(f"{'+'.join(src.names)}: checkpoint {got} vs model {expected[k]}")
     if bad:
-        raise CheckpointError(f"{root}: mis-shaped tensors: " + "; ".join(bad))
+        raise CheckpointError(f"{root}: mis-shaped tensors: " + "; ".join(dict.fromkeys(bad)))
     return cfg
 
 
@@ -174,14 +194,25 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
 
         for k, src in sources.items():
             try:
-                t = convert_tensor(src, read, num_heads)
+                if src.kind.startswith("fused_"):  # read only this expert's rows of the fused tensor
+                    part, expert = src.kind[len("fused_"):].split(":")
+                    sl = handles[files[src.names[0]]].get_slice(src.names[0])
+                    shape = _source_shape(src, [tuple(sl.get_shape())], cfg)
+                    if shape != expected[k]:
+                        bad.append(f"{src.names[0]}: checkpoint {tuple(sl.get_shape())} vs model {expected[k]} "
+                                   f"per expert x {cfg.n_routed_experts} experts")
+                        continue
+                    t = slice_fused_expert(sl[int(expert):int(expert) + 1], part, 0).contiguous()
+                else:
+                    t = convert_tensor(src, read, num_heads)
+                    shape = tuple(t.shape)
             except MXFP4Error as e:
                 raise CheckpointError(f"{root}: {e}") from e
-            if tuple(t.shape) != expected[k]:
-                bad.append(f"{'+'.join(src.names)}: checkpoint {tuple(t.shape)} vs model {expected[k]}")
+            if shape != expected[k]:
+                bad.append(f"{'+'.join(src.names)}: checkpoint {shape} vs model {expected[k]}")
             state[k] = t
     if bad:
-        raise CheckpointError(f"{root}: mis-shaped tensors: " + "; ".join(bad))
+        raise CheckpointError(f"{root}: mis-shaped tensors: " + "; ".join(dict.fromkeys(bad)))
     model = model.to_empty(device="cpu")
     model.tie_weights()
     if cfg.tie_word_embeddings:

@@ -29,6 +29,8 @@ import logging
 import re
 from typing import Any
 
+import torch
+
 from .config import ConfigError, LinearAttnConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -211,6 +213,33 @@ def skipped_tensor(data: dict[str, Any], name: str) -> bool:
     m = re.match(r"^model\.layers\.(\d+)\.", name)
     layers = data.get("num_hidden_layers", _DEFAULTS.get(data.get("model_type"), {}).get("num_hidden_layers"))
     return bool(m) and layers is not None and int(m.group(1)) >= layers
+
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def fused_expert_source(name: str, available: set[str]) -> tuple[str, str, int] | None:
+    """Where per-expert tensor ``name`` sits in transformers' fused in-memory expert layout, when a file
+    stores that instead: ``(fused name, part, expert)`` with ``mlp.experts.gate_up_proj`` [E, 2I, D]
+    (gate rows first, then up) and ``mlp.experts.down_proj`` [E, D, I]; None when not fused there."""
+    m = _EXPERT_RE.match(name)
+    if m is None:
+        return None
+    fused = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
+    return (fused, m.group(3), int(m.group(2))) if fused in available else None
+
+
+def slice_fused_expert(t: torch.Tensor, part: str, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s ``part`` (gate / up / down) of a fused tensor (see ``fused_expert_source``)."""
+    t = t[expert]
+    if part == "down":
+        return t
+    half = t.shape[0] // 2
+    return t[:half] if part == "gate" else t[half:]
+
+
+def fused_expert_shape(shape: tuple[int, ...], part: str) -> tuple[int, ...]:
+    return tuple(shape[1:]) if part == "down" else (shape[1] // 2, *shape[2:])
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
