@@ -1,6 +1,8 @@
 """``config.json`` files written by transformers (or in its conventions), read by ``model_type`` (the HF
 config adapter). Their tensor names are zmrl's (per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``,
-``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``), so only the config is adapted. The released Kimi K3 /
+``self_attn.indexer.{wq_b,wk,k_norm,weights_proj}``), so only the config is adapted; a file holding
+transformers' fused in-memory experts (``mlp.experts.gate_up_proj`` / ``down_proj``) is read per expert
+(``fused_expert_source``), and multi-token-prediction layers are skipped (``skipped_tensor``). The released Kimi K3 /
 Kimi-Linear configs (``kimi_k3`` with a nested ``text_config``, bare ``kimi_linear``) are read by
 k3_release.py.
 
