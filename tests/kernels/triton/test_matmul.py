@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 U32 = 2.0**-24
 
 # M values the GPU invariance sweep covers (the brief's list): around every tile boundary.
-GPU_MS = [1, 2, 3, 7, 8, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 4096]
+GPU_MS = [1, 2, 3, 7, 8, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 1023, 1024, 4096]
 CPU_MS = [1, 2, 3, 7, 16, 17, 63, 65, 129]
 
 # Bench preset projection shapes (N, K) (see benchmarks/gemm_invariant_vs_cublas.py).

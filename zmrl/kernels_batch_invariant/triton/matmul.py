@@ -112,15 +112,23 @@ class GemmConfig:
 
 
 # Row-count buckets: up to SMALL_M one 16-row tile with a 128-wide K step; up to DECODE_M the decode
-# configs (parallelism over N); up to LARGE_M 128x128 tiles; above it 256x128 (best for nearly every bench
-# shape at M=4096 in the 2026-11-29 H200 sweep). The SMALL_M config, measured in the bench model's decode
+# configs (parallelism over N); up to BATCH_M (batched decode, RL rollouts at batch 64-256) 64-row tiles
+# with BLOCK_N picked so that a 128-256-row step still spreads over most SMs (128x128 tiles gave N = 2048
+# outputs 32 programs: 3x cuBLAS's time at M = 256, benchmarks/results/2026-11-30_gemm_h200.json); up to
+# LARGE_M 128x128 tiles; above it 256x128 (best for nearly every bench shape at M=4096 in the 2026-11-29
+# H200 sweep). The SMALL_M config, measured in the bench model's decode
 # step at batch 1 (H200, 2026-11-30, GEMM device time per step): 64x32x64 4.97 ms, 16x32x64 4.83 ms,
 # 16x32x128 4.29 ms. An fp32 x split into three bf16 dots keeps a 64-wide K step in every bucket (_launch):
 # its three dots per K step make the step size part of its accumulation order.
 SMALL_M = 16
 SPLIT_BLOCK_K = 64
 DECODE_M = 64
+BATCH_M = 256
 LARGE_M = 1024
+
+
+def _bucket(m: int) -> int:
+    return -1 if m <= SMALL_M else 0 if m <= DECODE_M else 1 if m <= BATCH_M else 2 if m < LARGE_M else 3
 
 
 def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
@@ -131,7 +139,7 @@ def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
     Benchmarks may replace this module-level function to try other configs; it is looked up at
     every call.
     """
-    return _linear_config(n, dtype, -1 if m <= SMALL_M else (0 if m <= DECODE_M else (1 if m < LARGE_M else 2)))
+    return _linear_config(n, dtype, _bucket(m))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -139,10 +147,14 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
     if dtype in _HALF:
         if bucket == -1:
             return GemmConfig(16, 32, 128, 4, 4)
-        if bucket == 2:
+        if bucket == 3:
             return GemmConfig(256, 128, 64, 8, 3)
-        if bucket == 1:
+        if bucket == 2:
             return GemmConfig(128, 128, 64, 4, 4)
+        if bucket == 1:  # 2-4 row tiles of 64: BLOCK_N so that N alone gives >= 32 column tiles
+            if cdiv(n, 128) >= 32:
+                return GemmConfig(64, 128, 64, 4, 4)
+            return GemmConfig(64, 64, 64, 4, 4) if cdiv(n, 64) >= 32 else GemmConfig(64, 32, 64, 4, 4)
         if cdiv(n, 128) >= MIN_DECODE_PROGRAMS:
             return GemmConfig(128, 128, 64, 8, 4)
         if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
@@ -656,8 +668,9 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
     if m == 0 or n == 0:
         return y
     w_dtype = weights.dtype if isinstance(weights, torch.Tensor) else weights[0].dtype
-    # The config follows model dims and the M bucket (host shapes) only, as for linear.
-    cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), m)
+    # The config follows model dims and the bucket of the mean rows per expert (host shapes only), as
+    # for linear: at batch 256 an expert sees ~32 of the 2048 routed rows, a decode-sized tile.
+    cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), cdiv(m, e))
     w3, woff, align = _expert_weight_table(weights, x.device)
     if dev is None:
         n_tiles = _expert_tiles(offsets, cfg.block_m)
