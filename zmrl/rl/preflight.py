@@ -158,8 +158,6 @@ def clear_run(out_dir: str) -> list[str]:
 
 def check_inputs(cfg: RecipeConfig) -> RunInputs:
     """Read and check every file the recipe names; raises ``InputError`` naming the key, file and line."""
-    from .tokenizer import load_tokenizer
-
     check_out_dir(cfg)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
