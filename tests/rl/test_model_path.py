@@ -95,3 +95,26 @@ def test_one_rl_step_from_a_transformers_checkpoint(tmp_path, checkpoint, proble
     step = [r for r in rows if r["step"] == 1][0]
     assert step["mismatch/tokens_compared"] > 0 and step["rollout/errors"] == 0
     assert step["mismatch/bitwise_equal_frac"] == 1.0 and step["mismatch/max_abs_dlogp"] == 0.0
+
+
+def test_one_rl_step_from_a_kimi_release_checkpoint(tmp_path, problems, capsys) -> None:
+    """The released Kimi K3 layout (MXFP4 experts) with Kimi's tiktoken tokenizer and chat template."""
+    from zmrl.model import save_pretrained
+    from zmrl.rl.tiktoken_tokenizer import TiktokenTokenizer
+
+    from ..model.k3_utils import random_k3_model, tiny_k3
+    from .test_tiktoken_tokenizer import BASE, write_kimi_tokenizer
+
+    folder = tmp_path / "k3"
+    save_pretrained(random_k3_model(tiny_k3(vocab_size=320)), folder, format="k3", max_shard_bytes=100_000)
+    write_kimi_tokenizer(folder)
+    out = tmp_path / "run"
+    overrides = _overrides(out, folder, problems, "data.prompt_format=chat_template")
+    tok = check_inputs(load_recipe(str(RECIPE), overrides)).tokenizer
+    assert isinstance(tok, TiktokenTokenizer) and tok.stop_token_ids == [BASE + 1, BASE + 2]
+    assert tok.encode(tok.apply_chat_template("q"))[:2] == [BASE, BASE + 3]  # [BOS] <|im_user|>
+    assert train.main([str(RECIPE), *overrides]) == 0, capsys.readouterr().err[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    step = [r for r in rows if r["step"] == 1][0]
+    assert step["mismatch/tokens_compared"] > 0 and step["rollout/errors"] == 0
+    assert step["mismatch/bitwise_equal_frac"] == 1.0 and step["mismatch/max_abs_dlogp"] == 0.0
