@@ -152,3 +152,19 @@ def test_out_must_be_new(release_dir, tmp_path, capsys) -> None:
     assert sorted(p.name for p in busy.iterdir()) == ["keep.txt"]
     with pytest.raises(Exception, match="is the checkpoint folder itself"):
         convert_checkpoint(release_dir, release_dir)
+
+
+def test_bfloat16_release_dequantises_into_bfloat16(tmp_path) -> None:
+    from zmrl.model.model import cast_model
+
+    src = tmp_path / "bf16"
+    save_pretrained(cast_model(random_k3_model(tiny_k3()), torch.bfloat16), src, format="k3")
+    out = tmp_path / "zmrl"
+    report, written = convert_checkpoint(src, out)
+    assert written and report.config.torch_dtype == "bfloat16"
+    state = load_file(str(out / "model.safetensors"))
+    experts = [k for k in state if ".experts." in k]
+    assert experts and all(state[k].dtype == torch.bfloat16 for k in experts)
+    a, b = load_pretrained(src, dtype="float32"), load_pretrained(out, dtype="float32")
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k

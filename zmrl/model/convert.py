@@ -133,8 +133,8 @@ class ConversionReport:
             out.append(f"  Python files (remote code: never run, not copied): {', '.join(remote)}")
         if self.ignored_pickles:
             out.append(f"  ignored (pickled, never loaded): {', '.join(self.ignored_pickles)}")
-        out.append("config fields (checkpoint -> zmrl; * = another name, - = checked against what zmrl supports, "
-                   "or bookkeeping):")
+        out.append("config fields (checkpoint -> zmrl; * = another name, - = read by the adapter: checked against "
+                   "what zmrl supports, or bookkeeping):")
         width = max((len(f.source) for f in self.fields), default=0)
         for f in self.fields:
             leaf = f.source.removeprefix("text_config.")
@@ -233,7 +233,8 @@ def _check_weight_files(root: Path) -> tuple[list[str], list[str]]:
 
 
 def _field_table(raw: dict[str, Any], fmt: str) -> dict[str, str]:
-    """checkpoint config field -> zmrl field, for the formats whose adapter keeps a table."""
+    """checkpoint config field -> zmrl field, for the formats whose adapter keeps a table (hf_config.py may
+    publish one per model_type as ``FIELD_TABLES``); other fields map to the zmrl field of the same name."""
     if fmt == "release":
         return dict(TEXT_FIELDS)
     from . import hf_config
