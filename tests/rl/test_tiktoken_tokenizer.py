@@ -16,7 +16,7 @@ from zmrl.rl.tokenizer import NoChatTemplateError, TokenizerError, load_tokenize
 # BPE merges after the 256 single bytes (rank = id). "e" + the first UTF-8 byte of 你 and "34" come first:
 # Kimi's pre-tokenizer never lets them apply (Han runs and 3-digit groups are split off before BPE), a
 # \p{L}+ / \p{N}+ pattern would.
-MERGES = [b"e\xe4", b"34", b"th", b"the", b" t", b" the", b"in", b"ing", b"is", b" is"]
+MERGES = [b"e\xe4", b"34", b"th", b"the", b" t", b" the", b"in", b"ing", b"is", b" is", b"aa"]
 RANK = {tok: 256 + i for i, tok in enumerate(MERGES)}
 BASE = 256 + len(MERGES)
 SPECIALS = {BASE: "[BOS]", BASE + 1: "[EOS]", BASE + 2: "<|im_end|>", BASE + 3: "<|im_user|>",
@@ -61,6 +61,18 @@ def test_ids_follow_kimi_pretokenizer_and_merges(kimi) -> None:
     assert tok.encode("34", add_bos=False) == [RANK[b"34"]]
     ids = tok.encode("héllo 你好 🙂 \\boxed{56}")
     assert ids[0] == BASE and tok.decode(ids) == "héllo 你好 🙂 \\boxed{56}"
+
+
+def test_long_runs_are_cut_where_kimi_cuts_them(kimi) -> None:
+    from zmrl.rl.tiktoken_tokenizer import MAX_RUN_CHARS
+
+    tok = load_tokenizer(kimi)
+    # "b" + 25000 "a": one pre-token, cut after 25000 characters -> "b" + 24999 "a" | "a"
+    ids = tok.encode("b" + "a" * MAX_RUN_CHARS, add_bos=False)
+    assert ids == [ord("b"), *[RANK[b"aa"]] * ((MAX_RUN_CHARS - 1) // 2), ord("a"), ord("a")]
+    # a run of exactly MAX_RUN_CHARS is not cut ("bb" + 24998 "a": a cut one earlier would end in "a", "a")
+    assert tok.encode("bb" + "a" * (MAX_RUN_CHARS - 2), add_bos=False)[-2:] == [RANK[b"aa"], RANK[b"aa"]]
+    assert tok.decode(ids) == "b" + "a" * MAX_RUN_CHARS
 
 
 def test_special_tokens_and_decode(kimi) -> None:

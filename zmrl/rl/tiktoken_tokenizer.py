@@ -47,6 +47,31 @@ KIMI_PAT_STR = "|".join([
 ])
 
 
+# Kimi's tokenizer encodes at most this many characters at a time, and cuts a run of whitespace or of
+# non-whitespace characters longer than MAX_RUN_CHARS (tiktoken's regex can overflow its stack on such a
+# run); zmrl cuts at the same places, so long texts get the same ids.
+MAX_ENCODE_CHARS = 400_000
+MAX_RUN_CHARS = 25_000
+
+
+def _pieces(text: str):
+    """``text`` cut where Kimi's tokenizer cuts it (see MAX_RUN_CHARS)."""
+    for i in range(0, len(text), MAX_ENCODE_CHARS):
+        chunk = text[i:i + MAX_ENCODE_CHARS]
+        if len(chunk) <= MAX_RUN_CHARS:
+            yield chunk
+            continue
+        start, run, prev = 0, 0, None
+        for j, ch in enumerate(chunk):
+            space = ch.isspace()
+            run = run + 1 if space == prev else 1
+            prev = space
+            if run > MAX_RUN_CHARS:
+                yield chunk[start:j]
+                start, run = j, 1
+        yield chunk[start:]
+
+
 class TiktokenFileError(ValueError):
     """A tiktoken tokenizer file is malformed; the message names the file, the line or the setting."""
 
@@ -159,7 +184,7 @@ class TiktokenTokenizer(ChatPrompt):
         return list(dict.fromkeys([self.eos_token_id, *self._extra_stop_ids]))
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self.encoding.encode(text, allowed_special="all")
+        ids = [i for piece in _pieces(text) for i in self.encoding.encode(piece, allowed_special="all")]
         bos = self.bos_token_id
         if add_bos and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
