@@ -52,6 +52,7 @@ def test_ids_follow_kimi_pretokenizer_and_merges(kimi) -> None:
     assert tok.vocab_size == BASE + 7 and tok.bos_token_id == BASE and tok.eos_token_id == BASE + 1
     assert tok.stop_token_ids == [BASE + 1, BASE + 2]  # EOS, then generation_config's end-of-turn
     assert tok.pad_token_id == BASE + 1
+    assert load_tokenizer(write_kimi_tokenizer(kimi.parent / "pad", pad_token="[PAD]")).pad_token_id == BASE + 1
     # "the" | " thing" | " is": " thing" = " " + th + ing
     assert tok.encode("the thing is", add_bos=False) == [RANK[b"the"], 32, RANK[b"th"], RANK[b"ing"], RANK[b" is"]]
     # Han run split from the letters: e + 0xE4 never merges
@@ -113,6 +114,7 @@ def test_no_chat_template(tmp_path) -> None:
 @pytest.mark.parametrize("over,needle", [
     ({"eos_token": "[END]"}, "eos_token = '[END]' is not a special token"),
     ({"eos_token": None}, "no 'eos_token'"),
+    ({"bos_token": "<s>"}, "bos_token = '<s>' is not a special token"),
     ({"added_tokens_decoder": {"3": {"content": "<x>"}}}, "added_tokens_decoder id 3 ('<x>') is one of the"),
     ({"added_tokens_decoder": {"abc": {"content": "<x>"}}}, "added_tokens_decoder['abc'] must map an integer id"),
 ])

@@ -42,9 +42,6 @@ __all__ = ["ConversionReport", "FieldMapping", "TensorMapping", "add_convert_sub
            "inspect_checkpoint", "main"]
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "tokenizer.model", "vocab.json",
-                   "merges.txt", "special_tokens_map.json", "chat_template.jinja", "generation_config.json",
-                   "zmrl_tokenizer.json")
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 DESCRIPTION = "What a checkpoint folder maps to in zmrl, and a zmrl-ready copy only when something must change."
 

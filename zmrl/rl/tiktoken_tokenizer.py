@@ -151,13 +151,15 @@ class TiktokenTokenizer(ChatPrompt):
         self._ids = {}
         for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
             text = _token_text(config, key)
+            if text is not None and text not in self.special_tokens and key in ("pad_token", "unk_token"):
+                text = None  # not used for generation: a pad / unk the config does not define is left out
             if text is not None and text not in self.special_tokens:
                 raise TiktokenFileError(f"{cfg_path}: {key} = {text!r} is not a special token of "
                                         "added_tokens_decoder")
             self._ids[key] = None if text is None else self.special_tokens[text]
         if self._ids["eos_token"] is None:
             raise TiktokenFileError(f"{cfg_path}: no 'eos_token' (generation needs an end-of-sequence token)")
-        self.special_token_texts = {k: _token_text(config, k) for k in self._ids if _token_text(config, k)}
+        self.special_token_texts = {k: _token_text(config, k) for k, i in self._ids.items() if i is not None}
         self.chat_template = read_chat_template(root, config)
         self._extra_stop_ids = [int(i) for i in extra_stop_ids]
 
