@@ -118,3 +118,15 @@ def test_one_rl_step_from_a_kimi_release_checkpoint(tmp_path, problems, capsys) 
     step = [r for r in rows if r["step"] == 1][0]
     assert step["mismatch/tokens_compared"] > 0 and step["rollout/errors"] == 0
     assert step["mismatch/bitwise_equal_frac"] == 1.0 and step["mismatch/max_abs_dlogp"] == 0.0
+
+
+def test_remote_code_tokenizer_stops_the_run_in_one_line(tmp_path, checkpoint, problems, capsys) -> None:
+    folder = tmp_path / "remote"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="MyTokenizer", auto_map={"AutoTokenizer": ["tokenization_my.MyTokenizer", None]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert train.main([str(RECIPE), *_overrides(tmp_path / "run", folder, problems)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"zmrl train: error: model.path={folder}: tokenizer: "), err
+    assert "tokenizer_config.json: tokenizer_class 'MyTokenizer' is remote code" in err
