@@ -39,6 +39,10 @@ class DataSection:
     eval: str = "auto"
     prompts_per_step: int = 8
     synthetic_pool: int = 40  # data.train=synthetic: problems per epoch (40 = an epoch every 5 steps)
+    # How a problem becomes prompt text (zmrl/rl/chat_template.py): "auto" (the tokenizer's chat template
+    # when model.path has one, else a plain one-line prompt), "chat_template" (the chat template; an error
+    # when the tokenizer has none) or "plain" (the one-line prompt, e.g. for a base model).
+    prompt_format: str = "auto"
 
 
 @dataclass
@@ -355,6 +359,10 @@ def _validate(cfg: RecipeConfig) -> None:
     at_least("data.synthetic_pool", d.synthetic_pool, 1)
     need(bool(str(d.train).strip()), "data.train", "is empty: 'synthetic' or a .jsonl/.json/.parquet file")
     need(bool(str(d.eval).strip()), "data.eval", "is empty: aime24, aime25, synthetic, none or a file")
+    from .chat_template import PROMPT_FORMATS
+
+    need(d.prompt_format in PROMPT_FORMATS, "data.prompt_format",
+         f"must be one of {', '.join(PROMPT_FORMATS)}, got {d.prompt_format!r}")
 
     at_least("lora.r", lo.r, 1)
     finite("lora.alpha", lo.alpha)
