@@ -69,6 +69,17 @@ def test_every_tensor_loads(saved) -> None:
         assert torch.equal(v, files[k]), k
 
 
+def test_convert_reports_the_mtp_layer(saved) -> None:
+    from zmrl.model.convert import inspect_checkpoint
+
+    _, path = saved
+    report = inspect_checkpoint(path)
+    assert report.config_format == "hf" and report.model_type == "deepseek_v32"
+    assert report.dropped == {"multi-token-prediction layer": ["model.layers.3.eh_proj.weight"]}
+    fields = {f.source: f.target for f in report.fields}
+    assert fields["index_topk"] == "index_topk" and fields["n_routed_experts"] == "n_routed_experts"
+
+
 def test_logits_agree_with_v3_up_to_index_topk(saved) -> None:
     hf, path = saved
     model = load_pretrained(path, dtype="float32")

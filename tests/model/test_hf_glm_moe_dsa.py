@@ -288,6 +288,16 @@ def test_fused_expert_layout_loads(saved, tmp_path) -> None:
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(want[k], got[k]), k
+    # zmrl convert: the fused tensors are a layout change; the copy holds per-expert tensors, same values
+    from zmrl.model.convert import convert_checkpoint, inspect_checkpoint
+
+    report = inspect_checkpoint(tmp_path)
+    assert any("(fused_gate)" in c for c in report.changes) and any("(fused_down)" in c for c in report.changes)
+    _, written = convert_checkpoint(tmp_path, tmp_path / "converted", report=report)
+    assert written
+    again = load_pretrained(tmp_path / "converted", dtype="float32").state_dict()
+    for k in want:
+        assert torch.equal(want[k], again[k]), k
     name = next(k for k in fused if k.endswith("mlp.experts.down_proj"))
     fused[name] = fused[name][:-1].contiguous()
     save_file(fused, str(tmp_path / "model.safetensors"))

@@ -13,8 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ConfigError, ModelConfig
-from .hf_config import (config_to_hf, fused_expert_shape, fused_expert_source, is_hf_config, skipped_tensor,
-                        slice_fused_expert)
+from .hf_config import config_to_hf, fused_expert_source, is_hf_config, skipped_tensor, slice_fused_expert
 from .k3_release import (Source, config_to_release, convert_tensor, converted_shape, is_release_config,
                          map_release_tensors, release_state, tensor_prefix)
 from .mxfp4 import MXFP4Error
@@ -124,7 +123,7 @@ def _plan(root: Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], dict[str
             for k in list(missing):
                 fused = fused_expert_source(k, available)
                 if fused is not None:
-                    sources[k] = Source((fused[0],), f"fused_{fused[1]}:{fused[2]}")
+                    sources[k] = Source((fused[0],), f"fused_{fused[1]}", fused[2])
                     missing.remove(k)
             used = {n for src in sources.values() for n in src.names}
             unexpected = sorted(set(files) - used)
@@ -143,11 +142,8 @@ def _plan(root: Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]], dict[str
 def _source_shape(src: Source, shapes: list[tuple[int, ...]], cfg: ModelConfig) -> tuple[int, ...]:
     """The zmrl shape ``src`` gives from its tensors' shapes. A fused expert tensor ([E, ...]) holding
     another number of experts than the config gives its own shape, so the check reports it."""
-    if src.kind.startswith("fused_"):
-        (shape,) = shapes
-        if not shape or shape[0] != cfg.n_routed_experts:
-            return shape
-        return fused_expert_shape(shape, src.kind[len("fused_"):].split(":")[0])
+    if src.kind.startswith("fused_") and (not shapes[0] or shapes[0][0] != cfg.n_routed_experts):
+        return shapes[0]
     return converted_shape(src, shapes, cfg.linear_attn_config.num_heads)
 
 
@@ -195,14 +191,13 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
         for k, src in sources.items():
             try:
                 if src.kind.startswith("fused_"):  # read only this expert's rows of the fused tensor
-                    part, expert = src.kind[len("fused_"):].split(":")
                     sl = handles[files[src.names[0]]].get_slice(src.names[0])
                     shape = _source_shape(src, [tuple(sl.get_shape())], cfg)
                     if shape != expected[k]:
                         bad.append(f"{src.names[0]}: checkpoint {tuple(sl.get_shape())} vs model {expected[k]} "
                                    f"per expert x {cfg.n_routed_experts} experts")
                         continue
-                    t = slice_fused_expert(sl[int(expert):int(expert) + 1], part, 0).contiguous()
+                    t = slice_fused_expert(sl[src.expert:src.expert + 1], src.kind[len("fused_"):], 0).contiguous()
                 else:
                     t = convert_tensor(src, read, num_heads)
                     shape = tuple(t.shape)

@@ -294,6 +294,9 @@ def inspect_checkpoint(path: str | Path) -> ConversionReport:
 
         for n in sorted(set(files) - used):
             dropped.setdefault(skip_reason(cfg, n) or "not part of the text model", []).append(n)
+    elif fmt == "hf":  # multi-token-prediction layers (hf_config.skipped_tensor)
+        for n in sorted(set(files) - used):
+            dropped.setdefault("multi-token-prediction layer", []).append(n)
     weights = {*weight_files, INDEX_NAME}
     others = sorted(p.name for p in root.iterdir() if p.is_file() and p.name not in weights
                     and p.name != "config.json" and not p.name.endswith(PICKLE_SUFFIXES))

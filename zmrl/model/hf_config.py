@@ -69,6 +69,18 @@ _IGNORED = {"model_type", "architectures", "auto_map", "bos_token_id", "eos_toke
             "aux_loss_alpha", "seq_aux", "ep_size", "num_nextn_predict_layers", "output_router_logits",
             "router_aux_loss_coef"}
 
+# HF field -> ModelConfig field it sets, per model type (``zmrl convert`` prints it; fields not listed are
+# checked, bookkeeping, or derived: see config_from_hf)
+FIELD_TABLES: dict[str, dict[str, str]] = {
+    DEEPSEEK_V3: {**_FIELDS, "first_k_dense_replace": "first_k_dense_replace", "rope_interleave": "rope_interleave",
+                  "rope_parameters": "rope_theta", "rope_theta": "rope_theta"},
+}
+FIELD_TABLES[DEEPSEEK_V32] = {**FIELD_TABLES[DEEPSEEK_V3], **_INDEX_FIELDS}
+FIELD_TABLES[GLM_MOE_DSA] = {
+    **_FIELDS, **_INDEX_FIELDS, "rope_interleave": "rope_interleave", "rope_parameters": "rope_theta",
+    "indexer_rope_interleave": "index_rope_interleave", "mlp_layer_types": "mlp_layer_types",
+    "indexer_types": "indexer_types", "index_topk_pattern": "indexer_types", "index_topk_freq": "indexer_types"}
+
 # The transformers config classes' defaults, for fields a file leaves out.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     DEEPSEEK_V3: dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .config import ConfigError, LinearAttnConfig, ModelConfig
+from .hf_config import fused_expert_shape, slice_fused_expert
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 log = logging.getLogger(__name__)
@@ -205,7 +206,10 @@ class Source:
     the transform to zmrl's layout."""
 
     names: tuple[str, ...]
-    kind: str  # "plain" | "mxfp4" | "row" ([1, D] -> [D]) | "a_log" (first num_heads entries)
+    # "plain" | "mxfp4" | "row" ([1, D] -> [D]) | "a_log" (first num_heads entries) | "fused_gate" /
+    # "fused_up" / "fused_down" (expert ``expert`` of transformers' fused expert tensors, hf_config.py)
+    kind: str
+    expert: int | None = None
 
 
 def _moe_rest(rest: str) -> str:
@@ -288,6 +292,8 @@ def map_release_tensors(cfg: ModelConfig, expected: Iterable[str], available: It
 
 def convert_tensor(src: Source, read: Callable[[str], torch.Tensor], num_heads: int) -> torch.Tensor:
     """The zmrl tensor for ``src`` (``read`` returns a release tensor by name)."""
+    if src.kind.startswith("fused_"):
+        return slice_fused_expert(read(src.names[0]), src.kind[len("fused_"):], src.expert)
     if src.kind == "mxfp4":
         return dequantize_mxfp4(read(src.names[0]), read(src.names[1]), name=src.names[0])
     t = read(src.names[0])
@@ -300,6 +306,8 @@ def convert_tensor(src: Source, read: Callable[[str], torch.Tensor], num_heads: 
 
 def converted_shape(src: Source, shapes: list[tuple[int, ...]], num_heads: int) -> tuple[int, ...]:
     """The zmrl shape ``convert_tensor`` gives for ``src`` from its tensors' header shapes alone."""
+    if src.kind.startswith("fused_"):
+        return fused_expert_shape(shapes[0], src.kind[len("fused_"):])
     if src.kind == "mxfp4":
         (out, half), _ = shapes
         return (out, 2 * half)
