@@ -316,8 +316,7 @@ def verl_advantage_estimators() -> list[str]:
     """verl's registered advantage estimators that run on outcome rewards and group ids alone."""
     import inspect
 
-    from verl.trainer.ppo import core_algos
-
+    core_algos = require("verl.trainer.ppo.core_algos", "rl", "checking the recipe's algorithm settings")
     usable = []
     for name, fn in core_algos.ADV_ESTIMATOR_REGISTRY.items():
         required = {n for n, p in inspect.signature(fn).parameters.items()
@@ -328,8 +327,7 @@ def verl_advantage_estimators() -> list[str]:
 
 
 def verl_policy_losses() -> list[str]:
-    from verl.trainer.ppo import core_algos
-
+    core_algos = require("verl.trainer.ppo.core_algos", "rl", "checking the recipe's algorithm settings")
     return [str(n) for n in core_algos.POLICY_LOSS_REGISTRY]
 
 
