@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ._dispatch import invariant_op
 from .matmul import linear
+from .moe_gemm_grads import ExpertLinearFn
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
 
@@ -99,8 +100,18 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
     Returns [M, N] in ``out_dtype`` (default x.dtype). Experts with no rows are skipped.
     """
     offs = as_offsets(offsets)
-    _, n, _ = check_expert_args(x, weights, offs)
+    check_expert_args(x, weights, offs)
     out_dtype = out_dtype or x.dtype
+    ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *ws)):
+        # The forward below, the backward grouped over experts (moe_gemm_grads.py), not autograd
+        # through one linear per expert.
+        return ExpertLinearFn.apply(_per_expert_linear, x, offs, out_dtype, isinstance(weights, torch.Tensor), *ws)
+    return _per_expert_linear(x, weights, offs, out_dtype)
+
+
+def _per_expert_linear(x: torch.Tensor, weights: Weights, offs: list[int], out_dtype: torch.dtype) -> torch.Tensor:
+    n = weights[0].shape[0]
     parts = [linear(x[a:b], weights[e], out_dtype=out_dtype)
              for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]
     if not parts:
