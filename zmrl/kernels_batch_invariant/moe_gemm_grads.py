@@ -71,7 +71,10 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
     dev = gy.device
     w_dtype = w_list[0].dtype
     any_w = any(need_w)
-    dx = torch.zeros(m, k, dtype=x_dtype, device=dev) if need_x else None
+    # One spare row: padded slots scatter their (exactly zero) dx rows there, so the scatter needs no
+    # boolean-mask copy of the batched result; the spare row is dropped at the end.
+    dx_spare = torch.zeros(m + 1, k, dtype=x_dtype, device=dev) if need_x else None
+    dx = None if dx_spare is None else dx_spare[:m]
     if stacked:
         dws: list[torch.Tensor | None] = [torch.zeros_like(weights) if need_w[0] else None]
     else:
@@ -92,8 +95,9 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
         if need_x:
             w = _stack(weights, experts, dev)  # [B, N, K]
             cdt = _compute_dtype(x_dtype, w_dtype, cuda)
-            out = torch.bmm(g.to(cdt), w.to(cdt))  # [B, P, K]
-            dx[rows[valid]] = out[valid].to(x_dtype)
+            out = torch.bmm(g.to(cdt), w.to(cdt)).to(x_dtype)  # [B, P, K]
+            dst = torch.where(valid, rows, m).reshape(-1)
+            dx_spare.index_copy_(0, dst, out.reshape(-1, k))  # real rows are written once each
         if any_w:
             xs = x[rows].masked_fill(~valid[..., None], 0)  # [B, P, K]
             cdt = _compute_dtype(x.dtype, w_dtype, cuda)

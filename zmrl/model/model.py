@@ -1,6 +1,7 @@
 """The hybrid causal LM (KDA + MLA/DSA + MoE) and its two entry points.
 
-* ``forward_packed``: whole sequences packed with ``cu_seqlens`` — the trainer's path.
+* ``forward_packed``: whole sequences packed with ``cu_seqlens`` — the trainer's path (the trainer takes
+  the hidden states, ``forward_packed_hidden``, and ``compute_token_logprobs`` of the rows it scores).
 * ``forward_incremental``: any number of new tokens per sequence over a cache — the engine's path
   (1 = decode, more = a prefill chunk).
 Both build a ``ForwardContext`` and call the same ``HybridForCausalLM.forward``.
