@@ -5,9 +5,10 @@ its time next to that loop's (printed with -s).
 
 Tolerance. bf16 weights and a bf16 input: dx runs as a bf16 GEMM with fp32 accumulation after rounding
 the output gradient to bf16 (relative <= 2^-9 per element), exactly what the per-expert loop did; the
-LoRA factors (fp32) run fp32 GEMMs. Elementwise |err| <= 2^-7 (|gy| @ |W|) for dx (bf16 path) and
-<= 2 L 2^-24 (|gy|^T @ |x|) + 1e-30 for the fp32 weight gradient (L = the expert's row count):
-what a correct computation meets and an expert mix-up misses by orders of magnitude.
+LoRA factors (fp32) run fp32 GEMMs. dx is returned in x's dtype (bf16: one more 2^-9 rounding), so
+elementwise |err| <= 2^-7 (|gy| @ |W|) for dx, and <= 2 L 2^-24 (|gy|^T @ |x|) + 1e-30 for the fp32
+weight gradient (L = the expert's row count): what a correct computation meets and an expert mix-up
+misses by orders of magnitude.
 """
 from __future__ import annotations
 
@@ -86,22 +87,25 @@ def test_grouped_backward_bench_shapes(which):
     dx_old, dw_old = _old_loop(gy, x, weights, off, stacked)
     t_new, t_old = _timed(new), _timed(lambda: _old_loop(gy, x, weights, off, stacked))
     print(f"{which}: grouped backward {t_new:.1f} ms (incl. forward), per-expert loop {t_old:.1f} ms")
-    # float64 on a few experts (every size class is represented by the first, middle and largest)
+    # float64 on the experts with the fewest, the median and the most rows
     order = sorted((e for e in range(E) if counts[e]), key=lambda e: counts[e])
     for e in (order[0], order[len(order) // 2], order[-1]):
         a, b = off[e], off[e + 1]
         w = weights[e].double()
         ref_x = gy[a:b].double() @ w
+        # dx is returned in x's dtype (bf16) in both cases: the bf16 bound
+        assert bool(((dx[a:b].double() - ref_x).abs() <= 2.0 ** -7 * (gy[a:b].double().abs() @ w.abs())).all()), e
         if stacked:
-            assert bool(((dx[a:b].double() - ref_x).abs()
-                         <= 2 * n * 2.0 ** -24 * (gy[a:b].double().abs() @ w.abs()) + 1e-30).all()), e
             ref_w = gy[a:b].double().t() @ x[a:b].double()
             bound = 2 * (b - a) * 2.0 ** -24 * (gy[a:b].double().abs().t() @ x[a:b].double().abs()) + 1e-30
             assert bool(((dw[e].double() - ref_w).abs() <= bound).all()), e
             assert torch.allclose(dw[e], dw_old[e], rtol=1e-4, atol=1e-6)
-        else:
-            assert bool(((dx[a:b].double() - ref_x).abs() <= 2.0 ** -7 * (gy[a:b].double().abs() @ w.abs())).all()), e
-        assert torch.allclose(dx[a:b].float(), dx_old[a:b].float(), rtol=2 ** -7, atol=1e-3)
+        # the loop it replaced meets the same bound (its GEMMs sum in another order, so the bf16 results may
+        # differ from ours in the last place), and ours is no less accurate than it on this expert
+        assert bool(((dx_old[a:b].double() - ref_x).abs() <= 2.0 ** -7 * (gy[a:b].double().abs() @ w.abs())).all()), e
+        err_new = float((dx[a:b].double() - ref_x).abs().max())
+        err_old = float((dx_old[a:b].double() - ref_x).abs().max())
+        assert err_new <= 1.5 * err_old + 1e-6, (e, err_new, err_old)
     for e in range(E):
         if not counts[e] and stacked:
             assert not dw[e].any()
