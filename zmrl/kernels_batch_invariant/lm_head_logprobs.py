@@ -128,12 +128,13 @@ class _LMHeadTokenLogprobs(torch.autograd.Function):
             h = hidden[start:stop]
             with torch.no_grad():
                 z = linear(h, weight, bias, out_dtype=zdt)
-            inv_t = torch.ones(stop - start, 1, dtype=zdt, device=z.device)
-            for a, b, t in _runs(ctx.segments, start, stop):
-                if _scales(t):
-                    inv_t[a - start:b - start] = 1.0 / t
-            scaled = bool((inv_t != 1.0).any())
+            runs = _runs(ctx.segments, start, stop)
+            scaled = any(_scales(t) for _, _, t in runs)  # decided on the host: no device sync
             if scaled:
+                inv_t = torch.ones(stop - start, 1, dtype=zdt, device=z.device)
+                for a, b, t in runs:
+                    if _scales(t):
+                        inv_t[a - start:b - start] = 1.0 / t
                 z.mul_(inv_t)  # the gradient's softmax; the forward's true division is matched to rounding
             dz = torch.softmax(z, dim=-1)
             del z
