@@ -65,8 +65,7 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
     """
     stacked = isinstance(weights, torch.Tensor)
     w_list = [weights] if stacked else list(weights)
-    e_total = weights.shape[0] if stacked else len(w_list)
-    n, k = (weights.shape[1:] if stacked else w_list[0].shape)
+    k = weights.shape[2] if stacked else w_list[0].shape[1]
     m = gy.shape[0]
     dev = gy.device
     w_dtype = w_list[0].dtype
