@@ -74,6 +74,7 @@ import triton.language as tl
 
 from .. import matmul as _ops
 from .. import moe_gemm as _moe
+from ..moe_gemm_grads import expert_linear_grads
 from ._common import INTERPRET, cdiv, compute_in_fp64, next_pow2
 
 log = logging.getLogger(__name__)
@@ -850,29 +851,10 @@ class _ExpertLinearFn(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         ws = weights[0] if ctx.stacked else weights
-        # Device offsets are read back here: the backward runs per expert on host row ranges (a sync;
-        # training steps are not captured in CUDA graphs).
-        offsets = _moe.as_offsets(ctx.offsets)
-        cdt = _dot_dtype(ctx.x_dtype, ws[0].dtype)
-        need_x = ctx.needs_input_grad[0]
-        need_w = list(ctx.needs_input_grad[4:])
-        dx = gy.new_zeros(gy.shape[0], ws[0].shape[-1], dtype=ctx.x_dtype) if need_x else None
-        dws: list[torch.Tensor | None]
-        if ctx.stacked:
-            dws = [torch.zeros_like(weights[0]) if need_w[0] else None]
-        else:
-            dws = [torch.zeros_like(w) if nw else None for w, nw in zip(weights, need_w)]
-        for e, (a, b) in enumerate(zip(offsets, offsets[1:])):
-            if b == a:
-                continue
-            g = gy[a:b].to(cdt)
-            w = ws[e]
-            if dx is not None:
-                dx[a:b] = (g @ w.to(cdt)).to(ctx.x_dtype)
-            if ctx.stacked and dws[0] is not None:
-                dws[0][e] = (g.t() @ x[a:b].to(cdt)).to(w.dtype)
-            elif not ctx.stacked and dws[e] is not None:
-                dws[e] = (g.t() @ x[a:b].to(cdt)).to(w.dtype)
+        # Device offsets are read back here (a sync; training steps are not captured in CUDA graphs); the
+        # backward is grouped over experts by size class (moe_gemm_grads.py), not a loop over experts.
+        dx, dws = expert_linear_grads(gy, x, ws, _moe.as_offsets(ctx.offsets), ctx.needs_input_grad[0],
+                                      list(ctx.needs_input_grad[4:]), ctx.x_dtype)
         return (dx, None, None, None, *dws)
 
 
