@@ -20,6 +20,8 @@ import torch
 from zmrl.model import (ConfigError, ModelConfig, build_model, cu_seqlens_from_lens, forward_packed, load_pretrained,
                         save_pretrained)
 
+from .hf_reference import build_hf_model, rel_err, saved_fixture
+
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
@@ -40,31 +42,11 @@ def _hf_model(**over):
         num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=8,
         first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         max_position_embeddings=256, routed_scaling_factor=2.5)
-    cfg = transformers.DeepseekV3Config(**{**fields, **over})
-    cfg._attn_implementation = "eager"
-    cfg._experts_implementation = "eager"  # the per-expert loop: its grouped_mm path has no float64
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # std 0.5/sqrt(fan_in) (HF's init std 0.02 would leave the experts nearly silent)
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("e_score_correction_bias"):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.01)
-            elif t.dim() == 2:
-                t.copy_(torch.randn(t.shape, generator=g) * 0.5 * t.shape[1] ** -0.5)
-    return model
+    return build_hf_model(transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config(**{**fields, **over}))
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def saved(request, tmp_path_factory):
-    model = _hf_model(**VARIANTS[request.param])
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return model, path
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+saved = saved_fixture(_hf_model, VARIANTS)
+_rel = rel_err
 
 
 def test_logits_agree_with_transformers(saved) -> None:

@@ -34,6 +34,8 @@ from zmrl.model import (CheckpointError, ConfigError, ModelConfig, cu_seqlens_fr
 from zmrl.model import mla as zmla
 from zmrl.model.checkpoint import check_checkpoint
 
+from .hf_reference import build_hf_model, rel_err, saved_fixture
+
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
     pytest.skip("this transformers has no GlmMoeDsaForCausalLM (added in 5.x)", allow_module_level=True)
@@ -57,37 +59,11 @@ def _hf_model(**over):
         num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
         kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         index_topk=TOPK, index_head_dim=16, index_n_heads=4, max_position_embeddings=256, routed_scaling_factor=2.5)
-    cfg = transformers.GlmMoeDsaConfig(**{**fields, **over})
-    cfg._attn_implementation = "eager"
-    cfg._experts_implementation = "eager"  # the per-expert loop: its grouped_mm path has no float64
-    torch.manual_seed(0)
-    model = transformers.GlmMoeDsaForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # std 0.5/sqrt(fan_in) (HF's init std 0.02 would leave the experts nearly silent)
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("e_score_correction_bias"):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.01)
-            elif name.endswith("k_norm.weight"):
-                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith("k_norm.bias"):
-                t.copy_(0.1 * torch.randn(t.shape, generator=g))
-            elif t.dim() == 2:
-                t.copy_(torch.randn(t.shape, generator=g) * 0.5 * t.shape[1] ** -0.5)
-            elif t.dim() == 3:  # fused experts [E, out, in]
-                t.copy_(torch.randn(t.shape, generator=g) * 0.5 * t.shape[2] ** -0.5)
-    return model
+    return build_hf_model(transformers.GlmMoeDsaForCausalLM, transformers.GlmMoeDsaConfig(**{**fields, **over}))
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def saved(request, tmp_path_factory):
-    model = _hf_model(**VARIANTS[request.param])
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return model, path
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
+saved = saved_fixture(_hf_model, VARIANTS)
+_rel = rel_err
 
 
 def test_config_and_every_tensor(saved) -> None:
