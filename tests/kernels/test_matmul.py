@@ -146,15 +146,27 @@ def test_plain_matmul_is_not_row_invariant_here() -> None:
     pytest.skip("plain x @ w.T happens to be row-invariant on this CPU/BLAS")
 
 
-@pytest.mark.parametrize("shape", [(64, 64, 64), (64, 17, 128), (16, 576, 64), (1, 5, 3), (7, 13, 1)])
+BMM_SHAPES = [(64, 64, 64), (64, 17, 128), (16, 576, 64), (1, 5, 3), (7, 13, 1),
+              (1, 80, 64), (1, 64, 16)]  # one-row products: MLA scores / DSA dots with one head per shard
+
+
+@pytest.mark.parametrize("b_layout", ["row-major", "k-major"])
+@pytest.mark.parametrize("shape", BMM_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bmm_fixed_element_invariance(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+def test_bmm_fixed_element_invariance(shape: tuple[int, int, int], dtype: torch.dtype, b_layout: str) -> None:
     """Element b's product does not depend on the batch count, its position, the other elements'
-    values, or the thread count; a row of a product does not depend on the other rows' values."""
+    values, or the thread count; a row of a product does not depend on the other rows' values.
+
+    ``b_layout="k-major"`` passes b as a transposed view (``keys.transpose(1, 2)``, as attention does);
+    with one row per product that is the case where a batch of one and a larger batch reached
+    different MKL routines (see ``matmul._bmm``)."""
     m, k, n = shape
     g = torch.Generator().manual_seed(m * k + n)
     a = torch.randn(40, m, k, generator=g).to(dtype)
-    b = torch.randn(40, k, n, generator=g).to(dtype)
+    if b_layout == "k-major":
+        b = torch.randn(40, n, k, generator=g).to(dtype).transpose(1, 2)
+    else:
+        b = torch.randn(40, k, n, generator=g).to(dtype)
     with num_threads(1):
         alone = [bmm_fixed(a[i:i + 1], b[i:i + 1])[0] for i in range(40)]
     for threads in THREAD_COUNTS:
