@@ -12,8 +12,8 @@ with m. The construction here makes every GEMM call the library sees have one fi
   (per-chunk KDA products, per-block attention scores): a batched GEMM's element b does not
   depend on how many other elements share the call.
 
-All three reach the BLAS through ``_bmm``: a batch of one one-row product still runs as MKL's batched
-GEMM, whose bits differ from the plain GEMM ATen would pick for it (see ``_bmm``).
+All three reach the BLAS through ``_bmm``, which keeps a batch of one on MKL's batched GEMM where the
+plain GEMM ATen would pick for it gives other bits (one-row and one-column products; see ``_bmm``).
 
 bf16 inputs are computed in fp32 (bf16 products are exact in fp32) and rounded once at the end,
 the same contract as a GPU kernel with fp32 accumulation. tests/kernels/test_matmul.py proves
