@@ -146,15 +146,27 @@ def test_plain_matmul_is_not_row_invariant_here() -> None:
     pytest.skip("plain x @ w.T happens to be row-invariant on this CPU/BLAS")
 
 
-@pytest.mark.parametrize("shape", [(64, 64, 64), (64, 17, 128), (16, 576, 64), (1, 5, 3), (7, 13, 1)])
+BMM_SHAPES = [(64, 64, 64), (64, 17, 128), (16, 576, 64), (1, 5, 3), (7, 13, 1),
+              (1, 80, 64), (1, 64, 16)]  # one-row products: MLA scores / DSA dots with one head per shard
+
+
+@pytest.mark.parametrize("b_layout", ["row-major", "k-major"])
+@pytest.mark.parametrize("shape", BMM_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bmm_fixed_element_invariance(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+def test_bmm_fixed_element_invariance(shape: tuple[int, int, int], dtype: torch.dtype, b_layout: str) -> None:
     """Element b's product does not depend on the batch count, its position, the other elements'
-    values, or the thread count; a row of a product does not depend on the other rows' values."""
+    values, or the thread count; a row of a product does not depend on the other rows' values.
+
+    ``b_layout="k-major"`` passes b as a transposed view (``keys.transpose(1, 2)``, as attention does);
+    with one row per product that is the case where a batch of one and a larger batch reached
+    different MKL routines (see ``matmul._bmm``)."""
     m, k, n = shape
     g = torch.Generator().manual_seed(m * k + n)
     a = torch.randn(40, m, k, generator=g).to(dtype)
-    b = torch.randn(40, k, n, generator=g).to(dtype)
+    if b_layout == "k-major":
+        b = torch.randn(40, n, k, generator=g).to(dtype).transpose(1, 2)
+    else:
+        b = torch.randn(40, k, n, generator=g).to(dtype)
     with num_threads(1):
         alone = [bmm_fixed(a[i:i + 1], b[i:i + 1])[0] for i in range(40)]
     for threads in THREAD_COUNTS:
@@ -176,3 +188,22 @@ def test_bmm_fixed_element_invariance(shape: tuple[int, int, int], dtype: torch.
                 zr = bmm_fixed(az, b)
                 assert torch.equal(zr[:, 1::2], full[:, 1::2])
                 assert torch.equal(zr[:, ::2], torch.zeros_like(zr[:, ::2]))
+
+
+@pytest.mark.parametrize("shape", [(1, 80, 64), (1, 5, 256), (1, 33, 17), (16, 64, 1), (3, 256, 1), (4, 33, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bmm_fixed_batch_of_one_in_every_layout(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """A batch of one gives the bits of the same element inside a batch, whichever way a and b are laid
+    out. ATen computes a batch of one with a plain GEMM and larger batches with MKL's batched GEMM; the
+    two differ for one-row or one-column products (under the default strict CNR mode and under AUTO:
+    benchmarks/cpu_gemm_batch_of_one.py), which ``matmul._bmm`` routes to the batched GEMM."""
+    m, k, n = shape
+    g = torch.Generator().manual_seed(m + k + n)
+    for a_cm, b_cm in itertools.product((False, True), (False, True)):
+        a = torch.randn(5, k, m, generator=g, dtype=dtype).transpose(1, 2) if a_cm else \
+            torch.randn(5, m, k, generator=g, dtype=dtype)
+        b = torch.randn(5, n, k, generator=g, dtype=dtype).transpose(1, 2) if b_cm else \
+            torch.randn(5, k, n, generator=g, dtype=dtype)
+        alone = bmm_fixed(a[2:3], b[2:3])[0]
+        for lo, hi in ((2, 4), (1, 3), (0, 5)):
+            assert torch.equal(bmm_fixed(a[lo:hi], b[lo:hi])[2 - lo], alone), (shape, a_cm, b_cm, hi - lo)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import itertools
 
-import os
-
 import pytest
 import torch
 
@@ -91,12 +89,6 @@ def test_tp_ep_parity_bf16(world2):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    os.environ.get("MKL_CBWR", "AVX2,STRICT").upper().endswith("STRICT"), strict=True, raises=AssertionError,
-    reason="known bug (2026-12-01): under MKL's strict CNR mode (MKL_CBWR=AVX2,STRICT, the numerics default "
-           "that makes CPU bits thread-count independent) the V=4 layout's rollout and trainer log-probs differ "
-           "in the last bits on an AVX-512 Xeon; with MKL_CBWR=AUTO or AVX2 they are equal. Cause not found yet; "
-           "strict: the test reports when it passes again")
 def test_tp4_parity(tmp_path):
     # torch.distributed groups (megatron-core's layout without importing it: 4 imports of megatron-core
     # would cost more CPU than the test itself; the world-2 test covers the megatron-core groups)

@@ -12,9 +12,12 @@ with m. The construction here makes every GEMM call the library sees have one fi
   (per-chunk KDA products, per-block attention scores): a batched GEMM's element b does not
   depend on how many other elements share the call.
 
+All three reach the BLAS through ``_bmm``, which keeps a batch of one on MKL's batched GEMM where the
+plain GEMM ATen would pick for it gives other bits (one-row and one-column products; see ``_bmm``).
+
 bf16 inputs are computed in fp32 (bf16 products are exact in fp32) and rounded once at the end,
 the same contract as a GPU kernel with fp32 accumulation. tests/kernels/test_matmul.py proves
-invariance over batch size, row position and thread count.
+invariance over batch size, row position, operand layout and thread count.
 """
 from __future__ import annotations
 
@@ -35,6 +38,38 @@ def _round_up(n: int, m: int) -> int:
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _batched_gemm_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, r, c] with each element row-major or column-major (unit stride in one of the last two
+    dims, the other at least as large as that dim's size): the layouts ATen hands to MKL's batched GEMM.
+    Anything else ATen splits into one plain GEMM per element (another MKL routine), so it is copied."""
+    _, rows, cols = t.shape
+    s_row, s_col = t.stride(1), t.stride(2)
+    if (s_col == 1 and s_row >= cols) or (s_row == 1 and s_col >= rows):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` (a [B, m, k], b [B, k, n]) whose element i does not depend on B.
+
+    On CPU, ATen runs a product of at least 400 multiply-adds per element as MKL's batched GEMM when
+    B > 1, but as a plain GEMM (sgemm/dgemm) when B == 1, and as one plain GEMM per element when an
+    operand's layout is neither row- nor column-major. Under MKL's strict CNR mode (the numerics
+    default) the plain GEMM rounds a one-row product (a matrix-vector shape) differently from the
+    batched one: e.g. the MLA scores [1, 80] @ keys^T [80, 64] with one head per virtual shard, where
+    a decode step of one sequence got other bits than the trainer. So operands get a layout the
+    batched path accepts, and a batch of one with one row or one column runs as a batch of two (the
+    same element twice, a zero-copy expand) to reach the batched GEMM as well. A batch of one with
+    m, n >= 2 keeps the plain GEMM: it gives the batched bits on every shape scanned, and doubling it
+    would halve the speed of every one-tile ``linear`` (docs/numerics.md has the scan and the cost)."""
+    if a.device.type != "cpu":
+        return torch.bmm(a, b)
+    a, b = _batched_gemm_operand(a), _batched_gemm_operand(b)
+    if a.shape[0] == 1 and (a.shape[1] == 1 or b.shape[2] == 1):
+        return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
+    return torch.bmm(a, b)
 
 
 @invariant_op
@@ -63,7 +98,7 @@ def linear(
     if kp != k or np_ != n:
         w = F.pad(w, (0, kp - k, 0, np_ - n))
     tiles = x2.view(mp // ROW_TILE, ROW_TILE, kp)
-    y = torch.bmm(tiles, w.t().unsqueeze(0).expand(tiles.shape[0], kp, np_))
+    y = _bmm(tiles, w.t().unsqueeze(0).expand(tiles.shape[0], kp, np_))
     y = y.reshape(mp, np_)[:m, :n]
     if bias is not None:
         y = y + bias.to(cdt)
@@ -80,7 +115,7 @@ def bmm_fixed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = a.to(cdt).expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.to(cdt).expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    return torch.bmm(a3, b3).reshape(*lead, a.shape[-2], b.shape[-1])
+    return _bmm(a3, b3).reshape(*lead, a.shape[-2], b.shape[-1])
 
 
 @linear.register("fast")
@@ -135,7 +170,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     if kp != k or np_ != n:
         w = F.pad(w, (0, kp - k, 0, np_ - n))
     wt = w.transpose(1, 2).unsqueeze(1).expand(g, mp // ROW_TILE, kp, np_)
-    y = torch.bmm(xp.reshape(-1, ROW_TILE, kp), wt.reshape(-1, kp, np_))
+    y = _bmm(xp.reshape(-1, ROW_TILE, kp), wt.reshape(-1, kp, np_))
     return y.view(g, mp, np_)[:, :m, :n].to(out_dtype)
 
 
