@@ -18,6 +18,8 @@ _LAZY = {
              "that fit"),
     "parity": ("zmrl.parity.audit", "add_parity_subcommand", "randomized rollout/trainer log-prob parity audit on the "
                "tiny model"),
+    "verl-prepare": ("zmrl.integrations.verl.data", "add_verl_prepare_subcommand", "parquet data + a verl-readable "
+                     "checkpoint for verl's main_ppo (README: verl)"),
 }
 
 
