@@ -11,8 +11,9 @@
   numerics fingerprint, to the server, which refuses weights from another engine or other numerics.
 
 Seeds: verl sends each sample as its own request, with a fresh request id, so the server derives the
-seed of a request from ``engine_kwargs.zmrl.seed``, the weights version, the prompt's tokens and how many
-requests with that prompt it already served at that version (the sample index within the GRPO group).
+seed of a request from ``engine_kwargs.zmrl.seed``, the global step verl sent with the weights now loaded
+(0 for the initial weights; a resumed run gets the same value again), the prompt's tokens and how many
+requests with that prompt it already served on these weights (the sample index within the GRPO group).
 The set of samples of a prompt is therefore a function of the seed and the weights, whatever order the
 requests arrive in; ``sample_seed`` is the rule, for anyone (a test, the zmrl loop) who wants to replay it.
 """
@@ -48,11 +49,12 @@ def prompt_key(prompt_ids: list[int]) -> str:
     return hashlib.blake2b(",".join(map(str, prompt_ids)).encode(), digest_size=8).hexdigest()
 
 
-def sample_seed(seed: int, weights_version: int, prompt_ids: list[int], sample_index: int) -> int:
-    """The sampling seed of the ``sample_index``-th request for ``prompt_ids`` at ``weights_version``."""
+def sample_seed(seed: int, weights_step: int, prompt_ids: list[int], sample_index: int) -> int:
+    """The sampling seed of the ``sample_index``-th request for ``prompt_ids`` on the weights verl sent at
+    global step ``weights_step``."""
     from zmrl.rollout.sampling import derive_seed
 
-    return derive_seed(seed, "verl", weights_version, prompt_key(prompt_ids), sample_index)
+    return derive_seed(seed, "verl", weights_step, prompt_key(prompt_ids), sample_index)
 
 
 def _stop_token_ids(model_config: Any) -> tuple[int, ...]:
@@ -121,6 +123,7 @@ class ZmrlServer:
         from zmrl.rollout import SamplingParams
 
         version = self.engine.weights_version
+        step = self.global_steps if self.global_steps is not None else version
         key = (version, prompt_key(prompt_ids))
         index = self._seen[key]
         self._seen[key] += 1
@@ -131,7 +134,7 @@ class ZmrlServer:
         return SamplingParams(temperature=float(sampling_params.get("temperature", 1.0)),
                               top_p=float(sampling_params.get("top_p", 1.0)), top_k=-1 if top_k <= 0 else top_k,
                               max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
-                              seed=sample_seed(self.settings.seed, version, prompt_ids, index))
+                              seed=sample_seed(self.settings.seed, step, prompt_ids, index))
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                        image_data: Any = None, video_data: Any = None, **kwargs: Any) -> TokenOutput:
