@@ -38,8 +38,8 @@ def _model_config(path, **override):
                            tokenizer=SimpleNamespace(eos_token_id=257), generation_config=None)
 
 
-def _rollout_config(**zmrl):
-    return SimpleNamespace(engine_kwargs={"zmrl": {"seed": 0, "num_blocks": 16, **zmrl}}, prompt_length=32,
+def _rollout_config(**engine_kwargs):
+    return SimpleNamespace(engine_kwargs={"zmrl": {"seed": 0, "num_blocks": 16, **engine_kwargs}}, prompt_length=32,
                            response_length=8)
 
 

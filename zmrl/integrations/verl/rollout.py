@@ -57,15 +57,25 @@ def sample_seed(seed: int, weights_step: int, prompt_ids: list[int], sample_inde
     return derive_seed(seed, "verl", weights_step, prompt_key(prompt_ids), sample_index)
 
 
-def _stop_token_ids(model_config: Any) -> tuple[int, ...]:
+def _stop_token_ids(model_config: Any, path: str) -> tuple[int, ...]:
+    """The tokenizer's EOS (and the generation config's): from the loaded tokenizer when verl passes an
+    ``HFModelConfig``, else read from the checkpoint folder (verl hands the replica the raw model config)."""
     ids: set[int] = set()
     tok = getattr(model_config, "tokenizer", None)
-    if tok is not None and tok.eos_token_id is not None:
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(getattr(model_config, "tokenizer_path", None) or path,
+                                            local_files_only=True)
+    if tok.eos_token_id is not None:
         ids.add(int(tok.eos_token_id))
     gen = getattr(model_config, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     if eos is not None:
         ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    if not ids:
+        raise ZmrlSettingError(f"actor_rollout_ref.model.path={path!r}: its tokenizer defines no eos_token_id; "
+                               f"rollout.name=zmrl needs one to stop responses")
     return tuple(sorted(ids))
 
 
@@ -91,7 +101,7 @@ class ZmrlServer:
                                     self.settings.engine)
         self.replica_rank = replica_rank
         self.response_length = int(getattr(config, "response_length", 0) or 0) or None
-        self.stop_token_ids = _stop_token_ids(model_config)
+        self.stop_token_ids = _stop_token_ids(model_config, self.model_settings.path)
         self.global_steps: int | None = None
         self._seen: Counter[tuple[int, str]] = Counter()
         self._queue: list[tuple[list[int], Any, asyncio.Future]] = []
