@@ -172,3 +172,14 @@ def test_weights_from_other_numerics_or_engine_are_refused(checkpoint, monkeypat
     adapter = ZmrlRolloutAdapter(rollout_config, _model_config(checkpoint), None)
     with pytest.raises(ZmrlSettingError, match=r"needs actor_rollout_ref\.actor\.strategy=zmrl"):
         asyncio.run(adapter.update_weights(iter([("w", torch.zeros(1))]), peft_config=None))
+
+
+def test_save_pretrained_writes_architectures(tmp_path):
+    from zmrl.model import build_model, load_pretrained, save_pretrained
+    from zmrl.model.checkpoint import ZMRL_ARCHITECTURE
+    from zmrl.rl.bootstrap import tiny_byte_config
+
+    model = build_model(tiny_byte_config(512), seed=0, dtype="float32")
+    save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [ZMRL_ARCHITECTURE]
+    assert load_pretrained(tmp_path).config == model.config  # zmrl reads its own file back unchanged

@@ -13,12 +13,12 @@ import json
 import os
 from pathlib import Path
 
+from zmrl.model.checkpoint import ZMRL_ARCHITECTURE
 from zmrl.rl.tokenizer import BYTE_TOKENIZER_FILE, PROMPT_TEMPLATE, ByteTokenizer
 
 __all__ = ["ZMRL_ARCHITECTURE", "ZMRL_MODEL_TYPES", "ZmrlHFConfig", "byte_chat_template", "prepare_checkpoint",
            "register_auto_config", "write_byte_tokenizer_files"]
 
-ZMRL_ARCHITECTURE = "ZmrlForCausalLM"
 # model_type values of zmrl's own config.json (zmrl/model/config.py ModelConfig.model_type and presets)
 ZMRL_MODEL_TYPES = ("kimi_k3",)
 
@@ -114,7 +114,7 @@ def write_byte_tokenizer_files(path: str | os.PathLike, vocab_size: int) -> None
 
 def prepare_checkpoint(path: str | os.PathLike) -> Path:
     """Make a zmrl checkpoint folder readable by verl's model config path: ``architectures`` in
-    ``config.json`` and, for a byte-tokenizer checkpoint, the tokenizer files. Idempotent; returns the path."""
+    ``config.json`` (zmrl's save_pretrained writes it; older checkpoints get it here) and, for a byte-tokenizer checkpoint, the tokenizer files. Idempotent; returns the path."""
     root = Path(path).expanduser()
     cfg_file = root / "config.json"
     if not cfg_file.exists():
