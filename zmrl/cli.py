@@ -20,6 +20,8 @@ _LAZY = {
                "tiny model"),
     "verl-prepare": ("zmrl.integrations.verl.data", "add_verl_prepare_subcommand", "parquet data + a verl-readable "
                      "checkpoint for verl's main_ppo (README: verl)"),
+    "verl-dashboard": ("zmrl.integrations.verl.dashboard", "add_verl_dashboard_subcommand", "the zmrl dashboard of "
+                       "a verl run's metrics (verl's file logger)"),
 }
 
 

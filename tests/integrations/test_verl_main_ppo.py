@@ -89,6 +89,13 @@ def test_verl_reports_zero_rollout_trainer_mismatch_every_step(verl_run):
     assert metrics[1]["critic/score/max"] > metrics[1]["critic/score/min"]
 
 
+def test_dashboard_of_the_verl_run_shows_kl_zero(verl_run):
+    from zmrl.integrations.verl.dashboard import build_verl_dashboard
+
+    page = build_verl_dashboard(verl_run["tmp"] / "metrics.jsonl").read_text()
+    assert 'id="kl-badge" data-status="ok"' in page
+
+
 def test_first_step_rollouts_equal_zmrl_rollout_worker_with_the_same_seeds(verl_run):
     from zmrl.integrations.verl.data import problems_for
     from zmrl.integrations.verl.rollout import sample_seed

@@ -183,3 +183,41 @@ def test_save_pretrained_writes_architectures(tmp_path):
     save_pretrained(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [ZMRL_ARCHITECTURE]
     assert load_pretrained(tmp_path).config == model.config  # zmrl reads its own file back unchanged
+
+
+def _verl_step(step: int, k1: float = 0.0, k3: float = 0.0, valid: int = 1) -> str:
+    data = {"critic/score/mean": 0.25 * step, "critic/score/max": 1.0, "actor/pg_loss": -0.1, "response_length/mean": 12.0,
+            "prompt_length/mean": 36.0, "perf/total_num_tokens": 16 * 48, "perf/throughput": 50.0,
+            "rollout_corr/kl": k1, "rollout_corr/k3_kl": k3, "training/rollout_probs_diff_valid": valid,
+            "training/rollout_probs_diff_max": 0.0 if k1 == k3 == 0 else 1e-3, "timing_s/gen": 3.0,
+            "val-core/zmrl/reward/mean@1": 0.5}
+    return json.dumps({"step": step, "data": data})
+
+
+def _badge(page: str) -> dict:
+    import re
+
+    m = re.search(r'<div class="badge [a-z]+" id="kl-badge" data-status="(\w+)"(?: data-first-step="(\d+)")?', page)
+    assert m, "no parity badge"
+    return {"status": m[1], "first_step": m[2]}
+
+
+def test_dashboard_of_verl_metrics(tmp_path):
+    from zmrl.integrations.verl.dashboard import build_verl_dashboard, read_verl_metrics
+
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text("\n".join(_verl_step(s) for s in (1, 2, 3)) + "\n")
+    rec = read_verl_metrics(ok)[0]
+    assert rec["reward/mean"] == 0.25 and rec["mismatch/kl_k3"] == 0.0 and rec["eval/zmrl_mean@1"] == 0.5
+    assert (rec["mismatch/sequences_compared"], rec["mismatch/tokens_compared"]) == (16.0, 192.0)
+    assert "timing_s/gen" not in rec  # only the mapped and the listed verl metrics are drawn
+    page = build_verl_dashboard(ok).read_text()
+    assert _badge(page)["status"] == "ok"
+    assert 'data-metric="reward/mean"' in page and 'data-metric="training/rollout_probs_diff_max"' in page
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([_verl_step(1), _verl_step(2, k1=1e-6, k3=2e-7), _verl_step(3)]) + "\n")
+    assert _badge(build_verl_dashboard(bad).read_text()) == {"status": "mismatch", "first_step": "2"}
+    unchecked = tmp_path / "unchecked.jsonl"
+    unchecked.write_text("\n".join([_verl_step(1), _verl_step(2, valid=0)]) + "\n")
+    assert _badge(build_verl_dashboard(unchecked).read_text()) == {"status": "unchecked", "first_step": "2"}
