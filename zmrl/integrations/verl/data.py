@@ -5,8 +5,9 @@
   one-message chat ``prompt`` (the question), ``reward_model.ground_truth`` (the answer), ``data_source``
   and ``extra_info.index``. The prompt text the model sees comes from the tokenizer's chat template (the
   byte tokenizer's renders exactly the zmrl loop's prompt).
-* ``model/``: the checkpoint (the embedded default model, bootstrapped as ``zmrl train`` does, or
-  ``--model``), made readable by verl's model config path (hf.py ``prepare_checkpoint``).
+* ``model/``: a copy of the checkpoint (the embedded default model, from the bootstrap cache ``zmrl train``
+  uses -- built there first if missing -- or ``--model``), made readable by verl's model config path
+  (hf.py ``prepare_checkpoint``).
 
 It prints the ``main_ppo`` command line (README.md, "verl").
 """
@@ -58,8 +59,8 @@ def main_ppo_command(out: Path, model: Path, steps: int = 2) -> list[str]:
 
 
 def prepare(out: str | Path, model: str | None = None, train: str = "synthetic", val: str = "heldout",
-            train_limit: int | None = 40, val_limit: int | None = 16, seed: int = 0, bootstrap_steps: int | None = None
-            ) -> dict[str, Path]:
+            train_limit: int | None = 40, val_limit: int | None = 16, seed: int = 0, bootstrap_steps: int | None = None,
+            bootstrap_dir: str | None = None) -> dict[str, Path]:
     from .hf import prepare_checkpoint
 
     out = Path(out).expanduser().resolve()
@@ -68,8 +69,9 @@ def prepare(out: str | Path, model: str | None = None, train: str = "synthetic",
              "val": write_parquet(to_verl_rows(problems_for(val, val_limit, seed), "test"), out / "val.parquet")}
     if model is None:
         from zmrl.rl.bootstrap import bootstrap_model
+        from zmrl.rl.config import ModelSection
 
-        src = bootstrap_model(out / "bootstrap", max_steps=bootstrap_steps)
+        src = bootstrap_model(Path(bootstrap_dir or ModelSection.bootstrap_dir).expanduser(), max_steps=bootstrap_steps)
     else:
         src = Path(model).expanduser()
         if not (src / "config.json").exists():
@@ -92,13 +94,15 @@ def add_verl_prepare_subcommand(sub) -> argparse.ArgumentParser:
     p.add_argument("--val-limit", type=int, default=16, help="rows of the validation set (default 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bootstrap-steps", type=int, default=None, help="SFT steps of the default model's bootstrap")
+    p.add_argument("--bootstrap-dir", default=None, help="bootstrap cache (default: zmrl train's, "
+                   "~/.cache/zmrl/bootstrap)")
     p.set_defaults(func=_run)
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
     paths = prepare(args.out, args.model, args.train, args.val, args.train_limit or None, args.val_limit or None,
-                    args.seed, args.bootstrap_steps)
+                    args.seed, args.bootstrap_steps, args.bootstrap_dir)
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
     print("VERL_PLATFORM=cpu " + " ".join(main_ppo_command(Path(args.out).expanduser().resolve(), paths["model"])))
     return 0

@@ -80,7 +80,10 @@ class ZmrlEngine(BaseEngine):
         oc = self.optimizer_config
         lr = float(getattr(oc, "lr", 1e-4))
         wd = float(getattr(oc, "weight_decay", 0.0) or 0.0)
-        model = ModelSpec(self.settings.path, None, self.settings.lora).load()
+        from verl.utils.device import get_device_name
+
+        device = "cuda" if get_device_name() == "cuda" else "cpu"
+        model = ModelSpec(self.settings.path, None, self.settings.lora, device).load()
         self.trainer = Trainer(model, TrainerConfig(lr=lr, weight_decay=wd, latent_format=self.settings.latent_format))
         self.lr = lr
         log.info("zmrl engine: %s, LoRA r=%d, kernel mode %s", self.settings.path, self.settings.lora.r,

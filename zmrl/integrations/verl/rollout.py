@@ -97,7 +97,8 @@ class ZmrlServer:
         except Exception as e:  # noqa: BLE001 -- one line naming the setting
             raise ZmrlSettingError(f"actor_rollout_ref.model.path={self.model_settings.path!r}: zmrl cannot load "
                                    f"it: {e}") from None
-        self.engine = RolloutEngine(ModelSpec(self.model_settings.path, None, self.model_settings.lora).load(),
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.engine = RolloutEngine(ModelSpec(self.model_settings.path, None, self.model_settings.lora, device).load(),
                                     self.settings.engine)
         self.replica_rank = replica_rank
         self.response_length = int(getattr(config, "response_length", 0) or 0) or None
@@ -231,11 +232,20 @@ class ZmrlReplica(RolloutReplica):
     async def launch_servers(self) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from verl.utils.device import get_device_name, get_platform, get_resource_name
+
         options: dict[str, Any] = {"name": server_name(self.replica_rank, self.name_suffix), "num_cpus": 0,
                                    "max_concurrency": self.max_concurrency}
         if self.workers:
-            node = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
+            resource = get_resource_name()
+            node, devices = await self.workers[0].__ray_call__.remote(
+                lambda w: (ray.get_runtime_context().get_node_id(),
+                           ray.get_runtime_context().get_accelerator_ids().get(resource, [])))
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            if get_device_name() == "cuda" and devices:  # the server shares its worker's GPU (hybrid mode)
+                platform = get_platform()
+                options["runtime_env"] = {"env_vars": {**{v: "1" for v in platform.ray_noset_envvars()},
+                                                       platform.visible_devices_envvar(): ",".join(map(str, devices))}}
         server = ray.remote(ZmrlServer).options(**options).remote(self.config, self.model_config, self.replica_rank)
         await server.ready.remote()  # surfaces a failed model load here, with its message
         self.servers = [server]
