@@ -82,7 +82,7 @@ class ZmrlEngine(BaseEngine):
         wd = float(getattr(oc, "weight_decay", 0.0) or 0.0)
         from verl.utils.device import get_device_name
 
-        device = "cuda" if get_device_name() == "cuda" else "cpu"
+        device = "cuda" if get_device_name() == "cuda" and torch.cuda.is_available() else "cpu"
         model = ModelSpec(self.settings.path, None, self.settings.lora, device).load()
         self.trainer = Trainer(model, TrainerConfig(lr=lr, weight_decay=wd, latent_format=self.settings.latent_format))
         self.lr = lr
