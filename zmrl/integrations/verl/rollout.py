@@ -125,7 +125,8 @@ class ZmrlServer:
                                 f"run every process with the same MKL_CBWR / ZMRL_KDA_DOT_PRECISION") from None
         with self._engine_lock:
             version = self.engine.update_weights(state)
-        self.global_steps = global_steps
+        self._seen.clear()  # sample indices count per weights version; the old version's are done
+        self.global_steps = None if global_steps is None else int(global_steps)
         self.weights_checked = True
         return version
 
