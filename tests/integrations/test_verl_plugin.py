@@ -145,6 +145,22 @@ def test_engine_logprobs_in_verl_layout_equal_the_servers_recorded_ones(checkpoi
         assert torch.isfinite(out["model_output"]["entropy"][i]).all()
 
 
+def test_engine_checkpoint_round_trip(checkpoint, tmp_path):
+    from zmrl.integrations.verl.engine import ZmrlEngine
+    from zmrl.lora import lora_state_dict
+
+    engine = ZmrlEngine(_model_config(checkpoint), SimpleNamespace(), SimpleNamespace(lr=1e-2), None)
+    engine.initialize()
+    saved = {k: v.clone() for k, v in lora_state_dict(engine.model).items()}
+    engine.save_checkpoint(str(tmp_path), global_step=3)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    engine.load_checkpoint(str(tmp_path))
+    assert all(torch.equal(v, saved[k]) for k, v in lora_state_dict(engine.model).items())
+
+
 def test_weights_from_other_numerics_or_engine_are_refused(checkpoint, monkeypatch):
     register()
     from zmrl.integrations.verl.engine import ZmrlEngine
