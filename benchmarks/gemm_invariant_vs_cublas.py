@@ -42,9 +42,11 @@ import torch.nn.functional as F
 log = logging.getLogger("gemm_bench")
 
 DEFAULT_MS = (1, 8, 64, 256, 1024, 4096)
-SWEEP_MS = (256, 4096)
+SWEEP_MS = (128, 256, 4096)
 SWEEP_CONFIGS = ("128x128x64/w8/s3", "128x128x64/w4/s4", "128x256x64/w8/s3", "256x128x64/w8/s3",
-                 "64x256x64/w4/s4", "128x64x64/w4/s4")
+                 "64x256x64/w4/s4", "128x64x64/w4/s4",
+                 # batched decode (M = 65..256): more, smaller tiles
+                 "64x32x64/w4/s4", "64x64x64/w4/s4", "64x128x64/w4/s4", "32x64x64/w4/s4", "64x64x128/w4/s3")
 # Decode sizes are timed by CUDA-graph replay (device time: what a captured decode step pays), not per call.
 SWEEP_DECODE_MS = (1, 16, 64)
 SWEEP_DECODE_CONFIGS = ("64x32x64/w4/s4", "64x64x64/w4/s4", "16x32x64/w4/s4", "16x32x128/w4/s4", "16x64x128/w4/s4",

@@ -14,7 +14,12 @@ Bound: the bytes a step must move for each method (zmrl: the state read, the chu
 rows of the solve, the state written once per 64 steps; fla: the state read and written) over the
 device-to-device copy bandwidth measured in the same run.
 
-    python benchmarks/kda_decode_vs_fla.py [--batches 1 64 256] [--out FILE.json]
+    python benchmarks/kda_decode_vs_fla.py [--batches 1 64 256] [--out FILE.json] [--sweep]
+
+``--sweep`` (largest batch only) times the step under other launch configurations (warps of the two
+kernels, the recurrence's state tile width BV) over one whole chunk of positions and says whether every
+output row is bitwise the default configuration's (a configuration that changes bits would have to
+change the prefill/trainer launch too).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import copy_bandwidth_tb_s, default_out, env, setup_logging, table, write_json
-from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_chunk_step, kda_decode_step
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_chunk_step, kda_decode_prime, kda_decode_step
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
 log = logging.getLogger("benchmarks.kda_decode")
@@ -56,10 +61,58 @@ def inputs(b: int, dev: torch.device, gen: torch.Generator):
     return q, k, v, g, beta
 
 
+SWEEP_KDA = ({"intra_warps": 4}, {"decode_inter_warps": 2}, {"decode_inter_warps": 8}, {"BV": 64},
+             {"BV": 64, "decode_inter_warps": 8}, {"intra_warps": 4, "decode_inter_warps": 8})
+
+
+def sweep_rows(b: int, dev: torch.device, gen: torch.Generator) -> list[dict[str, Any]]:
+    """Each SWEEP_KDA override of ``_launch_config``: mean step time over one chunk of positions and
+    whether all outputs equal the default configuration's bitwise."""
+    from zmrl.kernels_batch_invariant.triton import kda_chunk as tk
+
+    default = tk._launch_config
+    q, k, v, g, beta = inputs(b, dev, gen)
+    slots = torch.randperm(b, generator=gen).to(dev)
+    pos0 = torch.randint(0, C, (b,), generator=gen).to(dev) + C  # mid-chunk starts, a chunk behind
+    state0 = torch.randn(b, H, DK, DV, generator=gen).to(dev) * 0.1
+    step = triton_impl(kda_decode_step)
+    prime = triton_impl(kda_decode_prime)
+
+    def run(overrides: dict[str, Any]) -> tuple[float, torch.Tensor]:
+        tk._launch_config = lambda dk, dv: {**default(dk, dv), **overrides}
+        try:
+            cache = KDADecodeCache.allocate(b, H, DK, DV, torch.bfloat16, torch.float32, dev)
+            cache.state.copy_(state0)
+            with torch.no_grad():
+                prime(slots, torch.zeros_like(slots), cache)
+                outs = [step(q * (1 + 0.01 * i), k, v, g, beta, pos0 + i, slots, cache) for i in range(C)]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(C):
+                    step(q, k, v, g, beta, pos0 + C + i, slots, cache)
+                torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / C * 1e6, torch.stack(outs)
+        finally:
+            tk._launch_config = default
+
+    base_us, base_out = run({})
+    rows = [{"batch": b, "config": "default", "step_us": base_us, "bitwise_equal": True}]
+    for ov in SWEEP_KDA:
+        row: dict[str, Any] = {"batch": b, "config": ",".join(f"{key}={val}" for key, val in ov.items())}
+        try:
+            us, out = run(ov)
+            row.update(step_us=us, bitwise_equal=bool(torch.equal(out, base_out)))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time other launch configurations (largest batch)")
     a = ap.parse_args()
     setup_logging()
     if not torch.cuda.is_available():
@@ -136,9 +189,13 @@ def main() -> int:
     print(f"\nKDA decode step, H={H} dk={DK} dv={DV}, copy bandwidth {bw:.2f} TB/s" +
           (f" (fla unavailable: {fla_error})" if fla_error else ""))
     print(table(rows, cols))
+    sweep = sweep_rows(max(a.batches), dev, gen) if a.sweep else []
+    if sweep:
+        print(table(sweep, [("config", "config", "s"), ("step_us", "step us (host-timed)", ".1f"),
+                            ("bitwise_equal", "same bits", "s")]))
     write_json(a.out or default_out("kda_decode_vs_fla"),
                {"benchmark": "kda_decode_vs_fla", **env(), "copy_bandwidth_tb_s": bw, "heads": H, "dk": DK, "dv": DV,
-                "fla_error": fla_error, "results": rows, "time": time.time()})
+                "fla_error": fla_error, "results": rows, "sweep": sweep, "time": time.time()})
     return 0
 
 

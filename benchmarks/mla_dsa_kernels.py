@@ -2,7 +2,7 @@
 the "fast" stock-kernel backends, at the bench preset's shapes (64 heads, kv_lora 512, rope 64, bf16
 latent cache, page 64; indexer 32 heads x 128 FP8, top-2048).
 
-    python benchmarks/mla_dsa_kernels.py [--out results.json] [--quick]
+    python benchmarks/mla_dsa_kernels.py [--out results.json] [--quick] [--sweep]
     TRITON_INTERPRET=1 python benchmarks/mla_dsa_kernels.py --smoke   # CPU: tiny shapes, checks the script
 
 Times are medians in ms (``triton.testing.do_bench`` on CUDA). Each row also says whether the Triton
@@ -67,7 +67,7 @@ def mla_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, A
     cases = [("decode", 1, 300 if smoke else 32768), ("decode", 4 if smoke else 64, 200 if smoke else 4096),
              ("prefill", 1, 130 if smoke else 4096)]
     if quick and not smoke:
-        cases = cases[:2]
+        cases = [c for c in cases if c[0] == "decode"]
     rows = []
     g = torch.Generator().manual_seed(0)
     for kind, batch, ctx in cases:
@@ -120,9 +120,9 @@ def dsa_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, A
     hi, di, page = (4, 32, 64) if smoke else (32, 128, 64)
     topk = 64 if smoke else 2048
     cases = [("decode", 1, 300 if smoke else 32768), ("decode", 4 if smoke else 64, 200 if smoke else 4096),
-             ("prefill", 1, 130 if smoke else 4096)]
+             ("decode", 4 if smoke else 256, 200 if smoke else 8192), ("prefill", 1, 130 if smoke else 4096)]
     if quick and not smoke:
-        cases = cases[:2]
+        cases = [c for c in cases if c[0] == "decode"]
     rows = []
     g = torch.Generator().manual_seed(1)
     for kind, batch, ctx in cases:
@@ -146,6 +146,8 @@ def dsa_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, A
         sc = scores_t(*args)
         row["topk_triton_ms"] = bench(lambda: topk_t(sc, args[7], topk), device)
         row["topk_torch_sort_ms"] = bench(lambda: dsa_topk.impls["torch"](sc, args[7], topk), device)
+        # the stock kernel fast mode would use (not tie-stable: the baseline, not a substitute)
+        row["topk_torch_topk_ms"] = bench(lambda: torch.topk(sc, min(topk, sc.shape[-1]), dim=-1), device)
         with kernel_mode("fast"):
             row["scores_fast_ms"] = bench(lambda: dsa_index_scores(*args), device)
             row["topk_fast_ms"] = bench(lambda: dsa_topk(sc, args[7], topk), device)
@@ -155,12 +157,68 @@ def dsa_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, A
     return rows
 
 
+SWEEP_MLA = ((16, 8, 1), (16, 4, 1), (16, 8, 2), (32, 8, 1), (32, 8, 2), (64, 8, 1), (64, 8, 2), (64, 4, 1))
+
+
+def mla_sweep_rows(device: torch.device, smoke: bool) -> list[dict[str, Any]]:
+    """The sparse kernel under each (BLOCK_H, num_warps, num_stages) of SWEEP_MLA."""
+    from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
+
+    h, dc, dr, page = (16, 64, 16, 64) if smoke else (64, 512, 64, 64)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    topk = 64 if smoke else 2048
+    scale = (128 + dr) ** -0.5
+    cases = [("decode", 4 if smoke else 256, 200 if smoke else 8192), ("prefill", 1, 130 if smoke else 4096)]
+    g = torch.Generator().manual_seed(3)
+    default = tmla.kernel_config
+    rows = []
+    for kind, batch, ctx in cases:
+        cache, bt = paged([ctx] * batch, page, dc + dr, dtype, device, seed=4)
+        if kind == "decode":
+            sidx, qpos = torch.arange(batch), torch.full((batch,), ctx - 1)
+        else:
+            sidx, qpos = torch.zeros(ctx, dtype=torch.int64), torch.arange(ctx)
+        nq = len(qpos)
+        kp = torch.full((nq, topk), -1, dtype=torch.int64)
+        for i, t in enumerate(qpos.tolist()):
+            n = min(topk, t + 1)
+            kp[i, :n] = torch.sort(torch.randperm(t + 1, generator=g)[:n]).values
+        q_lat = torch.randn(nq, h, dc, generator=g).to(device)
+        q_pe = torch.randn(nq, h, dr, generator=g).to(device)
+        args = (q_lat, q_pe, cache, bt, sidx.to(device), kp.to(device), scale, dc)
+        unique_bytes = int((kp >= 0).sum()) * (dc + dr) * cache.element_size()
+        sparse_t = triton_impl(mla_attention)
+        ref = None
+        for block_h, warps, stages in SWEEP_MLA:
+            base = default(h, dc, dr)
+            cfg = tmla.MLAKernelConfig(block_h=min(block_h, h), n_chunks=base.n_chunks, chunk=base.chunk,
+                                       num_warps=warps, num_stages=stages)
+            tmla.kernel_config = lambda *_a, cfg=cfg: cfg
+            row: dict[str, Any] = {"op": f"mla sparse {kind} sweep", "queries": nq, "context": ctx,
+                                   "config": f"h{cfg.block_h}/w{warps}/s{stages}"}
+            try:
+                out = sparse_t(*args)
+                ms = bench(lambda: sparse_t(*args), device)
+                row["ms"] = ms
+                row["unique_gb_s"] = unique_bytes / ms / 1e6
+                if ref is None:
+                    ref = out
+                row["max_abs_diff_vs_first"] = float((out - ref).abs().max())
+            except Exception as e:  # a config that does not compile (registers, shared memory) is a row too
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            finally:
+                tmla.kernel_config = default
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
     ap.add_argument("--quick", action="store_true", help="decode cases only")
+    ap.add_argument("--sweep", action="store_true", help="also time sparse-MLA launch configurations")
     a = ap.parse_args()
     if a.smoke:
         device = torch.device("cpu")
@@ -170,6 +228,8 @@ def main() -> None:
         sys.stderr.write("mla_dsa_kernels.py: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)\n")
         raise SystemExit(2)
     rows = mla_rows(device, a.smoke, a.quick) + dsa_rows(device, a.smoke, a.quick)
+    if a.sweep:
+        rows += mla_sweep_rows(device, a.smoke)
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]

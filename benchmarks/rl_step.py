@@ -116,7 +116,10 @@ def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, tra
             loss.backward()
         return eq
 
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     eq_train = timed(dev, times, "train_forward_backward", train)
+    train_peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
     if parity_pass == "fused":
         equal = eq_train
 
@@ -132,7 +135,9 @@ def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, tra
             "logprob_equal_fraction": equal / max(1, n_resp), "seconds": times, "total_s": total,
             "share": {k: v / total for k, v in times.items()},
             "rollout_tok_s": n_resp / times["rollout"],
-            "train_tok_s": sum(len(s) for s in seqs) / times["train_forward_backward"]}
+            "train_tok_s": sum(len(s) for s in seqs) / times["train_forward_backward"],
+            # peak allocated GiB during the training phase (both models, the engine's cache, the optimizer)
+            "train_peak_gib": train_peak}
 
 
 def main() -> int:
@@ -215,8 +220,9 @@ def main() -> int:
           f"tokens, recompute {a.recompute}")
     print(table(rows, cols))
     for r in timed_steps:
+        peak = "" if r["train_peak_gib"] is None else f", training peak {r['train_peak_gib']:.1f} GiB"
         print(f"{r['parity_pass']}: {r['response_tokens']} response tokens, rollout {r['rollout_tok_s']:.0f} tok/s, "
-              f"trainer {r['train_tok_s']:.0f} tok/s, log-prob parity {r['logprob_equal_fraction']:.4f}")
+              f"trainer {r['train_tok_s']:.0f} tok/s{peak}, log-prob parity {r['logprob_equal_fraction']:.4f}")
     sep = {r["parity_pass"]: r for r in timed_steps}
     if "separate" in sep:
         pf = sep["separate"]["seconds"]["parity_forward"]

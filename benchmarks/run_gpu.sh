@@ -4,7 +4,9 @@
 #   benchmarks/run_gpu.sh [STEP|GROUP ...]
 #
 # Steps (in this order): gpu-tests  gpu-bench-parity  bitwise-cuda  parity-cli  gemm  kda  decode  prefill  trainer
-# Groups: tests = gpu-tests gpu-bench-parity bitwise-cuda parity-cli;  bench = gemm kda decode prefill trainer;  all (default).
+#   and the launch-configuration sweeps (not in `all`): gemm-sweep  mla-sweep  kda-decode-sweep
+# Groups: tests = gpu-tests gpu-bench-parity bitwise-cuda parity-cli;  bench = gemm kda decode prefill trainer;
+#   sweeps = gemm-sweep mla-sweep kda-decode-sweep;  all (default: tests + bench).
 #
 # Every step runs under `timeout` (its own limit, cut to what is left of the overall budget
 # ZMRL_GPU_BUDGET_S, default 570 s, so one invocation fits a 10-minute command window) and a failing
@@ -33,8 +35,10 @@ for a in "${@:-all}"; do
     all) steps+=(gpu-tests gpu-bench-parity bitwise-cuda parity-cli gemm kda decode prefill trainer) ;;
     tests) steps+=(gpu-tests gpu-bench-parity bitwise-cuda parity-cli) ;;
     bench) steps+=(gemm kda decode prefill trainer) ;;
+    sweeps) steps+=(gemm-sweep mla-sweep kda-decode-sweep) ;;
     gpu-tests|gpu-bench-parity|bitwise-cuda|parity-cli|gemm|kda|decode|prefill|trainer) steps+=("$a") ;;
-    *) echo "run_gpu.sh: unknown step '$a' (steps: gpu-tests gpu-bench-parity bitwise-cuda parity-cli gemm kda decode prefill trainer; groups: tests bench all)" >&2; exit 2 ;;
+    gemm-sweep|mla-sweep|kda-decode-sweep) steps+=("$a") ;;
+    *) echo "run_gpu.sh: unknown step '$a' (steps: gpu-tests gpu-bench-parity bitwise-cuda parity-cli gemm kda decode prefill trainer gemm-sweep mla-sweep kda-decode-sweep; groups: tests bench sweeps all)" >&2; exit 2 ;;
   esac
 done
 
@@ -132,6 +136,14 @@ for s in "${steps[@]}"; do
       t=${T_PREFILL:-100}
       run_step prefill "$t" $PY benchmarks/prefill_throughput.py --out "$OUT/prefill_throughput.json" \
         --time-budget-s "$(budget_flag "$t")" ${PREFILL_ARGS:-} ;;
+    gemm-sweep)  # candidate tiles per shape at M = 128, 256 (batched decode) and 4096
+      run_step gemm-sweep "${T_GEMM_SWEEP:-200}" $PY benchmarks/gemm_invariant_vs_cublas.py --ms 1,64,128,256 --sweep \
+        --out "$OUT/gemm_sweep.json" ;;
+    mla-sweep)  # sparse-MLA heads per program / warps / stages at batch 256, 8K; DSA top-k vs torch.topk
+      run_step mla-sweep "${T_MLA_SWEEP:-100}" $PY benchmarks/mla_dsa_kernels.py --quick --sweep --out "$OUT/mla_dsa.json" ;;
+    kda-decode-sweep)  # KDA decode-step launch configs at batch 256, with a same-bits check
+      run_step kda-decode-sweep "${T_KDA_DECODE_SWEEP:-80}" $PY benchmarks/kda_decode_vs_fla.py --batches 256 --sweep \
+        --out "$OUT/kda_decode_vs_fla.json" ;;
     trainer)
       run_step trainer "${T_TRAINER:-100}" $PY benchmarks/trainer_throughput.py --out "$OUT/trainer_throughput.json" \
         ${TRAINER_ARGS:-} ;;

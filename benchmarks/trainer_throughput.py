@@ -35,7 +35,7 @@ import torch
 
 from _common import (OOM_ERRORS, build_on_device, cuda_time_ms, default_out, empty_cache, env, model_config,
                      pick_device, setup_logging, table, write_json)
-from _train_flops import measured_matmul_peak_tflops, train_flops
+from _train_flops import expected_peak_memory, measured_matmul_peak_tflops, train_flops
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters
 from zmrl.model import RECOMPUTE_POLICIES, apply_recompute
@@ -82,13 +82,15 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in a.seq_lens]
     plens = [max(1, n // 2) for n in a.seq_lens]
     tokens = sum(a.seq_lens)
-    flops = train_flops(cfg, a.seq_lens, a.lora_r)
+    logit_rows = sum(n - p for n, p in zip(a.seq_lens, plens))
+    flops = train_flops(cfg, a.seq_lens, a.lora_r, logit_rows=logit_rows)
     log.info("FLOPs per forward+backward: %.1f TFLOP (%s)", flops.total / 1e12,
              ", ".join(f"{k} {v / 1e12:.2f}" for k, v in flops.as_dict().items() if k != "total"))
 
     def forward() -> list[torch.Tensor]:
         with torch.enable_grad():
-            return compute_logprobs(model, seqs, plens, 1.0, micro_batch_tokens=None)
+            return compute_logprobs(model, seqs, plens, 1.0, micro_batch_tokens=None,
+                                    logprob_chunk_tokens=a.logprob_chunk)
 
     def forward_backward() -> None:
         lps = forward()
@@ -105,6 +107,9 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
         fwd_ms = None
         for policy in (a.recompute if mode == "bitwise" else ["none"]):
             row: dict[str, Any] = {"mode": mode, "recompute": policy, "tokens": tokens}
+            expected = expected_peak_memory(cfg, a.seq_lens, a.lora_r, policy, a.logprob_chunk or logit_rows, logit_rows)
+            row["expected_peak_gib"] = expected.total / 2**30
+            row["expected_peak_parts_gib"] = {k: v / 2**30 for k, v in expected.as_dict().items() if k != "policy"}
             apply_recompute(model, policy)
             try:  # one configuration failing must not hide the others
                 with kernel_mode(mode):
@@ -146,7 +151,7 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
     print(table(rows, [("mode", "mode", "s"), ("recompute", "recompute", "s"), ("fwd_ms", "fwd ms", ".0f"),
                        ("fwdbwd_ms", "fwd+bwd ms", ".0f"), ("tok_s", "tok/s", ".0f"),
                        ("tflop_s", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
-                       ("error", "error", "s")]))
+                       ("expected_peak_gib", "expected GiB", ".1f"), ("error", "error", "s")]))
     return rows + extra
 
 
@@ -271,6 +276,22 @@ def bench_kda(a: argparse.Namespace, dev: torch.device) -> list[dict[str, Any]]:
     return rows
 
 
+def print_expected_memory(a: argparse.Namespace) -> None:
+    """The analytic peak-memory model (benchmarks/_train_flops.py) per recompute policy, in GiB."""
+    cfg = model_config(a.layers, a.smoke)
+    plens = [max(1, n // 2) for n in a.seq_lens]
+    logit_rows = sum(n - p for n, p in zip(a.seq_lens, plens))
+    rows = []
+    for policy in RECOMPUTE_POLICIES:
+        e = expected_peak_memory(cfg, a.seq_lens, a.lora_r, policy, a.logprob_chunk or logit_rows, logit_rows)
+        rows.append({k: (v / 2**30 if isinstance(v, float) else v) for k, v in e.as_dict().items()})
+    print(f"Expected peak memory (GiB), {'tiny' if a.smoke else 'bench'} preset, {cfg.num_hidden_layers} layers, "
+          f"{'+'.join(map(str, a.seq_lens))} tokens, LoRA r={a.lora_r}, lm_head chunk {a.logprob_chunk}")
+    print(table(rows, [("policy", "recompute", "s"), ("weights", "weights", ".2f"), ("lora", "LoRA+grad", ".2f"),
+                       ("kept", "kept", ".2f"), ("working", "working", ".2f"), ("logits", "logits", ".2f"),
+                       ("total", "total", ".1f")]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", type=_ints, default=[4096] * 4, help="packed sequences (default 4 x 4096)")
@@ -279,6 +300,10 @@ def main() -> int:
     ap.add_argument("--modes", default="bitwise,fast")
     ap.add_argument("--recompute", default=",".join(RECOMPUTE_POLICIES),
                     help=f"policies to time in bitwise mode (allowed: {', '.join(RECOMPUTE_POLICIES)})")
+    ap.add_argument("--logprob-chunk", type=int, default=1024,
+                    help="rows per lm_head + log-prob chunk (TrainerConfig.logprob_chunk_tokens; 0 = unchunked)")
+    ap.add_argument("--expected-memory", action="store_true",
+                    help="only print the expected peak memory per recompute policy (no device needed) and exit")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--kda-tokens", type=_ints, default=[8192, 32768],
@@ -296,6 +321,10 @@ def main() -> int:
     setup_logging()
     a.modes = _names(a.modes, ("bitwise", "fast"), "--modes")
     a.recompute = _names(a.recompute, RECOMPUTE_POLICIES, "--recompute")
+    a.logprob_chunk = a.logprob_chunk or None
+    if a.expected_memory:
+        print_expected_memory(a)
+        return 0
     dev = pick_device("trainer_throughput.py", a.smoke)
     if a.smoke:
         a.seq_lens, a.iters, a.warmup = [100, 60, 130], 1, 1

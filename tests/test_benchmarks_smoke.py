@@ -41,3 +41,26 @@ def test_rl_step_smoke(tmp_path):
     assert all(s["logprob_equal_fraction"] == 1.0 for s in steps)
     assert "parity_forward" in steps[1]["seconds"] and "parity_forward" not in steps[2]["seconds"]
     assert set(steps[2]["seconds"]) == {"rollout", "train_forward_backward", "optimizer", "weight_push"}
+
+
+def test_expected_peak_memory_model():
+    """The analytic peak-memory model the trainer benchmark prints next to the measured peak: every part
+    positive, and the policies ordered as their definitions imply (none keeps everything; attention
+    keeps the MLP/MoE tensors; layer and selective keep only layer boundaries)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from _train_flops import expected_peak_memory
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from zmrl.model import ModelConfig
+
+    cfg = ModelConfig.preset("bench")
+    est = {p: expected_peak_memory(cfg, [4096] * 4, 32, p, 1024, 8192) for p in ("none", "layer", "selective",
+                                                                                  "attention")}
+    assert all(e.weights > 0 and e.lora > 0 and e.kept > 0 and e.working > 0 and e.logits > 0 for e in est.values())
+    assert est["none"].kept > est["attention"].kept > est["selective"].kept > est["layer"].kept
+    assert est["none"].total > est["attention"].total > max(est["layer"].total, est["selective"].total)
+    # 1024 rows x 163840 vocabulary x 10 bytes: the lm_head chunk, not [T, V]
+    assert est["none"].logits == 1024 * cfg.vocab_size * 10
+    with pytest.raises(ValueError, match="policy"):
+        expected_peak_memory(cfg, [16], 32, "everything")

@@ -55,11 +55,13 @@ def test_sample_from_output_carries_the_rollout(rollout):
     assert [s.group for s in samples] == [0, 0, 1, 2, 2, 3]
 
 
-@pytest.mark.parametrize("micro_batch_tokens, epochs", [(None, 1), (80, 2)])
-def test_one_forward_per_update_and_its_logprobs_are_the_engines(rollout, micro_batch_tokens, epochs):
+@pytest.mark.parametrize("micro_batch_tokens, epochs, chunk", [(None, 1, 1024), (80, 2, 3)])
+def test_one_forward_per_update_and_its_logprobs_are_the_engines(rollout, micro_batch_tokens, epochs, chunk):
+    """``chunk``: rows per lm_head + log-prob chunk (3: every micro-batch's logits in many chunks)."""
     base, samples, _ = rollout
     model = copy.deepcopy(base)
-    trainer = Trainer(model, TrainerConfig(lr=1e-2, micro_batch_tokens=micro_batch_tokens))
+    trainer = Trainer(model, TrainerConfig(lr=1e-2, micro_batch_tokens=micro_batch_tokens,
+                                           logprob_chunk_tokens=chunk))
     before = {k: v.clone() for k, v in lora_state_dict(model).items()}
     gen = torch.Generator().manual_seed(2)
     batch = TrainBatch(samples, [torch.randn(len(s.response_ids), generator=gen) for s in samples])
@@ -127,3 +129,9 @@ def test_train_batch_checks_alignment(rollout):
         TrainBatch(samples, bad)
     with pytest.raises(ValueError, match="Objective.epochs must be >= 1"):
         Objective(_policy_gradient_loss, epochs=0)
+
+
+@pytest.mark.parametrize("chunk", [0, -4])
+def test_logprob_chunk_tokens_checked(chunk):
+    with pytest.raises(ValueError, match="trainer.logprob_chunk_tokens"):
+        TrainerConfig(logprob_chunk_tokens=chunk)

@@ -18,6 +18,8 @@ invariance over batch size, row position and thread count.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -91,6 +93,25 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """float64 reference."""
     y = x.double() @ weight.double().t()
     return y if bias is None else y + bias.double()
+
+
+@invariant_op
+def linear_concat(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Several projections of the same input at once: bitwise ``torch.cat([linear(x, w) for w in
+    weights], -1)``.
+
+    x: [..., K]; weights: [N_i, K] each (same K and dtype); returns [..., sum N_i] in ``out_dtype``
+    (default x.dtype). Every output element keeps the K loop ``linear`` gives it, so the result does
+    not depend on which other weights share the call; the Triton backend computes all of them in one
+    launch (one weight read per layer input instead of one launch per projection at decode).
+    """
+    if not weights:
+        raise ValueError("linear_concat: no weights")
+    return torch.cat([linear(x, w, out_dtype=out_dtype) for w in weights], dim=-1)
 
 
 @invariant_op

@@ -7,7 +7,8 @@ its local experts and local offsets):
     y[offsets[e]:offsets[e+1]] == linear(x[offsets[e]:offsets[e+1]], weights[e], out_dtype=out_dtype)
 
 bitwise, on every backend that is invariant. The torch backend *is* that loop, so CPU numerics are
-those of the per-expert ``linear`` calls the MoE made before this op existed. The Triton backend
+those of the per-expert ``linear`` calls the MoE made before this op existed. The backward of both
+backends is grouped over experts by size class (moe_gemm_grads.py), not a loop over experts. The Triton backend
 (``triton/matmul.py``) runs all experts in one launch with the tiles and K loop of Triton ``linear``,
 so a row's result again equals ``linear(row, weights[e])`` and does not depend on how many tokens
 each expert received.
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from ._dispatch import invariant_op
 from .matmul import linear
+from .moe_gemm_grads import ExpertLinearFn
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
 
@@ -99,8 +101,18 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
     Returns [M, N] in ``out_dtype`` (default x.dtype). Experts with no rows are skipped.
     """
     offs = as_offsets(offsets)
-    _, n, _ = check_expert_args(x, weights, offs)
+    check_expert_args(x, weights, offs)
     out_dtype = out_dtype or x.dtype
+    ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *ws)):
+        # The forward below, the backward grouped over experts (moe_gemm_grads.py), not autograd
+        # through one linear per expert.
+        return ExpertLinearFn.apply(_per_expert_linear, x, offs, out_dtype, isinstance(weights, torch.Tensor), *ws)
+    return _per_expert_linear(x, weights, offs, out_dtype)
+
+
+def _per_expert_linear(x: torch.Tensor, weights: Weights, offs: list[int], out_dtype: torch.dtype) -> torch.Tensor:
+    n = weights[0].shape[0]
     parts = [linear(x[a:b], weights[e], out_dtype=out_dtype)
              for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]
     if not parts:

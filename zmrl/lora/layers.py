@@ -22,7 +22,12 @@ class LoraAdapter(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(out_features, r))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * linear(linear(x, self.lora_A, out_dtype=torch.float32), self.lora_B, out_dtype=torch.float32)
+        return self.up(linear(x, self.lora_A, out_dtype=torch.float32))
+
+    def up(self, t: torch.Tensor) -> torch.Tensor:
+        """The delta from ``t = x @ lora_A^T`` (fp32): ``model.layers.project`` computes the A products
+        of several adapters of one input in one GEMM and finishes each delta here."""
+        return self.scale * linear(t, self.lora_B, out_dtype=torch.float32)
 
 
 class ExpertLoRA(nn.Module):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,7 +16,16 @@ from zmrl.kernels_batch_invariant.short_conv import causal_short_conv
 
 from .config import ModelConfig
 from .context import ForwardContext, KDASeqState
-from .layers import Linear, RMSNorm, Weight
+from .layers import Linear, RMSNorm, Weight, project
+
+
+@dataclass(frozen=True)
+class _Projected:
+    """The fused projections of a KDA layer's input (``KimiDeltaAttention._project``)."""
+
+    qkv: torch.Tensor  # [T, 3*H*dk]: q|k|v before the short conv
+    f_a: torch.Tensor  # [T, dk]: the decay's low-rank input
+    gate_in: torch.Tensor  # [T, dk] (low-rank gate input) or [T, H*dk] (full-rank gate)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -58,25 +68,31 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     # ------------------------------------------------------------------ forward
-    def _conv_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q|k|v projections side by side [T, 3*H*dk] and the depthwise conv weights [3*H*dk, W]."""
-        qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        conv_w = torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
-        return qkv_in, conv_w
+    def _project(self, x: torch.Tensor) -> "_Projected":
+        """Every model-dtype projection of the layer input in one fused GEMM (``project``): q|k|v side
+        by side [T, 3*H*dk] (the conv's input), the decay's low-rank input and the output gate's input
+        (its low-rank input, or the full-rank gate itself). beta's fp32 logits stay a separate product."""
+        gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        q, k, v, f_a, gate_in = project(x, [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate])
+        return _Projected(qkv=torch.cat([q, k, v], dim=-1), f_a=f_a, gate_in=gate_in)
 
-    def _features(self, qkv: torch.Tensor, x: torch.Tensor):
+    def _conv_weight(self) -> torch.Tensor:
+        """The depthwise conv weights of q|k|v side by side [3*H*dk, W]."""
+        return torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
+
+    def _features(self, qkv: torch.Tensor, x: torch.Tensor, p: "_Projected"):
         """(q, k, v, g, beta) of the delta rule from the conv outputs and the layer input."""
         T, H, K = x.shape[0], self.num_heads, self.head_dim
         q, k, v = qkv.split(H * K, dim=-1)
         q = l2_norm(q.view(T, H, K), out_dtype=torch.float32)
         k = l2_norm(k.view(T, H, K), out_dtype=torch.float32)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, H, self.lower_bound)
+        g = kda_gate(self.f_b_proj(p.f_a), self.A_log, self.dt_bias, H, self.lower_bound)
         beta = sigmoid(self.b_proj(x, out_dtype=torch.float32))
         return q, k, v.view(T, H, K), g, beta
 
-    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _output(self, o: torch.Tensor, x: torch.Tensor, p: "_Projected") -> torch.Tensor:
         T, H, K = x.shape[0], self.num_heads, self.head_dim
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        gate = p.gate_in if hasattr(self, "g_proj") else self.g_b_proj(p.gate_in)
         o = rms_norm_gated(o, gate.view(T, H, K), self.o_norm.weight, self.o_norm.eps, out_dtype=x.dtype)
         return self.o_proj(o.reshape(T, H * K))
 
@@ -87,13 +103,14 @@ class KimiDeltaAttention(nn.Module):
         states = [self._state(ctx, i) for i in range(n)]
 
         # Short conv over q|k|v at once (depthwise: channels are independent).
-        qkv_in, conv_w = self._conv_inputs(x)
+        p = self._project(x)
+        qkv_in, conv_w = p.qkv, self._conv_weight()
         conv_in = None
         if any(s.conv is not None for s in states):
             conv_in = torch.stack([s.conv if s.conv is not None else qkv_in.new_zeros(self.conv_size - 1, qkv_in.shape[-1])
                                    for s in states])
         qkv, conv_out = causal_short_conv(qkv_in, conv_w, ctx.cu_seqlens, conv_in, activation="silu")
-        q, k, v, g, beta = self._features(qkv, x)
+        q, k, v, g, beta = self._features(qkv, x, p)
 
         o = self._chunked(q, k, v, g, beta, ctx, states)
 
@@ -102,7 +119,7 @@ class KimiDeltaAttention(nn.Module):
                 if s.snapshots:
                     self._snapshot_conv(s, i, qkv_in, conv_in, ctx)
                 s.conv = conv_out[i].detach()
-        return self._output(o, x)
+        return self._output(o, x, p)
 
     def _forward_static(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Decode with fixed shapes and no host reads (what a CUDA graph captures): one new token per
@@ -113,12 +130,13 @@ class KimiDeltaAttention(nn.Module):
         """
         pool = ctx.kda_pool.layer(self.layer_idx)
         slots = ctx.kda_slots
-        qkv_in, conv_w = self._conv_inputs(x)
-        qkv, conv_out = causal_short_conv(qkv_in, conv_w, ctx.cu_seqlens, pool.conv[slots], activation="silu")
+        p = self._project(x)
+        qkv, conv_out = causal_short_conv(p.qkv, self._conv_weight(), ctx.cu_seqlens, pool.conv[slots],
+                                          activation="silu")
         pool.conv[slots] = conv_out
-        q, k, v, g, beta = self._features(qkv, x)
+        q, k, v, g, beta = self._features(qkv, x, p)
         o = kda_decode_step(q, k, v, g, beta, ctx.positions, slots, pool.chunk)
-        return self._output(o, x)
+        return self._output(o, x, p)
 
     def _snapshot_conv(self, s: KDASeqState, i: int, qkv_in: torch.Tensor, conv_in: torch.Tensor | None,
                        ctx: ForwardContext) -> None:

@@ -13,7 +13,7 @@ from zmrl.kernels_batch_invariant.pointwise import sigmoid
 
 from .config import ModelConfig
 from .context import ForwardContext
-from .layers import LayerNorm, Linear, RMSNorm
+from .layers import LayerNorm, Linear, RMSNorm, project
 from .rope import RotaryTable
 
 
@@ -92,15 +92,16 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
+        # The two projections of x in one fused GEMM (model.layers.project): q (or its latent) and kv.
         if hasattr(self, "q_proj"):
             q_latent = None
-            q = self.q_proj(x)
+            q, kv = project(x, [self.q_proj, self.kv_a_proj_with_mqa])
         else:
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q_a, kv = project(x, [self.q_a_proj, self.kv_a_proj_with_mqa])
+            q_latent = self.q_a_layernorm(q_a)
             q = self.q_b_proj(q_latent)
-        q = q.view(T, H, self.nope + self.rope_dim)
+        q = q.reshape(T, H, self.nope + self.rope_dim)  # q_proj's output may be a column view
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope:]
-        kv = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_pe = kv[:, self.kv_lora_rank:]
         if self.rope is not None:

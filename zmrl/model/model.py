@@ -1,16 +1,22 @@
 """The hybrid causal LM (KDA + MLA/DSA + MoE) and its two entry points.
 
-* ``forward_packed``: whole sequences packed with ``cu_seqlens`` — the trainer's path.
+* ``forward_packed``: whole sequences packed with ``cu_seqlens`` — the trainer's path (the trainer takes
+  the hidden states, ``forward_packed_hidden``, and ``compute_token_logprobs`` of the rows it scores).
 * ``forward_incremental``: any number of new tokens per sequence over a cache — the engine's path
   (1 = decode, more = a prefill chunk).
 Both build a ``ForwardContext`` and call the same ``HybridForCausalLM.forward``.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+
+from zmrl.kernels_batch_invariant.lm_head_logprobs import DEFAULT_CHUNK_ROWS, lm_head_token_logprobs
+from zmrl.kernels_batch_invariant.logprob import token_logprobs
 
 from .attn_res import AttnResState, depth_attention
 from .config import ModelConfig
@@ -151,6 +157,23 @@ class HybridForCausalLM(nn.Module):
         """fp32 logits [T, V]; each row depends on its hidden state alone."""
         return self.lm_head(hidden, out_dtype=torch.float32)
 
+    def compute_token_logprobs(self, hidden: torch.Tensor, token_ids: torch.Tensor,
+                               segments: Sequence[tuple[int, float]], chunk_rows: int | None = DEFAULT_CHUNK_ROWS
+                               ) -> torch.Tensor:
+        """``token_logprobs(compute_logits(hidden), token_ids, T)`` row by row, bitwise, without the
+        [R, V] logits: ``lm_head_token_logprobs`` runs the same ops chunk by chunk over the rows (and
+        recomputes each chunk's logits in the backward). ``segments``: consecutive (rows, temperature)
+        runs covering the rows. An adapter on lm_head takes the unchunked path (autograd through it)."""
+        if self.lm_head.adapter is not None:
+            logits = self.compute_logits(hidden)
+            parts, start = [], 0
+            for n, t in segments:
+                parts.append(token_logprobs(logits[start:start + n], token_ids[start:start + n], t))
+                start += n
+            return torch.cat(parts) if parts else logits.new_zeros(0)
+        return lm_head_token_logprobs(hidden, self.lm_head.weight, self.lm_head.bias, token_ids, segments,
+                                      chunk_rows)
+
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -208,8 +231,14 @@ def cast_model(model: HybridForCausalLM, dtype: torch.dtype) -> HybridForCausalL
     return model
 
 
+def forward_packed_hidden(model: HybridForCausalLM, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                          latent_format: str = "native", page_size: int = 64) -> torch.Tensor:
+    """Trainer path: final hidden states [T, D] for whole sequences packed by ``cu_seqlens``."""
+    ctx = packed_context(cu_seqlens.to(input_ids.device), page_size=page_size, latent_format=latent_format)
+    return model(input_ids, ctx)
+
+
 def forward_packed(model: HybridForCausalLM, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                    latent_format: str = "native", page_size: int = 64) -> torch.Tensor:
     """Trainer path: logits [T, V] (fp32) for whole sequences packed by ``cu_seqlens``."""
-    ctx = packed_context(cu_seqlens.to(input_ids.device), page_size=page_size, latent_format=latent_format)
-    return model.compute_logits(model(input_ids, ctx))
+    return model.compute_logits(forward_packed_hidden(model, input_ids, cu_seqlens, latent_format, page_size))

@@ -13,7 +13,7 @@ from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
 from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_route
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, Weight
+from .layers import Linear, RMSNorm, Weight, project
 
 
 def glu_of(cfg: ModelConfig) -> Callable[..., torch.Tensor]:
@@ -37,7 +37,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: "nn.Module | None" = None, expert: int = 0) -> torch.Tensor:
         """``lora`` (an ExpertLoRA holding batched [E, ...] tensors) adds expert ``expert``'s deltas."""
         if lora is None:
-            return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(self.glu(*project(x, [self.gate_proj, self.up_proj])))
         h = self.glu(self.gate_proj(x, extra=lora.delta("gate_proj", expert, x)),
                      self.up_proj(x, extra=lora.delta("up_proj", expert, x)))
         return self.down_proj(h, extra=lora.delta("down_proj", expert, h))

@@ -39,6 +39,10 @@ class DataSection:
     eval: str = "auto"
     prompts_per_step: int = 8
     synthetic_pool: int = 40  # data.train=synthetic: problems per epoch (40 = an epoch every 5 steps)
+    # How a problem becomes prompt text (zmrl/rl/chat_template.py): "auto" (the tokenizer's chat template
+    # when model.path has one, else a plain one-line prompt), "chat_template" (the chat template; an error
+    # when the tokenizer has none) or "plain" (the one-line prompt, e.g. for a base model).
+    prompt_format: str = "auto"
 
 
 @dataclass
@@ -125,12 +129,15 @@ class TrainerSection:
     # Activation recompute of the training forward: none | layer | selective | attention
     # (zmrl/model/recompute.py). Changes memory and time, never the forward bits or the gradients.
     recompute: str = "none"
+    # Rows per lm_head + log-prob chunk (bounds the logits memory; null = a micro-batch at once).
+    logprob_chunk_tokens: int | None = 1024
 
     def trainer_config(self, latent_format: str) -> "TrainerConfig":
         from zmrl.trainer import TrainerConfig
 
         return TrainerConfig(lr=self.lr, weight_decay=self.weight_decay, micro_batch_tokens=self.micro_batch_tokens,
-                             latent_format=latent_format, recompute=self.recompute)
+                             latent_format=latent_format, recompute=self.recompute,
+                             logprob_chunk_tokens=self.logprob_chunk_tokens)
 
 
 @dataclass
@@ -312,8 +319,7 @@ def verl_advantage_estimators() -> list[str]:
     """verl's registered advantage estimators that run on outcome rewards and group ids alone."""
     import inspect
 
-    from verl.trainer.ppo import core_algos
-
+    core_algos = require("verl.trainer.ppo.core_algos", "rl", "checking the recipe's algorithm settings")
     usable = []
     for name, fn in core_algos.ADV_ESTIMATOR_REGISTRY.items():
         required = {n for n, p in inspect.signature(fn).parameters.items()
@@ -324,8 +330,7 @@ def verl_advantage_estimators() -> list[str]:
 
 
 def verl_policy_losses() -> list[str]:
-    from verl.trainer.ppo import core_algos
-
+    core_algos = require("verl.trainer.ppo.core_algos", "rl", "checking the recipe's algorithm settings")
     return [str(n) for n in core_algos.POLICY_LOSS_REGISTRY]
 
 
@@ -355,6 +360,10 @@ def _validate(cfg: RecipeConfig) -> None:
     at_least("data.synthetic_pool", d.synthetic_pool, 1)
     need(bool(str(d.train).strip()), "data.train", "is empty: 'synthetic' or a .jsonl/.json/.parquet file")
     need(bool(str(d.eval).strip()), "data.eval", "is empty: aime24, aime25, synthetic, none or a file")
+    from .chat_template import PROMPT_FORMATS
+
+    need(d.prompt_format in PROMPT_FORMATS, "data.prompt_format",
+         f"must be one of {', '.join(PROMPT_FORMATS)}, got {d.prompt_format!r}")
 
     at_least("lora.r", lo.r, 1)
     finite("lora.alpha", lo.alpha)
@@ -404,6 +413,8 @@ def _validate(cfg: RecipeConfig) -> None:
     need(t.weight_decay >= 0, "trainer.weight_decay", f"must be >= 0, got {t.weight_decay}")
     need(t.micro_batch_tokens is None or t.micro_batch_tokens >= 1, "trainer.micro_batch_tokens",
          f"must be >= 1 or null (one micro-batch), got {t.micro_batch_tokens}")
+    need(t.logprob_chunk_tokens is None or t.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens",
+         f"must be >= 1 or null (a micro-batch at once), got {t.logprob_chunk_tokens}")
     need(t.seed >= 0, "trainer.seed", f"must be >= 0, got {t.seed}")
     need(bool(str(t.out_dir).strip()), "trainer.out_dir", "is empty")
     need(t.save_every >= 0, "trainer.save_every", f"must be >= 0 (0 = never), got {t.save_every}")

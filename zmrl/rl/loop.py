@@ -222,7 +222,7 @@ class RLRunner:
         rc, ac = self.cfg.rollout, self.cfg.algorithm
         t0 = time.perf_counter()
         sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_tokens=rc.max_tokens, n=rc.n, stop_token_ids=(self.tokenizer.eos_token_id,))
+                                  max_tokens=rc.max_tokens, n=rc.n, stop_token_ids=tuple(self.tokenizer.stop_token_ids))
         batch = self._rollout(self._prompts(step), sampling, f"s{step}", step, "sample")
         samples = batch.samples
         t_rollout = time.perf_counter() - t0
@@ -255,7 +255,7 @@ class RLRunner:
     def evaluate(self, step: int) -> dict[str, float]:
         ec = self.cfg.eval
         sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
-                                  stop_token_ids=(self.tokenizer.eos_token_id,))
+                                  stop_token_ids=tuple(self.tokenizer.stop_token_ids))
         t0 = time.perf_counter()
         samples = self._rollout(self.eval_problems, sampling, f"e{step}", 0, "eval", progress=True).samples
         spec = eval_set(self.cfg)

@@ -158,17 +158,12 @@ def clear_run(out_dir: str) -> list[str]:
 
 def check_inputs(cfg: RecipeConfig) -> RunInputs:
     """Read and check every file the recipe names; raises ``InputError`` naming the key, file and line."""
-    from .tokenizer import load_tokenizer
-
     check_out_dir(cfg)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
     else:
         _check_bootstrap_dir(cfg.model.bootstrap_dir)
-    try:
-        tokenizer = load_tokenizer(cfg.model.path)
-    except (ValueError, OSError) as e:
-        raise InputError(f"model.path={cfg.model.path}: tokenizer: {' '.join(str(e).split())}") from None
+    tokenizer = _tokenizer(cfg)
     train = None if cfg.data.train == "synthetic" else _problems("data.train", cfg.data.train)
     spec = eval_set(cfg)
     if spec == "none":
@@ -180,6 +175,33 @@ def check_inputs(cfg: RecipeConfig) -> RunInputs:
     else:
         evals = _problems("data.eval", spec, cfg.eval.limit)
     return RunInputs(train, evals, tokenizer)
+
+
+def _tokenizer(cfg: RecipeConfig) -> Any:
+    """The checkpoint's tokenizer with ``data.prompt_format`` applied; its ids must fit the model's vocabulary
+    and its stop ids must be token ids."""
+    from .tokenizer import NoChatTemplateError, load_tokenizer
+
+    path = cfg.model.path
+    try:
+        tokenizer = load_tokenizer(path, cfg.data.prompt_format)
+    except NoChatTemplateError as e:
+        raise InputError(f"data.prompt_format={cfg.data.prompt_format}: {' '.join(str(e).split())}; use auto or "
+                         "plain, or give the checkpoint a chat template") from None
+    except (ValueError, OSError) as e:
+        raise InputError(f"model.path={path}: tokenizer: {' '.join(str(e).split())}") from None
+    if path:
+        from zmrl.model import ModelConfig
+
+        vocab = ModelConfig.from_json(Path(path).expanduser() / "config.json").vocab_size
+        if tokenizer.vocab_size > vocab:
+            raise InputError(f"model.path={path}: the tokenizer has {tokenizer.vocab_size} token ids but config.json "
+                             f"vocab_size is {vocab}: the tokenizer does not belong to this model")
+        bad = [i for i in tokenizer.stop_token_ids if not 0 <= i < vocab]
+        if bad:
+            raise InputError(f"model.path={path}: stop token id(s) {bad} (tokenizer eos / generation_config.json) "
+                             f"are outside the model's vocabulary (vocab_size {vocab})")
+    return tokenizer
 
 
 def _check_bootstrap_dir(folder: str) -> None:

@@ -1,7 +1,8 @@
-"""Tokenizers for the RL loop: a dependency-free byte tokenizer for the embedded default model, and a
-thin wrapper giving a Hugging Face tokenizer the same interface.
+"""Tokenizers for the RL loop: a dependency-free byte tokenizer for the embedded default model, a thin
+wrapper giving a Hugging Face tokenizer (``tokenizer.json`` & co., through ``transformers.AutoTokenizer``,
+never with remote code) the same interface, and Kimi's tiktoken files (tiktoken_tokenizer.py).
 
-Interface (both classes): ``encode(text, add_bos=True) -> list[int]``, ``decode(ids, skip_special=True)
+Interface (every class): ``encode(text, add_bos=True) -> list[int]``, ``decode(ids, skip_special=True)
 -> str``, ``apply_chat_template(question) -> str`` (the prompt text, to be passed to ``encode``),
 ``eos_token_id``, ``bos_token_id``, ``pad_token_id``, ``stop_token_ids`` and ``vocab_size``.
 """
@@ -14,11 +15,11 @@ from pathlib import Path
 
 from zmrl.extras import require
 
-__all__ = ["BYTE_TOKENIZER_FILE", "ByteTokenizer", "HFTokenizer", "PROMPT_TEMPLATE", "load_tokenizer"]
+from .chat_template import PROMPT_FORMATS, PROMPT_TEMPLATE, ChatPrompt, NoChatTemplateError
+from .tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenTokenizer
 
-# Every prompt byte costs CPU time in rollout and training, so the instruction is as short as it can
-# be while still naming the answer format that the reward (zmrl.rl.reward) reads.
-PROMPT_TEMPLATE = "{question}\nAnswer in \\boxed{{}}.\n"
+__all__ = ["BYTE_TOKENIZER_FILE", "ByteTokenizer", "HFTokenizer", "NoChatTemplateError", "PROMPT_FORMATS",
+           "PROMPT_TEMPLATE", "TiktokenTokenizer", "TokenizerError", "load_tokenizer"]
 
 # A checkpoint folder holding this file uses the byte tokenizer (written by zmrl.rl.bootstrap).
 BYTE_TOKENIZER_FILE = "zmrl_tokenizer.json"
@@ -77,6 +78,8 @@ class ByteTokenizer:
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
+    chat_template = None  # no chat template: every prompt_format but chat_template gives PROMPT_TEMPLATE
+
     def apply_chat_template(self, question: str) -> str:
         return PROMPT_TEMPLATE.format(question=question.strip())
 
@@ -84,16 +87,28 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=259, bos=256, eos=257, pad=258)"
 
 
-class HFTokenizer:
+class TokenizerError(ValueError):
+    """A checkpoint's tokenizer files cannot be used; the message names the file and the setting."""
+
+
+class HFTokenizer(ChatPrompt):
     """A ``transformers`` tokenizer behind the ByteTokenizer interface.
 
-    ``apply_chat_template`` uses the tokenizer's chat template (one user turn holding the question and
-    the \\boxed{} instruction, generation prompt added) when it has one, else ``PROMPT_TEMPLATE``.
-    ``encode`` never lets the tokenizer add special tokens itself (a rendered chat template usually
-    carries its own BOS text); with ``add_bos`` it prepends ``bos_token_id`` unless already there."""
+    ``apply_chat_template`` follows ``prompt_format`` (chat_template.py). ``encode`` never lets the
+    tokenizer add special tokens itself (a rendered chat template usually carries its own BOS text); with
+    ``add_bos`` it prepends ``bos_token_id`` unless already there. ``stop_token_ids``: the EOS id, then
+    ``extra_stop_ids`` (the checkpoint's ``generation_config.json`` end ids, e.g. an end-of-turn token)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, extra_stop_ids: Iterable[int] = ()) -> None:
         self.tok = tokenizer
+        self._extra_stop_ids = [int(i) for i in extra_stop_ids]
+
+    @property
+    def chat_template(self) -> str | None:  # type: ignore[override]
+        template = getattr(self.tok, "chat_template", None)
+        if isinstance(template, dict):  # named templates
+            template = template.get("default")
+        return template or None
 
     @property
     def vocab_size(self) -> int:
@@ -116,7 +131,7 @@ class HFTokenizer:
 
     @property
     def stop_token_ids(self) -> list[int]:
-        return [self.eos_token_id]
+        return list(dict.fromkeys([self.eos_token_id, *self._extra_stop_ids]))
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = list(self.tok.encode(text, add_special_tokens=False))
@@ -128,23 +143,80 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, question: str) -> str:
-        if getattr(self.tok, "chat_template", None):
-            content = f"{question.strip()}\nPut the final answer in \\boxed{{}}."
-            return self.tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                add_generation_prompt=True)
-        return PROMPT_TEMPLATE.format(question=question.strip())
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                            chat_template=self.chat_template)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.tok.name_or_path!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(model_path: str | os.PathLike | None = None) -> ByteTokenizer | HFTokenizer:
-    """None (the embedded default) or a folder marked with ``zmrl_tokenizer.json`` -> ByteTokenizer;
-    any other folder -> its Hugging Face tokenizer, loaded offline (``local_files_only=True``)."""
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def generation_stop_ids(root: Path) -> list[int]:
+    """The end ids of ``generation_config.json`` (``eos_token_id``: an id or a list), if the file exists."""
+    path = root / "generation_config.json"
+    if not path.is_file():
+        return []
+    value = _read_json(path).get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TokenizerError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return ids
+
+
+def _check_no_remote_code(root: Path) -> None:
+    """A tokenizer whose class exists only in the checkpoint's own Python files is refused, in one line."""
+    path = root / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = _read_json(path)
+    auto = (config.get("auto_map") or {}).get("AutoTokenizer") if isinstance(config.get("auto_map"), dict) else None
+    if not auto:
+        return
+    cls = config.get("tokenizer_class")
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    if cls is None or tokenizer_class_from_name(str(cls)) is None:
+        remote = [a for a in (auto if isinstance(auto, list) else [auto]) if a]
+        raise TokenizerError(f"{path}: tokenizer_class {cls!r} is remote code (auto_map.AutoTokenizer = {remote}), "
+                             "which zmrl never runs (no trust_remote_code): give the folder a tokenizer.json whose "
+                             "tokenizer_class is a transformers class, or Kimi's tiktoken.model")
+
+
+def load_tokenizer(model_path: str | os.PathLike | None = None, prompt_format: str = "auto"
+                   ) -> ByteTokenizer | HFTokenizer | TiktokenTokenizer:
+    """The tokenizer of a checkpoint folder, loaded offline:
+
+    - None (the embedded default) or a folder marked with ``zmrl_tokenizer.json``: ByteTokenizer;
+    - a folder with ``tiktoken.model`` (Kimi): TiktokenTokenizer (zmrl's own loader);
+    - any other folder: its Hugging Face tokenizer via ``AutoTokenizer`` (``local_files_only``, never remote
+      code: a tokenizer class that lives in the checkpoint's Python files is a TokenizerError).
+
+    ``prompt_format``: chat_template.py (``chat_template`` without a template raises NoChatTemplateError)."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
     if model_path is None:
-        return ByteTokenizer()
-    root = Path(model_path)
+        tok = ByteTokenizer()
+    else:
+        tok = _load_folder(Path(model_path))
+    if prompt_format == "chat_template" and not tok.chat_template:
+        raise NoChatTemplateError(f"the tokenizer {tok!r} has no chat template (looked for tokenizer_config.json "
+                                  "'chat_template' and chat_template.jinja)")
+    if isinstance(tok, ChatPrompt):
+        tok.set_prompt_format(prompt_format)
+    return tok
+
+
+def _load_folder(root: Path) -> ByteTokenizer | HFTokenizer | TiktokenTokenizer:
     marker = root / BYTE_TOKENIZER_FILE
     if marker.exists():
         kind = json.loads(marker.read_text()).get("type")
@@ -153,14 +225,18 @@ def load_tokenizer(model_path: str | os.PathLike | None = None) -> ByteTokenizer
         return ByteTokenizer()
     if not root.exists():
         raise FileNotFoundError(f"tokenizer path {str(root)!r} does not exist")
+    stops = generation_stop_ids(root)
+    if (root / TIKTOKEN_FILE).is_file():
+        return TiktokenTokenizer(root, extra_stop_ids=stops)
     AutoTokenizer = require("transformers", "rl", f"the tokenizer of {str(root)!r}").AutoTokenizer
-
+    _check_no_remote_code(root)
     try:
-        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 -- re-raised with the path and the way out
-        raise ValueError(f"could not load a Hugging Face tokenizer from {str(root)!r} (offline): {e}. "
-                         f"A byte-tokenizer checkpoint needs a {BYTE_TOKENIZER_FILE} file.") from e
-    return HFTokenizer(tok)
+        raise ValueError(f"could not load a Hugging Face tokenizer from {str(root)!r} (offline): "
+                         f"{' '.join(str(e).split())}. A byte-tokenizer checkpoint needs a {BYTE_TOKENIZER_FILE} "
+                         f"file, a Kimi one {TIKTOKEN_FILE} + tokenizer_config.json.") from e
+    return HFTokenizer(tok, extra_stop_ids=stops)
 
 
 def write_byte_tokenizer_marker(path: str | os.PathLike) -> None:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from zmrl.kernels_batch_invariant.lm_head_logprobs import DEFAULT_CHUNK_ROWS
 from zmrl.model import apply_recompute
 
 from .batch import Sample, TrainBatch, pad_rows
@@ -41,6 +42,13 @@ class TrainerConfig:
     # Activation recompute of the training forward (zmrl/model/recompute.py: none | layer | selective |
     # attention); changes memory and time, never the forward bits or the gradients.
     recompute: str = "none"
+    # Rows per lm_head + log-prob chunk (zmrl/kernels_batch_invariant/lm_head_logprobs.py): bounds the
+    # logits memory to chunk x vocab fp32 in the forward and the backward; None = a micro-batch at once.
+    logprob_chunk_tokens: int | None = DEFAULT_CHUNK_ROWS
+
+    def __post_init__(self) -> None:
+        if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens < 1:
+            raise ValueError(f"trainer.logprob_chunk_tokens must be >= 1 or null, got {self.logprob_chunk_tokens}")
 
 
 @dataclass
@@ -88,7 +96,8 @@ class Trainer:
                                     [len(samples[i].prompt_ids) for i in idx],
                                     [samples[i].temperature for i in idx],
                                     micro_batch_tokens=self.config.micro_batch_tokens if subset is None else None,
-                                    latent_format=self.config.latent_format)
+                                    latent_format=self.config.latent_format,
+                                    logprob_chunk_tokens=self.config.logprob_chunk_tokens)
 
     def reference_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Log-probs under the base model (LoRA off), on the CPU: the reference policy of the KL term."""

@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear
+from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear, linear_concat
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 U32 = 2.0**-24
 
 # M values the GPU invariance sweep covers (the brief's list): around every tile boundary.
-GPU_MS = [1, 2, 3, 7, 8, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 4096]
+GPU_MS = [1, 2, 3, 7, 8, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 1023, 1024, 4096]
 CPU_MS = [1, 2, 3, 7, 16, 17, 63, 65, 129]
 
 # Bench preset projection shapes (N, K) (see benchmarks/gemm_invariant_vs_cublas.py).
@@ -79,6 +79,69 @@ def test_linear_matches_float64(device, interpret, dtype):
         y32 = _lin(x, w, out_dtype=torch.float32)
         assert y32.dtype == torch.float32
         assert torch.equal(y32.to(dtype), _lin(x, w)), "fp32 accumulator rounded once, at the end"
+
+
+# ------------------------------------------------------------------------------ linear_concat
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_linear_concat_is_the_concatenation_of_linears(device, interpret, dtype):
+    """One launch over separate weights (different N, one K; separate allocations at arbitrary
+    relative addresses) gives every column the bits Triton ``linear`` gives it, for every M, with
+    the rows invariant to the batch; fp32 output rounded once equals the 16-bit output."""
+    g = torch.Generator().manual_seed(7)
+    cat = triton_impl(linear_concat)
+    cases = [(33, (7, 40, 1, 16)), (64, (64, 3, 130))]
+    if not interpret:
+        cases += [(2048, (2048, 2048, 2048, 128, 16, 128)), (2048, (768, 576, 128, 32))]
+    for k, ns in cases:
+        ws = [(torch.randn(n, k, generator=g) / k**0.5).to(device, dtype) for n in ns]
+        pool = torch.randn(16, k, generator=g).to(device, dtype)
+        for m in ([1, 5, 16, 17] if interpret else [1, 7, 64, 65, 256, 257, 1000]):
+            x = pool[torch.arange(m) % 16]
+            y = cat(x, ws)
+            assert y.shape == (m, sum(ns)) and y.dtype == dtype
+            assert torch.equal(y, torch.cat([_lin(x, w) for w in ws], dim=-1)), (k, ns, m)
+            y32 = cat(x, ws, out_dtype=torch.float32)
+            assert torch.equal(y32, torch.cat([_lin(x, w, out_dtype=torch.float32) for w in ws], dim=-1))
+            assert torch.equal(y32.to(dtype), y)
+        _assert_rows_invariant(lambda r: cat(r, ws), pool, [1, 2, 17] if interpret else GPU_MS, seed=k)
+
+
+def test_linear_concat_lora_factors_and_gradients(device, interpret):
+    """fp32 weights (LoRA A factors) against bf16/fp32 x; gradients equal those of separate linears
+    (up to the backward's own rounding: both are fp32 GEMMs of the same operands, compared with a
+    bound), and repeated backward passes are bitwise equal."""
+    g = torch.Generator().manual_seed(8)
+    cat = triton_impl(linear_concat)
+    k = 48
+    ws = [torch.randn(n, k, generator=g).to(device).requires_grad_() for n in (8, 8, 24)]
+    x = torch.randn(9, k, generator=g).to(device).requires_grad_()
+    gy = torch.randn(9, 40, generator=g).to(device)
+    y = cat(x, ws, out_dtype=torch.float32)
+    assert torch.equal(y, torch.cat([_lin(x, w, out_dtype=torch.float32) for w in ws], dim=-1))
+    grads = torch.autograd.grad(y, [x, *ws], gy)
+    again = torch.autograd.grad(cat(x, ws, out_dtype=torch.float32), [x, *ws], gy)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again)), "the backward is deterministic"
+    ref = torch.autograd.grad(torch.cat([x.double() @ w.double().t() for w in ws], dim=-1), [x, *ws], gy.double())
+    for got, want in zip(grads, ref):
+        # fp32 GEMMs of K <= 40 terms: a few ulps of sum |terms|; 1e-5 of the largest value is ample
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
+
+
+def test_linear_concat_errors_and_fallbacks(device):
+    cat = triton_impl(linear_concat)
+    x = torch.randn(3, 16, device=device)
+    with pytest.raises(ValueError, match="no weights"):
+        cat(x, [])
+    with pytest.raises(ValueError, match="features"):
+        cat(x, [torch.randn(4, 16, device=device), torch.randn(4, 8, device=device)])
+    # mixed dtypes cannot share one segment table: separate launches, same bits
+    ws = [torch.randn(4, 16, device=device), torch.randn(5, 16, device=device).to(torch.bfloat16)]
+    assert torch.equal(cat(x, ws, out_dtype=torch.float32),
+                       torch.cat([_lin(x, w, out_dtype=torch.float32) for w in ws], dim=-1))
+    # the torch backend is the reference composition
+    w2 = [torch.randn(4, 16), torch.randn(6, 16)]
+    xc = torch.randn(3, 16)
+    assert torch.equal(linear_concat.impls["torch"](xc, w2), torch.cat([linear.impls["torch"](xc, w) for w in w2], -1))
 
 
 def test_linear_mixed_dtypes_compute_in_fp32(device, interpret):

@@ -413,6 +413,8 @@ def _launch_config(dk: int, dv: int) -> dict[str, int]:
         "BV": min(dvp, 32),
         "intra_warps": 8 if big or dkp >= 64 else 4,
         "inter_warps": 8 if big else 4,
+        # the decode step's new-row recurrence (16-row products, one [dk, BV] state tile per program)
+        "decode_inter_warps": 4,
     }
 
 
@@ -653,7 +655,7 @@ def kda_decode_step_triton(
     _kda_decode_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
         qg, kd, a_qk, w, u, dec, cache.v_e, cache.state, o, info[0], h,
         DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, BC=_SUB, DOT_PREC=kda_dot_precision(),
-        num_warps=4, num_stages=1,
+        num_warps=cfg["decode_inter_warps"], num_stages=1,
     )
     return o
 

@@ -74,11 +74,13 @@ import triton.language as tl
 
 from .. import matmul as _ops
 from .. import moe_gemm as _moe
+from ..moe_gemm_grads import expert_linear_grads
 from ._common import INTERPRET, cdiv, compute_in_fp64, next_pow2
 
 log = logging.getLogger(__name__)
 
 linear = _ops.linear
+linear_concat = _ops.linear_concat
 bmm_fixed = _ops.bmm_fixed
 grouped_linear = _ops.grouped_linear
 expert_linear = _moe.expert_linear
@@ -112,15 +114,23 @@ class GemmConfig:
 
 
 # Row-count buckets: up to SMALL_M one 16-row tile with a 128-wide K step; up to DECODE_M the decode
-# configs (parallelism over N); up to LARGE_M 128x128 tiles; above it 256x128 (best for nearly every bench
-# shape at M=4096 in the 2026-11-29 H200 sweep). The SMALL_M config, measured in the bench model's decode
+# configs (parallelism over N); up to BATCH_M (batched decode, RL rollouts at batch 64-256) 64-row tiles
+# with BLOCK_N picked so that a 128-256-row step still spreads over most SMs (128x128 tiles gave N = 2048
+# outputs 32 programs: 3x cuBLAS's time at M = 256, benchmarks/results/2026-11-30_gemm_h200.json); up to
+# LARGE_M 128x128 tiles; above it 256x128 (best for nearly every bench shape at M=4096 in the 2026-11-29
+# H200 sweep). The SMALL_M config, measured in the bench model's decode
 # step at batch 1 (H200, 2026-11-30, GEMM device time per step): 64x32x64 4.97 ms, 16x32x64 4.83 ms,
 # 16x32x128 4.29 ms. An fp32 x split into three bf16 dots keeps a 64-wide K step in every bucket (_launch):
 # its three dots per K step make the step size part of its accumulation order.
 SMALL_M = 16
 SPLIT_BLOCK_K = 64
 DECODE_M = 64
+BATCH_M = 256
 LARGE_M = 1024
+
+
+def _bucket(m: int) -> int:
+    return -1 if m <= SMALL_M else 0 if m <= DECODE_M else 1 if m <= BATCH_M else 2 if m < LARGE_M else 3
 
 
 def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
@@ -131,7 +141,7 @@ def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
     Benchmarks may replace this module-level function to try other configs; it is looked up at
     every call.
     """
-    return _linear_config(n, dtype, -1 if m <= SMALL_M else (0 if m <= DECODE_M else (1 if m < LARGE_M else 2)))
+    return _linear_config(n, dtype, _bucket(m))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -139,10 +149,14 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
     if dtype in _HALF:
         if bucket == -1:
             return GemmConfig(16, 32, 128, 4, 4)
-        if bucket == 2:
+        if bucket == 3:
             return GemmConfig(256, 128, 64, 8, 3)
-        if bucket == 1:
+        if bucket == 2:
             return GemmConfig(128, 128, 64, 4, 4)
+        if bucket == 1:  # 2-4 row tiles of 64: BLOCK_N so that N alone gives >= 32 column tiles
+            if cdiv(n, 128) >= 32:
+                return GemmConfig(64, 128, 64, 4, 4)
+            return GemmConfig(64, 64, 64, 4, 4) if cdiv(n, 64) >= 32 else GemmConfig(64, 32, 64, 4, 4)
         if cdiv(n, 128) >= MIN_DECODE_PROGRAMS:
             return GemmConfig(128, 128, 64, 8, 4)
         if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
@@ -177,8 +191,8 @@ def _gemm_kernel(
     stride_xg, stride_xm, stride_xk,
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, EXPERTS: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,
-    F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr,
+    W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """y[g, m, n] = sum_k x[g, m, k] * w[g, n, k] (+ b[n]) for one [BLOCK_M, BLOCK_N] tile.
@@ -191,6 +205,10 @@ def _gemm_kernel(
     and program pid_m finds tile pid_m (expert, first row, end row) itself; programs past the last
     tile exit. Expert e's weight starts ``woff_ptr[e]`` elements after ``w_ptr`` (W_TABLE) or
     ``e * stride_wg`` elements (stacked weights).
+    Segment mode (SEGMENTS, ``linear_concat``): the columns of y are N_EXPERTS segments, segment s
+    the output columns offs[s]:offs[s+1] of its own weight ``woff_ptr[s]`` elements after ``w_ptr``;
+    each segment is cut into BLOCK_N column tiles from its first column (a tile never straddles two
+    segments) and program pid_n finds its (segment, tile) the way expert mode finds its rows.
     """
     pid_0 = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -236,11 +254,30 @@ def _gemm_kernel(
         x_base = x_ptr + pid_g * stride_xg
         y_base = y_ptr + pid_g * stride_yg
 
+    n_end = N
+    tile_n = pid_n
+    if SEGMENTS:
+        lanes_s = tl.arange(0, BLOCK_E)
+        in_s = lanes_s < N_EXPERTS
+        c_lo = tl.load(offs_ptr + lanes_s, mask=in_s, other=0)
+        c_hi = tl.load(offs_ptr + lanes_s + 1, mask=in_s, other=0)
+        s_tiles = (c_hi - c_lo + (BLOCK_N - 1)) // BLOCK_N
+        s_tiles_end = tl.cumsum(s_tiles, axis=0)
+        seg = tl.sum((s_tiles_end <= pid_n).to(tl.int32), axis=0)
+        here_s = lanes_s == seg
+        tile_n = pid_n - tl.sum(tl.where(here_s, s_tiles_end - s_tiles, 0), axis=0)
+        n_end = tl.sum(tl.where(here_s, c_hi - c_lo, 0), axis=0)
+        soff = tl.load(woff_ptr + seg)
+        if W_ALIGN > 1:
+            soff = tl.multiple_of(soff, W_ALIGN)
+        w_base += soff
+        y_base += tl.sum(tl.where(here_s, c_lo, 0), axis=0).to(tl.int64) * stride_yn
+
     offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < row_end
-    n_mask = offs_n < N
+    n_mask = offs_n < n_end
     # int64 row/column offsets: lm_head-sized outputs and weights exceed 2^31 elements at long M.
     x_ptrs = x_base + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_base + offs_k[:, None] * stride_wk + offs_n.to(tl.int64)[None, :] * stride_wn
@@ -326,11 +363,26 @@ class _ExpertLaunch:
     n_tiles: int
 
 
+@dataclass(frozen=True)
+class _SegmentLaunch:
+    """Segment-mode arguments of ``_launch`` (``linear_concat``): int32 [S+1] column offsets and
+    int64 [S] weight element offsets from the base weight, both on the device; the alignment of every
+    weight start in elements; the exact number of column tiles (host shapes)."""
+
+    col_offsets: torch.Tensor
+    woff: torch.Tensor
+    align: int
+    n_segments: int
+    n_tiles: int
+
+
 def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: torch.Tensor, cfg: GemmConfig,
-            m: int, n: int, k: int, *, experts: _ExpertLaunch | None = None) -> None:
+            m: int, n: int, k: int, *, experts: _ExpertLaunch | None = None,
+            segments: _SegmentLaunch | None = None) -> None:
     """Launch ``_gemm_kernel``. x3 [G, M, K], w3 [G, N, K] (any strides), y3 [G, M, N].
     ``experts``: expert mode, with x3/y3 of G=1 and w3 the lowest-address expert weight as
-    [1, N, K] (per-expert weights) or the stacked [E, N, K] weights."""
+    [1, N, K] (per-expert weights) or the stacked [E, N, K] weights.
+    ``segments``: segment mode, G=1, w3 the lowest-address weight as [1, N_s, K], y3 [1, M, sum N_s]."""
     _check_dtype(x3, "x")
     _check_dtype(w3, "weight")
     split = _split_x(x3.dtype, w3.dtype)
@@ -344,11 +396,16 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         # The interpreter's fp32 -> 16-bit conversion truncates (the GPU rounds to nearest even):
         # store fp32 and let torch round, which is what the compiled kernel's store does.
         y32 = torch.empty(y3.shape, dtype=torch.float32, device=y3.device)
-        _launch(x3, w3, bias, y32, cfg, m, n, k, experts=experts)
+        _launch(x3, w3, bias, y32, cfg, m, n, k, experts=experts, segments=segments)
         y3.copy_(y32)
         return
     g = x3.shape[0]
-    if experts is None:
+    if segments is not None:
+        offs, woff, align, n_experts = segments.col_offsets, segments.woff, segments.align, segments.n_segments
+        block_e = max(16, next_pow2(n_experts))
+        m_tiles = cdiv(m, cfg.block_m)
+        grid = (m_tiles, segments.n_tiles)
+    elif experts is None:
         offs, woff, align, n_experts, block_e = x3, x3, 1, 1, 16  # unused (constexpr-disabled branch)
         m_tiles = cdiv(m, cfg.block_m)
         grid = (g * m_tiles, cdiv(n, cfg.block_n))
@@ -366,7 +423,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         x3.stride(0), x3.stride(1), x3.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
         y3.stride(0), y3.stride(1), y3.stride(2),
-        HAS_BIAS=bias is not None, EXPERTS=experts is not None,
+        HAS_BIAS=bias is not None, EXPERTS=experts is not None, SEGMENTS=segments is not None,
         W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split,
         INTERPRET=_interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
@@ -453,6 +510,102 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if _needs_grad(x, weight, bias):
         return _LinearFn.apply(x, weight, bias, out_dtype)
     return _linear_forward(x, weight, bias, out_dtype)
+
+
+# ------------------------------------------------------------------------------- linear_concat
+def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """All segments in one launch. The config is ``linear``'s for the summed N (which program computes
+    an element, never its bits: module doc), so each column equals Triton ``linear(x, w_s)``'s."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    ns = [w.shape[0] for w in weights]
+    n = sum(ns)
+    x2 = _rows(x, k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m and n:
+        w0 = weights[0]
+        cfg = linear_config(n, k, _config_dtype(x.dtype, w0.dtype), m)
+        table = _weight_table(weights, x.device, "linear_concat")
+        cols = _column_offsets(tuple(ns), x.device)
+        seg = _SegmentLaunch(cols, table.table, table.align, len(weights),
+                             sum(cdiv(c, cfg.block_n) for c in ns))
+        _launch(x2.unsqueeze(0), weights[table.base_index].unsqueeze(0), None, y.unsqueeze(0), cfg, m, n, k,
+                segments=seg)
+    return y.reshape(*lead, n)
+
+
+_COLS_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _column_offsets(ns: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 [S+1] cumulative column offsets on the device, one tensor per (widths, device) for the life
+    of the process (a few per model; a captured graph keeps reading the one it was captured with)."""
+    key = (ns, device)
+    hit = _COLS_CACHE.get(key)
+    if hit is None:
+        if _capturing(device):
+            raise RuntimeError("linear_concat: these widths were never seen before CUDA-graph capture; "
+                               "run the captured call once eagerly first (warm-up)")
+        offs = [0]
+        for c in ns:
+            offs.append(offs[-1] + c)
+        hit = _COLS_CACHE[key] = torch.tensor(offs, dtype=torch.int32, device=device)
+    return hit
+
+
+class _LinearConcatFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_dtype: torch.dtype, *weights: torch.Tensor) -> torch.Tensor:
+        need_w = any(ctx.needs_input_grad[2:])
+        ctx.save_for_backward(x if need_w else None, *weights)
+        ctx.x_meta = (x.shape, x.dtype)
+        return _concat_forward(x, list(weights), out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # The backward need not be invariant (docs/numerics.md): stock GEMMs per segment, dX summed
+        # over segments in segment order (deterministic).
+        x, *weights = ctx.saved_tensors
+        x_shape, x_dtype = ctx.x_meta
+        cdt = _dot_dtype(x_dtype, weights[0].dtype)
+        k = x_shape[-1]
+        g2 = gy.reshape(-1, gy.shape[-1]).to(cdt)
+        dx = None
+        dws: list[torch.Tensor | None] = []
+        c0 = 0
+        for w, need in zip(weights, ctx.needs_input_grad[2:]):
+            gs = g2[:, c0:c0 + w.shape[0]]
+            c0 += w.shape[0]
+            if ctx.needs_input_grad[0]:
+                part = gs @ w.to(cdt)
+                dx = part if dx is None else dx + part
+            dws.append((gs.t() @ x.reshape(-1, k).to(cdt)).to(w.dtype) if need else None)
+        if dx is not None:
+            dx = dx.reshape(x_shape).to(x_dtype)
+        return (dx, None, *dws)
+
+
+@linear_concat.register("triton")
+def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Triton ``linear_concat``: one launch over every weight (segment mode of ``_gemm_kernel``);
+    bitwise the concatenation of Triton ``linear`` per weight."""
+    ws = list(weights)
+    if not ws:
+        raise ValueError("linear_concat: no weights")
+    k = x.shape[-1]
+    for w in ws:
+        if w.dim() != 2 or w.shape[1] != k:
+            raise ValueError(f"linear_concat: x has {k} features but a weight is {tuple(w.shape)}")
+    if compute_in_fp64(x, *ws):
+        return linear_concat.impls["torch"](x, ws, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    if len(ws) == 1 or any(w.dtype != ws[0].dtype or w.stride() != ws[0].stride() for w in ws):
+        # one weight, or weights the segment table cannot address: separate launches, same bits
+        return torch.cat([linear_triton(x, w, None, out_dtype) for w in ws], dim=-1)
+    if _needs_grad(x, *ws):
+        return _LinearConcatFn.apply(x, out_dtype, *ws)
+    return _concat_forward(x, ws, out_dtype)
 
 
 # ------------------------------------------------------------------------------- grouped_linear
@@ -571,45 +724,38 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _build_weight_table(views: list[torch.Tensor], ptrs: tuple[int, ...], device: torch.device) -> _WeightTable:
-    """Validate a weight set (once per set: every call afterwards hits the cache) and build its table."""
+def _build_weight_table(views: list[torch.Tensor], ptrs: tuple[int, ...], device: torch.device,
+                        what: str) -> _WeightTable:
+    """Validate a weight set (once per set: every call afterwards hits the cache) and build its table.
+    Experts share one [N, K]; the segments of ``linear_concat`` share K (their N differ)."""
     w0 = views[0]
+    same = (lambda w: w.shape == w0.shape) if what == "expert_linear" else (lambda w: w.shape[1:] == w0.shape[1:])
     for w in views:
-        if w.dim() != 2 or w.shape != w0.shape:
-            raise ValueError("expert_linear: every expert weight must be [N, K] with the same N, K")
+        if w.dim() != 2 or not same(w):
+            raise ValueError(f"{what}: every weight must be [N, K] with the same "
+                             f"{'N, K' if what == 'expert_linear' else 'K'}")
         if w.dtype != w0.dtype or w.stride() != w0.stride() or w.device != w0.device:
-            raise ValueError("expert_linear: expert weights must share dtype, strides and device")
+            raise ValueError(f"{what}: the weights must share dtype, strides and device")
     es = w0.element_size()
     base_i = min(range(len(ptrs)), key=ptrs.__getitem__)
     deltas = [p - ptrs[base_i] for p in ptrs]
     if any(d % es for d in deltas):
-        raise ValueError("expert_linear: expert weights are not element-aligned to each other")
-    # Weight loads vectorise when every expert starts on a 16-byte boundary: then every offset is a
+        raise ValueError(f"{what}: the weights are not element-aligned to each other")
+    # Weight loads vectorise when every weight starts on a 16-byte boundary: then every offset is a
     # multiple of 16 bytes' worth of elements.
     align = 16 // es if all(p % 16 == 0 for p in ptrs) and 16 % es == 0 else 1
     table = torch.tensor([d // es for d in deltas], dtype=torch.int64, device=device)
     return _WeightTable(table, align, base_i)
 
 
-def _expert_weight_table(weights: _moe.Weights, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """(the kernel's weight base, int64 element offsets [E] of every expert from it or None, the
-    offsets' guaranteed alignment in elements).
-
-    Per-expert weights: the base is the expert weight at the lowest address as [1, N, K], so all
-    offsets are >= 0; all experts must share shape, dtype and strides (true for the model's experts).
-    The table is cached keyed on the weights' addresses (plus the first weight's dtype, shape,
-    strides and the device): a function of the key alone, so the cache is never stale, and it is
-    the same device tensor on every call, which is what a captured CUDA graph needs. Stacked
-    [E, N, K] weights: the base is the stack itself and no table is needed."""
-    if isinstance(weights, torch.Tensor):
-        es = weights.element_size()
-        aligned = (16 % es == 0 and weights.data_ptr() % 16 == 0
-                   and (weights.shape[0] == 1 or (weights.stride(0) * es) % 16 == 0))
-        return weights, None, 16 // es if aligned else 1
-    views = list(weights)
+def _weight_table(views: list[torch.Tensor], device: torch.device, what: str) -> _WeightTable:
+    """The cached table of a set of separate weights (``_build_weight_table``), keyed on their addresses,
+    shapes, dtype, strides and device: a function of the key alone, so the cache is never stale, and the
+    same device tensor on every call, which is what a captured CUDA graph needs."""
     w0 = views[0]
     ptrs = tuple(w.data_ptr() for w in views)
-    key = (ptrs, w0.dtype, tuple(w0.shape), w0.stride(), w0.device)  # w0.device: always indexed (cuda:0)
+    # w0.device: always indexed (cuda:0)
+    key = (what, ptrs, w0.dtype, tuple(tuple(w.shape) for w in views), w0.stride(), w0.device)
     hit = _WOFF_PINNED.get(key)
     if hit is None:
         capturing = _capturing(device)
@@ -617,9 +763,9 @@ def _expert_weight_table(weights: _moe.Weights, device: torch.device) -> tuple[t
         if hit is None:
             if capturing:
                 # building it now would record a copy from a temporary host buffer into the graph
-                raise RuntimeError("expert_linear: this set of expert weights was never seen before CUDA-graph "
+                raise RuntimeError(f"{what}: this set of weights was never seen before CUDA-graph "
                                    "capture; run the captured call once eagerly first (warm-up)")
-            hit = _build_weight_table(views, ptrs, device)
+            hit = _build_weight_table(views, ptrs, device, what)
             _WOFF_CACHE[key] = hit
             if len(_WOFF_CACHE) > _WOFF_CACHE_SIZE:
                 _WOFF_CACHE.popitem(last=False)
@@ -627,6 +773,24 @@ def _expert_weight_table(weights: _moe.Weights, device: torch.device) -> tuple[t
             _WOFF_CACHE.move_to_end(key)
         if capturing:
             _WOFF_PINNED[key] = _WOFF_CACHE.pop(key)
+    return hit
+
+
+def _expert_weight_table(weights: _moe.Weights, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(the kernel's weight base, int64 element offsets [E] of every expert from it or None, the
+    offsets' guaranteed alignment in elements).
+
+    Per-expert weights: the base is the expert weight at the lowest address as [1, N, K], so all
+    offsets are >= 0; all experts must share shape, dtype and strides (true for the model's experts);
+    the table is ``_weight_table``'s. Stacked [E, N, K] weights: the base is the stack itself and no
+    table is needed."""
+    if isinstance(weights, torch.Tensor):
+        es = weights.element_size()
+        aligned = (16 % es == 0 and weights.data_ptr() % 16 == 0
+                   and (weights.shape[0] == 1 or (weights.stride(0) * es) % 16 == 0))
+        return weights, None, 16 // es if aligned else 1
+    views = list(weights)
+    hit = _weight_table(views, device, "expert_linear")
     return views[hit.base_index].unsqueeze(0), hit.table, hit.align
 
 
@@ -656,8 +820,9 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
     if m == 0 or n == 0:
         return y
     w_dtype = weights.dtype if isinstance(weights, torch.Tensor) else weights[0].dtype
-    # The config follows model dims and the M bucket (host shapes) only, as for linear.
-    cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), m)
+    # The config follows model dims and the bucket of the mean rows per expert (host shapes only), as
+    # for linear: at batch 256 an expert sees ~32 of the 2048 routed rows, a decode-sized tile.
+    cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), cdiv(m, e))
     w3, woff, align = _expert_weight_table(weights, x.device)
     if dev is None:
         n_tiles = _expert_tiles(offsets, cfg.block_m)
@@ -686,29 +851,10 @@ class _ExpertLinearFn(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         ws = weights[0] if ctx.stacked else weights
-        # Device offsets are read back here: the backward runs per expert on host row ranges (a sync;
-        # training steps are not captured in CUDA graphs).
-        offsets = _moe.as_offsets(ctx.offsets)
-        cdt = _dot_dtype(ctx.x_dtype, ws[0].dtype)
-        need_x = ctx.needs_input_grad[0]
-        need_w = list(ctx.needs_input_grad[4:])
-        dx = gy.new_zeros(gy.shape[0], ws[0].shape[-1], dtype=ctx.x_dtype) if need_x else None
-        dws: list[torch.Tensor | None]
-        if ctx.stacked:
-            dws = [torch.zeros_like(weights[0]) if need_w[0] else None]
-        else:
-            dws = [torch.zeros_like(w) if nw else None for w, nw in zip(weights, need_w)]
-        for e, (a, b) in enumerate(zip(offsets, offsets[1:])):
-            if b == a:
-                continue
-            g = gy[a:b].to(cdt)
-            w = ws[e]
-            if dx is not None:
-                dx[a:b] = (g @ w.to(cdt)).to(ctx.x_dtype)
-            if ctx.stacked and dws[0] is not None:
-                dws[0][e] = (g.t() @ x[a:b].to(cdt)).to(w.dtype)
-            elif not ctx.stacked and dws[e] is not None:
-                dws[e] = (g.t() @ x[a:b].to(cdt)).to(w.dtype)
+        # Device offsets are read back here (a sync; training steps are not captured in CUDA graphs); the
+        # backward is grouped over experts by size class (moe_gemm_grads.py), not a loop over experts.
+        dx, dws = expert_linear_grads(gy, x, ws, _moe.as_offsets(ctx.offsets), ctx.needs_input_grad[0],
+                                      list(ctx.needs_input_grad[4:]), ctx.x_dtype)
         return (dx, None, None, None, *dws)
 
 

@@ -1,0 +1,133 @@
+"""Backward of ``expert_linear`` (moe_gemm.py) without a loop over experts.
+
+For expert-sorted rows (rows ``offsets[e]:offsets[e+1]`` went through expert e's weight W_e [N, K]):
+
+    dx[rows of e] = gy[rows of e] @ W_e          dW_e = gy[rows of e]^T @ x[rows of e]
+
+The experts are put into buckets by the size class of their row count (ceil(log2(count))), and each
+bucket is one batched GEMM over its experts, their rows gathered into a zero-padded [experts, P, .]
+block (P = the bucket's largest count): so the number of GEMM launches is the number of size classes
+(a handful; at most log2(M) + 1), not the number of experts, and padding costs less than 2x the rows.
+The padded rows are exact zeros: they add exact zeros to dW and their dx rows are dropped. The
+scatter back into dx writes each row once (no accumulation), and the GEMMs are stock batched GEMMs,
+which are deterministic run to run, so the whole backward is too. It is not batch-invariant (the
+backward need not be: docs/numerics.md).
+
+Compute dtype: 16-bit GEMMs with fp32 accumulation when the output gradient's rows are multiplied with
+16-bit weights of the same dtype on CUDA (as the Triton ``linear`` backward does), fp64 for fp64,
+fp32 otherwise. Gradients are returned in the dtypes of x and of the weights.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+Weights = torch.Tensor | Sequence[torch.Tensor]
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def size_buckets(counts: Sequence[int]) -> list[list[int]]:
+    """Experts with rows, grouped by ceil(log2(count)) (ascending): in each bucket the largest count
+    is less than twice the smallest, so padding every expert to the largest wastes < 2x."""
+    groups: dict[int, list[int]] = {}
+    for e, c in enumerate(counts):
+        if c > 0:
+            groups.setdefault((c - 1).bit_length(), []).append(e)
+    return [groups[k] for k in sorted(groups)]
+
+
+def _compute_dtype(a: torch.dtype, b: torch.dtype, cuda: bool) -> torch.dtype:
+    if torch.float64 in (a, b):
+        return torch.float64
+    if cuda and a == b and a in _HALF:
+        return a
+    return torch.float32
+
+
+def _stack(weights: Weights, experts: list[int], device: torch.device) -> torch.Tensor:
+    if isinstance(weights, torch.Tensor):
+        return weights.index_select(0, torch.tensor(experts, device=device))
+    return torch.stack([weights[e] for e in experts])
+
+
+def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weights, offsets: Sequence[int],
+                        need_x: bool, need_w: Sequence[bool], x_dtype: torch.dtype
+                        ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """(dx, weight gradients) of ``expert_linear(x, weights, offsets)`` given the output gradient ``gy``.
+
+    gy: [M, N]; x: [M, K] (only read when a weight gradient is needed); weights: E x [N, K] or [E, N, K];
+    offsets: E+1 host ints; need_w: one flag per weight tensor (one for stacked weights). Returns dx
+    [M, K] in ``x_dtype`` (or None) and a list with one gradient per weight tensor (None where not
+    needed; per-expert weights: None also for an expert without rows, as autograd would give; stacked
+    weights: a single [E, N, K] gradient, zero for experts without rows).
+    """
+    stacked = isinstance(weights, torch.Tensor)
+    w_list = [weights] if stacked else list(weights)
+    k = weights.shape[2] if stacked else w_list[0].shape[1]
+    m = gy.shape[0]
+    dev = gy.device
+    w_dtype = w_list[0].dtype
+    any_w = any(need_w)
+    # One spare row: padded slots scatter their (exactly zero) dx rows there, so the scatter needs no
+    # boolean-mask copy of the batched result; the spare row is dropped at the end.
+    dx_spare = torch.zeros(m + 1, k, dtype=x_dtype, device=dev) if need_x else None
+    dx = None if dx_spare is None else dx_spare[:m]
+    if stacked:
+        dws: list[torch.Tensor | None] = [torch.zeros_like(weights) if need_w[0] else None]
+    else:
+        dws = [None] * len(w_list)  # filled per expert below; an expert without rows gets None, as autograd
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    if m == 0 or not (need_x or any_w):
+        return dx, dws
+    starts_all = torch.tensor(list(offsets[:-1]), dtype=torch.int64, device=dev)
+    counts_all = torch.tensor(counts, dtype=torch.int64, device=dev)
+    cuda = dev.type == "cuda"
+    for experts in size_buckets(counts):
+        p = max(counts[e] for e in experts)
+        sel = torch.tensor(experts, dtype=torch.int64, device=dev)
+        col = torch.arange(p, device=dev)
+        valid = col[None, :] < counts_all[sel][:, None]  # [B, P]
+        rows = torch.where(valid, starts_all[sel][:, None] + col[None, :], 0)  # padded slots read row 0 ...
+        g = gy[rows].masked_fill(~valid[..., None], 0)  # ... and are zeroed: [B, P, N]
+        if need_x:
+            w = _stack(weights, experts, dev)  # [B, N, K]
+            cdt = _compute_dtype(x_dtype, w_dtype, cuda)
+            out = torch.bmm(g.to(cdt), w.to(cdt)).to(x_dtype)  # [B, P, K]
+            dst = torch.where(valid, rows, m).reshape(-1)
+            dx_spare.index_copy_(0, dst, out.reshape(-1, k))  # real rows are written once each
+        if any_w:
+            xs = x[rows].masked_fill(~valid[..., None], 0)  # [B, P, K]
+            cdt = _compute_dtype(x.dtype, w_dtype, cuda)
+            dwb = torch.bmm(g.to(cdt).transpose(1, 2), xs.to(cdt)).to(w_dtype)  # [B, N, K]
+            if stacked:
+                if dws[0] is not None:
+                    dws[0].index_copy_(0, sel, dwb)
+            else:
+                # per-expert weights (trained only without LoRA): one copy out of the batched result each
+                for i, e in enumerate(experts):
+                    if need_w[e]:
+                        dws[e] = dwb[i].clone()
+    return dx, dws
+
+
+class ExpertLinearFn(torch.autograd.Function):
+    """``expert_linear`` with ``forward`` given by the caller (the backend's invariant forward) and the
+    grouped backward above. Used by the torch backend; the Triton backend's own Function calls
+    ``expert_linear_grads`` too."""
+
+    @staticmethod
+    def forward(ctx, fwd, x: torch.Tensor, offsets: list[int], out_dtype: torch.dtype,  # type: ignore[override]
+                stacked: bool, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.offsets, ctx.stacked, ctx.x_dtype = offsets, stacked, x.dtype
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[5:]) else None, *weights)
+        return fwd(x, weights[0] if stacked else list(weights), offsets, out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        ws: Weights = weights[0] if ctx.stacked else weights
+        dx, dws = expert_linear_grads(gy, x, ws, ctx.offsets, ctx.needs_input_grad[1],
+                                      list(ctx.needs_input_grad[5:]), ctx.x_dtype)
+        return (None, dx, None, None, None, *dws)
