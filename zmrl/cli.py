@@ -1,7 +1,8 @@
 """``zmrl`` command line: one subcommand per job.
 
 Building the parser imports nothing heavy: ``zmrl --help`` and ``zmrl train --help`` answer without
-loading torch. The subcommands whose options live next to their code (``plan``, ``parity``, ``convert``) are listed
+loading torch. The subcommands whose options live next to their code (``plan``, ``parity``, ``convert``,
+``verl-prepare``, ``verl-dashboard``) are listed
 with a short help and their real parser is built only when one of them is run."""
 from __future__ import annotations
 
