@@ -41,24 +41,27 @@ def _plugin_path(tmp: Path) -> list[str]:
     return [str(info.parent)]
 
 
-@pytest.fixture(scope="module")
-def verl_run(tmp_path_factory):
+def run_main_ppo(tmp: Path, device: str = "cpu") -> dict:
+    """``main_ppo`` with recipes/verl_grpo.yaml on a fresh tiny checkpoint; verl's per-step metrics."""
     from zmrl.integrations.verl.data import prepare
     from zmrl.model import build_model, save_pretrained
     from zmrl.rl.bootstrap import tiny_byte_config
     from zmrl.rl.tokenizer import write_byte_tokenizer_marker
 
-    tmp = tmp_path_factory.mktemp("verl")
     ckpt = tmp / "tiny"
     save_pretrained(build_model(tiny_byte_config(512), seed=0, dtype="float32"), ckpt)
     write_byte_tokenizer_marker(ckpt)
     paths = prepare(tmp / "run", model=str(ckpt), train_limit=PROMPTS_PER_STEP * STEPS, val_limit=2)
-    env = {**os.environ, "VERL_PLATFORM": "cpu", "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
            "VERL_FILE_LOGGER_PATH": str(tmp / "metrics.jsonl"), "HYDRA_FULL_ERROR": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), *_plugin_path(tmp), os.environ.get("PYTHONPATH", "")])}
     env.pop("RAY_ADDRESS", None)  # a fresh local cluster
+    if device == "cpu":
+        env["VERL_PLATFORM"] = "cpu"
+    else:
+        env.pop("VERL_PLATFORM", None)
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={REPO / 'recipes'}", "--config-name=verl_grpo",
-           f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
+           f"data.train_files={paths['train']}", f"data.val_files={paths['val']}", f"trainer.device={device}",
            f"actor_rollout_ref.model.path={paths['model']}", f"trainer.total_training_steps={STEPS}",
            f"data.train_batch_size={PROMPTS_PER_STEP}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",
            f"actor_rollout_ref.rollout.n={SAMPLES_PER_PROMPT}", f"data.max_response_length={RESPONSE_LENGTH}",
@@ -73,8 +76,12 @@ def verl_run(tmp_path_factory):
     return {"tmp": tmp, "paths": paths, "metrics": {m["step"]: m["data"] for m in metrics}}
 
 
-def test_verl_reports_zero_rollout_trainer_mismatch_every_step(verl_run):
-    metrics = verl_run["metrics"]
+@pytest.fixture(scope="module")
+def verl_run(tmp_path_factory):
+    return run_main_ppo(tmp_path_factory.mktemp("verl"))
+
+
+def assert_zero_mismatch(metrics: dict) -> None:
     assert sorted(metrics) == list(range(1, STEPS + 1))
     for step, m in metrics.items():
         assert m["training/rollout_probs_diff_valid"] == 1, step
@@ -83,6 +90,11 @@ def test_verl_reports_zero_rollout_trainer_mismatch_every_step(verl_run):
         assert m["rollout_corr/k3_kl"] == 0.0, step
         assert m["rollout_corr/kl"] == 0.0, step
         assert m["rollout_corr/log_ppl_abs_diff"] == 0.0, step
+
+
+def test_verl_reports_zero_rollout_trainer_mismatch_every_step(verl_run):
+    metrics = verl_run["metrics"]
+    assert_zero_mismatch(metrics)
     # the first update moved the weights (non-zero reward spread -> gradient), so step 2's zero mismatch
     # also covers the weight sync from the training engine to the rollout server
     assert metrics[1]["actor/grad_norm"] > 0
@@ -123,3 +135,12 @@ def test_first_step_rollouts_equal_zmrl_rollout_worker_with_the_same_seeds(verl_
                    zip([p for p in prompts for _ in range(SAMPLES_PER_PROMPT)], samples))
     theirs = Counter((d["input"], d["output"]) for d in dumped)
     assert theirs == ours
+
+
+@pytest.mark.gpu
+def test_verl_on_a_gpu_reports_zero_mismatch(tmp_path):
+    """The same run with verl's CUDA platform: the engine and the rollout server share the worker's GPU."""
+    pytest.importorskip("triton")
+    run = run_main_ppo(tmp_path, device="cuda")
+    assert_zero_mismatch(run["metrics"])
+    assert run["metrics"][1]["actor/grad_norm"] > 0

@@ -153,9 +153,8 @@ class ZmrlEngine(BaseEngine):
     def _forward_micro_batch(self, micro_batch) -> dict[str, torch.Tensor]:
         input_ids = micro_batch["input_ids"]
         if not input_ids.is_nested:
-            raise ValueError("actor.strategy=zmrl needs verl's packed (no-padding) batches; "
-                             "set actor_rollout_ref.model.use_remove_padding=False is fine, but the pad_mode must be "
-                             "no_padding")
+            raise ValueError("actor.strategy=zmrl takes verl's packed batches (pad_mode no_padding, the default of "
+                             "verl's RL trainer); got padded input_ids")
         device = self.model.device
         offsets = input_ids.offsets()
         lens = offsets.diff().tolist()

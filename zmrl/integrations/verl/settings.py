@@ -26,14 +26,16 @@ class ZmrlSettingError(ValueError):
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
+    """``key`` of a verl config in any of the forms verl hands over: a dataclass (``HFModelConfig``,
+    ``RolloutConfig``), an omegaconf ``DictConfig`` or a plain dict."""
     if obj is None:
         return default
-    if isinstance(obj, dict) or hasattr(obj, "get") and not hasattr(obj, key):
-        try:
-            return obj.get(key, default)
-        except TypeError:
-            pass
-    return getattr(obj, key, default)
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    try:
+        return getattr(obj, key, default)
+    except Exception:  # noqa: BLE001 -- omegaconf raises its own error types for a missing key in struct mode
+        return default
 
 
 @dataclass(frozen=True)
