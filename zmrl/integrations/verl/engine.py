@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_name
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
@@ -80,8 +81,6 @@ class ZmrlEngine(BaseEngine):
         oc = self.optimizer_config
         lr = float(getattr(oc, "lr", 1e-4))
         wd = float(getattr(oc, "weight_decay", 0.0) or 0.0)
-        from verl.utils.device import get_device_name
-
         device = "cuda" if get_device_name() == "cuda" and torch.cuda.is_available() else "cpu"
         model = ModelSpec(self.settings.path, None, self.settings.lora, device).load()
         self.trainer = Trainer(model, TrainerConfig(lr=lr, weight_decay=wd, latent_format=self.settings.latent_format))
