@@ -1,7 +1,8 @@
 """``zmrl`` command line: one subcommand per job.
 
 Building the parser imports nothing heavy: ``zmrl --help`` and ``zmrl train --help`` answer without
-loading torch. The subcommands whose options live next to their code (``plan``, ``parity``, ``convert``) are listed
+loading torch. The subcommands whose options live next to their code (``plan``, ``parity``, ``convert``,
+``verl-prepare``, ``verl-dashboard``) are listed
 with a short help and their real parser is built only when one of them is run."""
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ _LAZY = {
                "tiny model"),
     "convert": ("zmrl.model.convert", "add_convert_subcommand", "what a checkpoint folder maps to in zmrl; a zmrl-ready "
                 "copy only when something must change"),
+    "verl-prepare": ("zmrl.integrations.verl.data", "add_verl_prepare_subcommand", "parquet data + a verl-readable "
+                     "checkpoint for verl's main_ppo (README: verl)"),
+    "verl-dashboard": ("zmrl.integrations.verl.dashboard", "add_verl_dashboard_subcommand", "the zmrl dashboard of "
+                       "a verl run's metrics (verl's file logger)"),
 }
 
 

@@ -21,6 +21,9 @@ from .model import DTYPES, HybridForCausalLM, cast_model, checkpoint_state
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+# `architectures` of zmrl-format config.json files: what transformers-based tools (verl's model config
+# path) read to name the model class; zmrl ignores it when reading the file back (config.py IGNORED_HF_KEYS).
+ZMRL_ARCHITECTURE = "ZmrlForCausalLM"
 log = logging.getLogger(__name__)
 
 
@@ -55,7 +58,8 @@ def save_pretrained(model: HybridForCausalLM, path: str | os.PathLike, max_shard
     if format in ("k3", "hf"):
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     else:
-        cfg.to_json(out / "config.json")
+        config = {**cfg.to_dict(), "architectures": [ZMRL_ARCHITECTURE]}
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if max_shard_bytes is None:
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
         return
