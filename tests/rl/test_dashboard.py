@@ -379,7 +379,8 @@ def test_dashboard_in_headless_chromium(fake_run, tmp_path):
     r = run_chromium(browser, tmp_path / "profile-dom", "--dump-dom", url)
     assert r.returncode == 0, r.stderr[-2000:]
     dom = Dom(r.stdout)
-    assert len(dom.charts) == 9, sorted(dom.charts)  # 5 learning + 4 parity panels
+    # every learning panel (reward, eval, loss, length, throughput) and every parity panel
+    assert len(dom.charts) == 5 + len(dashboard.PARITY_SPECS) == 11, sorted(dom.charts)
     check_run_data(dom, logged)
     assert not dom.scripts
 
