@@ -2,7 +2,8 @@
 
 Floors, lowest first (docs/design.md): ops (kernels_batch_invariant) -> model (config, layers, the model,
 contexts and caches) -> LoRA and sharding (lora, parallel) -> engine | trainer | capacity planning ->
-parity (metric, audit, smoke) -> the RL loop (rl) -> entry points (cli, train). A module may import its
+parity (metric, audit, smoke) -> the RL loop (rl) -> integrations with other trainers (integrations: verl's
+engine and rollout plugins, built on the loop's pieces) -> entry points (cli, train). A module may import its
 own package and any lower floor; packages on the same floor do not import each other. Function-level
 (lazy) imports count like any other; imports under ``if TYPE_CHECKING:`` do not (they never run).
 """
@@ -25,7 +26,8 @@ FLOORS: dict[str, int] = {
     "rollout": 3, "trainer": 3, "capacity": 3,
     "parity": 4,
     "rl": 5,
-    "cli": 6, "train": 6, "__main__": 6,
+    "integrations": 6,
+    "cli": 7, "train": 7, "__main__": 7,
 }
 # Packages of one floor that form one unit and may import each other.
 GROUPS = {"cli": "entry points", "train": "entry points", "__main__": "entry points"}
