@@ -144,7 +144,8 @@ def test_device_offsets_grads(device):
             wg = [ws.grad] if stacked else [w.grad for w in ws]
             grads.append((y.detach(), x.grad, *wg))
         for a, b in zip(*grads):
-            assert torch.equal(a, b)
+            # an expert without rows gets no gradient (None) on both paths
+            assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_device_offsets_errors_and_clamping(device):
