@@ -20,7 +20,8 @@ import torch
 
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
 
-pytestmark = [pytest.mark.gpu]
+# CUDA only, also under TRITON_INTERPRET=1 (bench-size shapes; the interpreter would take hours)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 E, D, INTER = 64, 2048, 256
 
