@@ -7,7 +7,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant.matmul import bmm_fixed, linear, linear_ref
+from zmrl.kernels_batch_invariant import kernel_mode
+from zmrl.kernels_batch_invariant.matmul import bmm_fixed, linear, linear_concat, linear_ref
 
 from .invariance import BATCHES, THREAD_BATCHES, THREAD_COUNTS, num_threads
 
@@ -207,3 +208,27 @@ def test_bmm_fixed_batch_of_one_in_every_layout(shape: tuple[int, int, int], dty
         alone = bmm_fixed(a[2:3], b[2:3])[0]
         for lo, hi in ((2, 4), (1, 3), (0, 5)):
             assert torch.equal(bmm_fixed(a[lo:hi], b[lo:hi])[2 - lo], alone), (shape, a_cm, b_cm, hi - lo)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_concat_is_the_concatenation_of_linears(dtype: torch.dtype) -> None:
+    """``linear_concat`` (fused projections, model.layers.project) gives every column the bits ``linear``
+    gives it, with gradients of the same function; fast mode is one stock linear per weight."""
+    g = torch.Generator().manual_seed(5)
+    ws = [torch.randn(n, 40, generator=g).to(dtype) for n in (7, 16, 33)]
+    x = torch.randn(9, 40, generator=g).to(dtype)
+    for out_dtype in (None, torch.float32):
+        assert torch.equal(linear_concat(x, ws, out_dtype=out_dtype),
+                           torch.cat([linear(x, w, out_dtype=out_dtype) for w in ws], dim=-1))
+    xg = x.float().requires_grad_()
+    wg = [w.float().requires_grad_() for w in ws]
+    gy = torch.randn(9, 56, generator=g)
+    got = torch.autograd.grad(linear_concat(xg, wg), [xg, *wg], gy)
+    want = torch.autograd.grad(torch.cat([xg @ w.t() for w in wg], dim=-1), [xg, *wg], gy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # fp32 GEMMs of <= 56 terms, other orders
+    with kernel_mode("fast"):
+        fast = linear_concat(x, ws)
+    torch.testing.assert_close(fast.float(), linear_concat(x, ws).float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="no weights"):
+        linear_concat(x, [])

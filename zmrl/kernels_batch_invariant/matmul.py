@@ -179,6 +179,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
 # dtypes as the invariant ops.
 
 
+@linear_concat.register("fast")
+def _linear_concat_fast(x, weights, out_dtype=None):
+    """One cuBLAS ``linear`` per weight (the stock kernels fast mode measures against)."""
+    return torch.cat([_linear_fast(x, w, None, out_dtype) for w in weights], dim=-1)
+
+
 @bmm_fixed.register("fast")
 def _bmm_fixed_fast(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     cdt = _compute_dtype(a.dtype)
