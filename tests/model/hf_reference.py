@@ -43,3 +43,19 @@ def saved_fixture(make_model, variants: dict[str, dict]):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
+
+def assert_saves_as_hf(hf, path, out, model_cls):
+    """zmrl loads the transformers checkpoint at ``path``, saves it in the HF layout to ``out``, and
+    transformers reads back exactly hf's tensors; returns (zmrl's model, transformers' reload)."""
+    from zmrl.model import ModelConfig, load_pretrained, save_pretrained
+
+    model = load_pretrained(path, dtype="float32")
+    save_pretrained(model, out, format="hf")
+    again = model_cls.from_pretrained(out, dtype=torch.float32)
+    want, got = hf.state_dict(), again.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert ModelConfig.from_json(out / "config.json") == model.config
+    return model, again

@@ -20,7 +20,7 @@ import torch
 from zmrl.model import (ConfigError, ModelConfig, build_model, cu_seqlens_from_lens, forward_packed, load_pretrained,
                         save_pretrained)
 
-from .hf_reference import build_hf_model, rel_err, saved_fixture
+from .hf_reference import assert_saves_as_hf, build_hf_model, rel_err, saved_fixture
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,14 +102,7 @@ def test_config_errors_name_the_field(saved, over: dict, needle: str) -> None:
 
 def test_saved_as_hf_reloads_in_transformers(saved, tmp_path) -> None:
     hf, path = saved
-    model = load_pretrained(path, dtype="float32")
-    save_pretrained(model, tmp_path, format="hf")
-    again = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    want, got = hf.state_dict(), again.state_dict()
-    assert want.keys() == got.keys()
-    for k in want:
-        assert torch.equal(want[k], got[k]), k
-    assert ModelConfig.from_json(tmp_path / "config.json") == model.config
+    model, again = assert_saves_as_hf(hf, path, tmp_path, transformers.DeepseekV3ForCausalLM)
     with pytest.raises(ConfigError, match="cannot be written as a transformers config.json"):
         save_pretrained(build_model(ModelConfig.preset("tiny")), tmp_path / "x", format="hf")  # KDA, DSA: not V3
     assert not (tmp_path / "x").exists()

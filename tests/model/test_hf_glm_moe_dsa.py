@@ -34,7 +34,7 @@ from zmrl.model import (CheckpointError, ConfigError, ModelConfig, cu_seqlens_fr
 from zmrl.model import mla as zmla
 from zmrl.model.checkpoint import check_checkpoint
 
-from .hf_reference import build_hf_model, rel_err, saved_fixture
+from .hf_reference import assert_saves_as_hf, build_hf_model, rel_err, saved_fixture
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
@@ -201,16 +201,9 @@ def test_topk_sets_and_logits_beyond_index_topk(saved, monkeypatch) -> None:
 
 def test_saved_as_hf_reloads_in_transformers(saved, tmp_path) -> None:
     hf, path = saved
-    model = load_pretrained(path, dtype="float32")
-    save_pretrained(model, tmp_path, format="hf")
-    again = transformers.GlmMoeDsaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    want, got = hf.state_dict(), again.state_dict()
-    assert want.keys() == got.keys()
-    for k in want:
-        assert torch.equal(want[k], got[k]), k
+    model, again = assert_saves_as_hf(hf, path, tmp_path, transformers.GlmMoeDsaForCausalLM)
     assert again.config.indexer_types == hf.config.indexer_types
     assert again.config.mlp_layer_types == hf.config.mlp_layer_types
-    assert ModelConfig.from_json(tmp_path / "config.json") == model.config
     # zmrl's own format of the same model reloads to the same config
     save_pretrained(model, tmp_path / "zmrl")
     assert load_pretrained(tmp_path / "zmrl").config == model.config
