@@ -11,6 +11,7 @@ format the reward reads), with the generation prompt (the assistant turn's openi
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def read_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) and template.strip() else None
 
 
-class ChatPrompt:
+class ChatPrompt(ABC):
     """``apply_chat_template(question) -> str`` by ``prompt_format``; a subclass provides ``chat_template``
     (the template text or None) and ``_render(messages)``."""
 
@@ -68,5 +69,6 @@ class ChatPrompt:
         content = CHAT_USER_TEMPLATE.format(question=question.strip())
         return self._render([{"role": "user", "content": content}])
 
+    @abstractmethod
     def _render(self, messages: list[dict[str, str]]) -> str:
-        raise NotImplementedError
+        """The template applied to ``messages`` with the generation prompt added (each tokenizer's own way)."""
