@@ -59,3 +59,15 @@ def assert_saves_as_hf(hf, path, out, model_cls):
         assert torch.equal(want[k], got[k]), k
     assert ModelConfig.from_json(out / "config.json") == model.config
     return model, again
+
+
+def assert_config_error(path, over: dict, needle: str) -> None:
+    """The saved config.json with ``over`` applied stops with a one-line ConfigError containing ``needle``."""
+    import json
+
+    from zmrl.model import ConfigError, ModelConfig
+
+    data = {**json.loads((path / "config.json").read_text()), **over}
+    with pytest.raises(ConfigError) as ei:
+        ModelConfig.from_dict(data)
+    assert needle in str(ei.value) and "\n" not in str(ei.value), str(ei.value)

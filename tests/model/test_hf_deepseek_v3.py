@@ -12,7 +12,6 @@ fp32 by design, so that the engine and the trainer share one table).
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch
 from zmrl.model import (ConfigError, ModelConfig, build_model, cu_seqlens_from_lens, forward_packed, load_pretrained,
                         save_pretrained)
 
-from .hf_reference import assert_saves_as_hf, build_hf_model, rel_err, saved_fixture
+from .hf_reference import assert_config_error, assert_saves_as_hf, build_hf_model, rel_err, saved_fixture
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,11 +92,7 @@ def test_zmrl_format_of_a_deepseek_model_reloads(saved, tmp_path) -> None:
     ({"qk_head_dim": 7}, "'qk_head_dim' = 7 is inconsistent"),
 ])
 def test_config_errors_name_the_field(saved, over: dict, needle: str) -> None:
-    _, path = saved
-    data = {**json.loads((path / "config.json").read_text()), **over}
-    with pytest.raises(ConfigError) as ei:
-        ModelConfig.from_dict(data)
-    assert needle in str(ei.value)
+    assert_config_error(saved[1], over, needle)
 
 
 def test_saved_as_hf_reloads_in_transformers(saved, tmp_path) -> None:

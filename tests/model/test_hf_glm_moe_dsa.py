@@ -24,17 +24,16 @@ selection, and so whose keys in later layers, legitimately differ).
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
 
-from zmrl.model import (CheckpointError, ConfigError, ModelConfig, cu_seqlens_from_lens, forward_packed,
+from zmrl.model import (CheckpointError, ModelConfig, cu_seqlens_from_lens, forward_packed,
                         load_pretrained, save_pretrained)
 from zmrl.model import mla as zmla
 from zmrl.model.checkpoint import check_checkpoint
 
-from .hf_reference import assert_saves_as_hf, build_hf_model, rel_err, saved_fixture
+from .hf_reference import assert_config_error, assert_saves_as_hf, build_hf_model, rel_err, saved_fixture
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
@@ -219,12 +218,7 @@ def test_saved_as_hf_reloads_in_transformers(saved, tmp_path) -> None:
     ({"use_sliding_window": True}, "'use_sliding_window' = True is known but not supported"),
 ])
 def test_config_errors_name_the_field(saved, over: dict, needle: str) -> None:
-    _, path = saved
-    data = {**json.loads((path / "config.json").read_text()), **over}
-    with pytest.raises(ConfigError) as ei:
-        ModelConfig.from_dict(data)
-    assert needle in str(ei.value)
-    assert "\n" not in str(ei.value)
+    assert_config_error(saved[1], over, needle)
 
 
 def test_defaults_follow_transformers() -> None:

@@ -44,14 +44,19 @@ ARCHITECTURES = {DEEPSEEK_V3: "DeepseekV3ForCausalLM", DEEPSEEK_V32: "DeepseekV3
                  GLM_MOE_DSA: "GlmMoeDsaForCausalLM"}
 HF_MODEL_TYPES = tuple(ARCHITECTURES)
 
-# HF field -> ModelConfig field (same meaning), shared by the three types
-_FIELDS = {
+# Fields every supported format (these HF types and the Kimi release, k3_release.TEXT_FIELDS) spells as
+# ModelConfig does: the model's size and the MLA dims.
+SHARED_FIELDS = {
     "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers",
     "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
     "max_position_embeddings": "max_position_embeddings", "initializer_range": "initializer_range",
     "tie_word_embeddings": "tie_word_embeddings", "num_attention_heads": "num_attention_heads",
     "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
-    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "n_routed_experts": "n_routed_experts",
+    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+}
+# HF field -> ModelConfig field (same meaning), shared by the three types
+_FIELDS = {
+    **SHARED_FIELDS, "n_routed_experts": "n_routed_experts",
     "num_experts_per_tok": "num_experts_per_tok", "n_shared_experts": "n_shared_experts",
     "moe_intermediate_size": "moe_intermediate_size", "n_group": "n_group", "topk_group": "topk_group",
     "routed_scaling_factor": "routed_scaling_factor", "norm_topk_prob": "norm_topk_prob",

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .config import ConfigError, LinearAttnConfig, ModelConfig
-from .hf_config import fused_expert_shape, slice_fused_expert
+from .hf_config import SHARED_FIELDS, fused_expert_shape, slice_fused_expert
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,7 @@ TEXT_MODEL_TYPE = "kimi_linear"
 
 # release text-config field -> ModelConfig field (same meaning)
 TEXT_FIELDS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers",
-    "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
-    "max_position_embeddings": "max_position_embeddings", "initializer_range": "initializer_range",
-    "tie_word_embeddings": "tie_word_embeddings", "num_attention_heads": "num_attention_heads",
-    "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
-    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "mla_use_nope": "mla_use_nope",
+    **SHARED_FIELDS, "mla_use_nope": "mla_use_nope",
     "mla_use_output_gate": "mla_use_output_gate", "rope_theta": "rope_theta",
     "num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
     "num_shared_experts": "n_shared_experts", "moe_intermediate_size": "moe_intermediate_size",
