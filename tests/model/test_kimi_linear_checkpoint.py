@@ -177,20 +177,11 @@ def test_wrapper_and_round_trip(checkpoint, tmp_path) -> None:
     assert load_pretrained(tmp_path / "out").config == model.config
 
 
-def test_kda_layer_matches_fla_naive(checkpoint) -> None:
-    """Layer 0 (KDA) of the loaded model against the published KDA math on the checkpoint's own tensors:
-    short conv + SiLU, per-head L2 norm, softplus gate, fla-core's ``naive_recurrent_kda``, gated RMSNorm,
-    o_proj. zmrl computes the chunked form in fp32 and fla the token recurrence in float64 here; the
-    fp32 rounding of the chunked form over 150 tokens stays near 1e-6 of the output's scale, so 2e-5
-    relative is a real check of the semantics (a wrong gate, norm or scale moves it by >1e-2)."""
-    naive = load_fla_naive("kda", "naive_recurrent_kda")
-    path, t = checkpoint
-    model = load_pretrained(path, dtype="float32")
-    a = {k.split("self_attn.")[1]: v.double() for k, v in t.items() if k.startswith("model.layers.0.self_attn.")}
-    n = 150
-    x = torch.randn(n, D, generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        got = model.model.layers[0].self_attn(x, packed_context(cu_seqlens_from_lens([n]))).double()
+def _kda_layer_by_the_published_math(a: dict[str, torch.Tensor], x: torch.Tensor, kda) -> torch.Tensor:
+    """Layer 0 (KDA) computed from the checkpoint's tensors ``a`` (float64) by the published math: short
+    conv + SiLU, per-head L2 norm, softplus gate, ``kda(q, k, v, g, beta, scale)`` for the recurrence (fla's
+    naive or chunked kernel, [1, T, H, d] inputs), gated RMSNorm, o_proj. Returns [T, D] in x's dtype."""
+    n = x.shape[0]
     xd = x.double()
 
     def conv_silu(name: str) -> torch.Tensor:
@@ -203,14 +194,67 @@ def test_kda_layer_matches_fla_naive(checkpoint) -> None:
     gate = -a["A_log"].reshape(H, 1).exp() * F.softplus(
         (xd @ a["f_a_proj.weight"].T @ a["f_b_proj.weight"].T + a["dt_bias"]).view(n, H, DK))
     beta = torch.sigmoid(xd @ a["b_proj.weight"].T)
-    o, _ = naive.naive_recurrent_kda(q[None], k[None], v[None], gate[None], beta[None], scale=DK ** -0.5)
-    o = o[0]
+    o = kda(q[None], k[None], v[None], gate[None], beta[None], DK ** -0.5)[0].double()
     o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + KIMI_LINEAR_CONFIG["rms_norm_eps"]) * a["o_norm.weight"]
     o = o * torch.sigmoid((xd @ a["g_a_proj.weight"].T @ a["g_b_proj.weight"].T).view(n, H, DK))
-    want = o.reshape(n, H * DK) @ a["o_proj.weight"].T
+    return (o.reshape(n, H * DK) @ a["o_proj.weight"].T).to(x.dtype)
+
+
+def _layer0_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.split("self_attn.")[1]: v.double() for k, v in tensors.items() if k.startswith("model.layers.0.self_attn.")}
+
+
+def test_kda_layer_matches_fla_naive(checkpoint) -> None:
+    """Layer 0 (KDA) of the loaded model against the published KDA math on the checkpoint's own tensors,
+    with fla-core's ``naive_recurrent_kda`` for the recurrence. zmrl computes the chunked form in fp32 and
+    fla the token recurrence in float64 here; the fp32 rounding of the chunked form over 150 tokens stays
+    near 1e-6 of the output's scale, so 2e-5 relative is a real check of the semantics (a wrong gate, norm
+    or scale moves it by >1e-2)."""
+    naive = load_fla_naive("kda", "naive_recurrent_kda")
+    path, t = checkpoint
+    model = load_pretrained(path, dtype="float32")
+    n = 150
+    x = torch.randn(n, D, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = model.model.layers[0].self_attn(x, packed_context(cu_seqlens_from_lens([n]))).double()
+    want = _kda_layer_by_the_published_math(
+        _layer0_tensors(t), x.double(), lambda q, k, v, g, b, scale: naive.naive_recurrent_kda(q, k, v, g, b, scale=scale)[0])
     rel = float((got - want).abs().max() / want.abs().max())
     print(f"KDA layer vs fla naive: {rel:.1e}")
     assert rel <= 2e-5, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kda_layer_matches_fla_chunk_kda_gpu(checkpoint) -> None:
+    """On the GPU: layer 0 (KDA) of the loaded model, run by zmrl's kernels on CUDA in fp32, against the
+    same layer computed with fla-core's Triton ``chunk_kda`` on the same weights and inputs (fp32), both
+    measured against the float64 naive recurrence. fla's chunked kernel has its own fp32/TF32 rounding,
+    so the check is relative: zmrl's error is no larger than 2x fla's (or 2e-5 of the output's scale,
+    the CPU bound above, whichever is larger); both errors are printed side by side."""
+    chunk_kda = pytest.importorskip("fla.ops.kda").chunk_kda
+    naive = load_fla_naive("kda", "naive_recurrent_kda")
+    path, t = checkpoint
+    model = load_pretrained(path, dtype="float32").cuda()
+    a = _layer0_tensors(t)
+    for n in (150, 1000):
+        x = torch.randn(n, D, generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            got = model.model.layers[0].self_attn(x.cuda(), packed_context(cu_seqlens_from_lens([n], device="cuda")))
+        want = _kda_layer_by_the_published_math(
+            a, x.double(), lambda q, k, v, g, b, scale: naive.naive_recurrent_kda(q, k, v, g, b, scale=scale)[0])
+
+        def fla_chunk(q, k, v, g, b, scale):
+            args = [z.float().cuda().contiguous() for z in (q, k, v, g, b)]
+            return chunk_kda(*args, scale=scale)[0].double().cpu()
+
+        ref_fla = _kda_layer_by_the_published_math({k: w.cuda() for k, w in a.items()}, x.double().cuda(),
+                                                   lambda *z, **kw: fla_chunk(*z, **kw).cuda()).cpu()
+        scale = float(want.abs().max())
+        err_zmrl = float((got.double().cpu() - want).abs().max()) / scale
+        err_fla = float((ref_fla - want).abs().max()) / scale
+        print(f"KDA layer, T = {n}: zmrl (CUDA) vs float64 {err_zmrl:.1e}, fla chunk_kda vs float64 {err_fla:.1e}")
+        assert err_zmrl <= max(2e-5, 2 * err_fla), (n, err_zmrl, err_fla)
 
 
 @pytest.mark.parametrize("over,needle", [

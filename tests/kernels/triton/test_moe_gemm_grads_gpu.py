@@ -100,7 +100,9 @@ def test_grouped_backward_bench_shapes(which):
             ref_w = gy[a:b].double().t() @ x[a:b].double()
             bound = 2 * (b - a) * 2.0 ** -24 * (gy[a:b].double().abs().t() @ x[a:b].double().abs()) + 1e-30
             assert bool(((dw[e].double() - ref_w).abs() <= bound).all()), e
-            assert torch.allclose(dw[e], dw_old[e], rtol=1e-4, atol=1e-6)
+            # vs the loop's dW: the same float64 bound, not a fixed rtol (both are fp32 sums of b - a products
+            # in different orders; where terms cancel they differ by more than any rtol -- it failed on the H200)
+            assert bool(((dw_old[e].double() - ref_w).abs() <= bound).all()), e
         # the loop it replaced meets the same bound (its GEMMs sum in another order, so the bf16 results may
         # differ from ours in the last place), and ours is no less accurate than it on this expert
         assert bool(((dx_old[a:b].double() - ref_x).abs() <= 2.0 ** -7 * (gy[a:b].double().abs() @ w.abs())).all()), e
