@@ -96,16 +96,21 @@ class MLAKernelConfig:
 
 
 def kernel_config(num_heads: int, dc: int, dr: int) -> MLAKernelConfig:
-    """BLOCK_H = 16 heads per program (the MMA M dim; H = 64 gives 4 head groups that read the same
-    keys, mostly from L2). The latent columns are processed in 4 chunks (Dc = 512: 128 columns) for the
-    score dot and for ``p @ c_kv``, with one [BLOCK_H, chunk] fp32 accumulator per chunk, so that no
-    [64, Dc] tile is ever live (a whole 64 x 512 tile plus a 16 x 512 accumulator spills registers)."""
-    del num_heads, dr  # fixed per latent width; heads beyond 16 add head groups
+    """BLOCK_H heads per program (the MMA M dim): 32 when the model has that many (H = 64 gives 2 head
+    groups that read the same keys, the second mostly from L2), else the head count rounded up to a power
+    of two (at least 16, the MMA minimum). The latent columns are processed in 4 chunks (Dc = 512: 128
+    columns) for the score dot and for ``p @ c_kv``, with one [BLOCK_H, chunk] fp32 accumulator per chunk,
+    so that no [64, Dc] tile is ever live (a whole 64 x 512 tile plus the accumulators spills registers).
+    The launch sweep behind the choice (H = 64, Dc = 512, bf16 cache; decode at batch 256 / 8K and a
+    4096-token prefill; every configuration gave the same bits) is in
+    benchmarks/results/2026-12-01_mla_sweep_h200.json: 32 heads x 8 warps was the fastest at both."""
+    del dr  # fixed per latent width
+    block_h = min(32, max(16, _next_pow2(num_heads)))
     dc_p = max(16, _next_pow2(dc))
     if dc_p <= 128:
-        return MLAKernelConfig(block_h=16, n_chunks=1, chunk=dc_p, num_warps=4, num_stages=1)
-    # 8 warps: at Dc = 512 the bf16 kernel needs 176 registers/thread and no spills (4 warps spill).
-    return MLAKernelConfig(block_h=16, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=1)
+        return MLAKernelConfig(block_h=block_h, n_chunks=1, chunk=dc_p, num_warps=4, num_stages=1)
+    # 8 warps: at Dc = 512 the bf16 kernel needs ~176 registers/thread at 16 heads and no spills (4 warps spill).
+    return MLAKernelConfig(block_h=block_h, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=1)
 
 
 @triton.jit
