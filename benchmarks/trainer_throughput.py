@@ -70,7 +70,10 @@ def _peak_gib(dev: torch.device) -> float | None:
 # ----------------------------------------------------------------------------- the model
 
 
-def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | None) -> list[dict[str, Any]]:
+def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | None,
+                on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+    """``on_row(rows)`` runs after each configuration (the caller writes the JSON: a run cut short by a
+    time limit keeps every configuration it finished)."""
     t0 = time.perf_counter()
     cfg = model_config(a.layers, a.smoke)
     model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
@@ -115,6 +118,7 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                 with kernel_mode(mode):
                     if fwd_ms is None:  # the forward does not depend on the policy
                         fwd_ms = cuda_time_ms(forward, warmup=a.warmup, iters=a.iters, setup=zero)["median_ms"]
+                        log.info("%s: forward %.0f ms", mode, fwd_ms)
                     row["fwd_ms"] = fwd_ms
                     zero()
                     _peak_reset(dev)
@@ -136,6 +140,7 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                 row["peak_gib"] = _peak_gib(dev)
                 empty_cache()
             rows.append(row)
+            on_row(rows)
     apply_recompute(model, "none")
     extra: list[dict[str, Any]] = [{"flops": flops.as_dict()}]
     if a.profile and dev.type == "cuda":
@@ -337,7 +342,10 @@ def main() -> int:
               "warmup": a.warmup, "iters": a.iters, "matmul_peak_tflop_s": peak,
               "flop_formula": "benchmarks/_train_flops.py", "model": [], "kda_layer": []}
     # Written after each part: a run cut short by a time limit keeps what it measured.
-    model_rows = result["model"] = bench_model(a, dev, peak) if a.model else []
+    def partial(rows: list[dict[str, Any]]) -> None:
+        write_json(out, {**result, "model": rows, "wall_s": time.perf_counter() - t_start})
+
+    model_rows = result["model"] = bench_model(a, dev, peak, partial) if a.model else []
     write_json(out, {**result, "wall_s": time.perf_counter() - t_start})
     kda_rows = result["kda_layer"] = bench_kda(a, dev) if a.kda_tokens else []
     write_json(out, {**result, "wall_s": time.perf_counter() - t_start})
