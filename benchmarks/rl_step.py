@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from _common import build_on_device, default_out, env, model_config, pick_device, setup_logging, table, write_json
+from _train_flops import measured_matmul_peak_tflops, train_flops
 from zmrl.kernels_batch_invariant import set_mode
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
 from zmrl.model import RECOMPUTE_POLICIES, apply_recompute
@@ -76,7 +77,7 @@ def ppo_clip_loss(lp: torch.Tensor, old: torch.Tensor, adv: float, clip: float =
 
 
 def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, trainer, optimizer, prompts: list[list[int]],
-            step: int, parity_pass: str) -> dict[str, Any]:
+            step: int, parity_pass: str, peak_tflops: float | None = None) -> dict[str, Any]:
     times: dict[str, float] = {}
     # The same response lengths every step (the steps' timings compare); tokens and rewards vary.
     lo = max(1, int(a.min_new_frac * a.max_new))
@@ -130,6 +131,10 @@ def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, tra
     timed(dev, times, "optimizer", opt_step)
     timed(dev, times, "weight_push", lambda: engine.update_weights(lora_state_dict(trainer)))
     total = sum(times.values())
+    # useful training FLOPs of the step (benchmarks/_train_flops.py), micro-batch by micro-batch
+    flops = sum(train_flops(trainer.config, [len(seqs[i]) for i in b], a.lora_r,
+                            logit_rows=sum(len(seqs[i]) - plens[i] for i in b)).total for b in batches)
+    tflop_s = flops / times["train_forward_backward"] / 1e12
     return {"step": step, "parity_pass": parity_pass, "sequences": len(outs), "response_tokens": n_resp,
             "tokens": sum(len(s) for s in seqs), "micro_batches": len(batches),
             "logprob_equal_fraction": equal / max(1, n_resp), "seconds": times, "total_s": total,
@@ -137,7 +142,9 @@ def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, tra
             "rollout_tok_s": n_resp / times["rollout"],
             "train_tok_s": sum(len(s) for s in seqs) / times["train_forward_backward"],
             # peak allocated GiB during the training phase (both models, the engine's cache, the optimizer)
-            "train_peak_gib": train_peak}
+            "train_peak_gib": train_peak,
+            "train_tflop": flops / 1e12, "train_tflop_s": tflop_s,
+            "train_mfu": tflop_s / peak_tflops if peak_tflops else None}
 
 
 def main() -> int:
@@ -189,13 +196,16 @@ def main() -> int:
     out = a.out or default_out("rl_step" + ("_smoke" if a.smoke else ""))
     steps: list[dict[str, Any]] = []
 
+    peak = measured_matmul_peak_tflops(dev) if dev.type == "cuda" else None
+
     def save() -> None:  # after every step: a run cut short by a time limit keeps what it measured
         write_json(out, {"benchmark": "rl_step", **env(), "preset": "tiny" if a.smoke else "bench",
-                         "layers": cfg.num_hidden_layers, "dtype": "bfloat16", "args": vars(a), "steps": steps,
+                         "layers": cfg.num_hidden_layers, "dtype": "bfloat16", "args": vars(a),
+                         "matmul_peak_tflop_s": peak, "flop_formula": "benchmarks/_train_flops.py", "steps": steps,
                          "wall_s": time.perf_counter() - t_start})
 
     for step, mode in enumerate(["fused"] + passes):  # step 0: warm-up
-        r = rl_step(a, dev, engine, trainer, optimizer, prompts, step, mode)
+        r = rl_step(a, dev, engine, trainer, optimizer, prompts, step, mode, peak)
         steps.append(r)
         save()
         log.info("step %d (%s): %.1fs, log-prob parity %.4f", step, mode, r["total_s"], r["logprob_equal_fraction"])
@@ -220,9 +230,11 @@ def main() -> int:
           f"tokens, recompute {a.recompute}")
     print(table(rows, cols))
     for r in timed_steps:
-        peak = "" if r["train_peak_gib"] is None else f", training peak {r['train_peak_gib']:.1f} GiB"
+        mem = "" if r["train_peak_gib"] is None else f", training peak {r['train_peak_gib']:.1f} GiB"
+        mfu = "" if r["train_mfu"] is None else f" = {r['train_mfu']:.1%} MFU of the {peak:.0f} TFLOP/s matmul peak"
         print(f"{r['parity_pass']}: {r['response_tokens']} response tokens, rollout {r['rollout_tok_s']:.0f} tok/s, "
-              f"trainer {r['train_tok_s']:.0f} tok/s{peak}, log-prob parity {r['logprob_equal_fraction']:.4f}")
+              f"trainer {r['train_tok_s']:.0f} tok/s ({r['train_tflop_s']:.1f} TFLOP/s{mfu}){mem}, "
+              f"log-prob parity {r['logprob_equal_fraction']:.4f}")
     sep = {r["parity_pass"]: r for r in timed_steps}
     if "separate" in sep:
         pf = sep["separate"]["seconds"]["parity_forward"]
