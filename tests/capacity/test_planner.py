@@ -277,3 +277,22 @@ def test_add_plan_subcommand_like_zmrl_cli(capsys: pytest.CaptureFixture) -> Non
     args = parser.parse_args(["plan", "--layout", "tp", "--latent", "fp8"])
     assert args.func(args) == 0
     assert "3.0" in capsys.readouterr().out
+
+
+def test_shared_and_unquantised_index_layers(k3: ModelConfig) -> None:
+    """Only MLA layers whose indexer computes its own selection store index keys ("shared" layers reuse
+    an earlier layer's top-k: ModelConfig.index_key_layers, the rule the engine's page pool uses too), and
+    a config with ``index_quant: none`` stores them in the model dtype (Di x 2 B in bf16), whatever
+    quantisation the plan names."""
+    import dataclasses
+
+    mla = [i for i in range(k3.num_hidden_layers) if not k3.is_kda_layer(i)]
+    types = ["full"] * k3.num_hidden_layers
+    for i in mla[1::2]:  # every second MLA layer shares the previous one's selection
+        types[i] = "shared"
+    shared = dataclasses.replace(k3, indexer_types=types)
+    assert shared.index_key_layers() == mla[0::2]
+    assert _plan(shared).kv_bytes_per_token_per_gpu == 24 * 576 + 12 * 132
+    plain = dataclasses.replace(k3, index_quant="none")
+    assert plain.kv_bytes_per_token_per_layer("fp8", "mxfp4") == (576, 128 * 2)
+    assert _plan(plain).kv_bytes_per_token_per_gpu == 24 * (576 + 256)

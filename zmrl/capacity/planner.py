@@ -192,7 +192,7 @@ class CapacityPlan:
     kda_group_state_bytes: int  # one request's state of one KDA group on one GPU
     kda_rows: int
     kv_rows: int
-    kv_bytes_per_token_per_gpu: float  # TP: n_mla·(latent+index); DCP-W: that / W
+    kv_bytes_per_token_per_gpu: float  # TP: n_mla·latent + n_index·index; DCP-W: that / W
     # results
     tokens_per_replica: int
     tokens_that_fit: int  # all replicas together
@@ -333,9 +333,10 @@ def plan_capacity(
     if n_mla == 0:
         raise ValueError("config has no MLA layers: its cache is KDA state only, not bounded by tokens")
 
-    # bytes per token: every MLA layer stores one latent and one index key per token
+    # bytes per token: every MLA layer stores one latent, and every layer whose indexer computes its own
+    # selection one index key ("shared" indexer layers reuse an earlier layer's top-k and store none)
     lat_b, idx_b = cfg.kv_bytes_per_token_per_layer(latent=latent, index=index)
-    token_bytes = n_mla * (lat_b + idx_b)  # per replica copy, i.e. per GPU under TP
+    token_bytes = n_mla * lat_b + len(cfg.index_key_layers()) * idx_b  # per replica copy, i.e. per GPU under TP
     shards = degree if layout == "dcp" else 1
 
     # KDA state per GPU: split by head over the TP group (ceil: a GPU may hold one extra head)

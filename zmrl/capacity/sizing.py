@@ -271,6 +271,10 @@ def kv_bytes_per_token_per_layer(cfg: "ModelConfig", latent: str = "bf16", index
     index key (``index_head_dim`` = Di values; 0 when the config has no indexer):
       - ``fp8``:   Di + 4·ceil(Di/128)  (fp32 scale per 128)           (Di=128: 132)
       - ``mxfp4``: ceil(Di/2) + ceil(Di/32)  (e8m0 scale per 32)       (Di=128: 68)
+      - a config with ``index_quant: none`` keeps its keys in the model dtype whatever ``index`` says:
+                   Di·dtype_bytes (Di=128, bf16: 256)
+    The index key is per MLA layer that stores keys (``ModelConfig.index_key_layers``: "shared" indexer
+    layers store none).
     """
     _check_format("latent", latent, LATENT_FORMATS)
     _check_format("index", index, INDEX_FORMATS)
@@ -284,7 +288,9 @@ def kv_bytes_per_token_per_layer(cfg: "ModelConfig", latent: str = "bf16", index
     if not cfg.has_indexer:
         return lat, 0
     di = cfg.index_head_dim
-    if index == "fp8":
+    if cfg.index_quant == "none":
+        idx = di * DTYPE_BYTES[cfg.torch_dtype]
+    elif index == "fp8":
         idx = di + 4 * math.ceil(di / 128)
     else:
         idx = math.ceil(di / 2) + math.ceil(di / 32)

@@ -19,7 +19,7 @@ def latent_store(cfg: ModelConfig, num_pages: int, page_size: int = 64, dtype: t
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     mla_layers = [i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i)]
-    index_layers = [i for i in mla_layers if cfg.index_source_layer(i) == i]
+    index_layers = cfg.index_key_layers()
     index_dtype = torch.float8_e4m3fn if cfg.index_quant == "fp8" else dtype
     return PagedLatentStore(mla_layers, num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                             cfg.index_head_dim if cfg.has_indexer else None, dtype, device,

@@ -134,6 +134,13 @@ class ModelConfig:
         earlier = [i for i in range(layer_idx) if not self.is_kda_layer(i)]
         return self.index_source_layer(earlier[-1]) if earlier else layer_idx
 
+    def index_key_layers(self) -> list[int]:
+        """The MLA layers that store DSA index keys: those whose indexer computes its own selection
+        ("shared" layers reuse an earlier layer's and store none). Empty without an indexer."""
+        if not self.has_indexer:
+            return []
+        return [i for i in range(self.num_hidden_layers) if not self.is_kda_layer(i) and self.index_source_layer(i) == i]
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> "ModelConfig":
         def need(cond: bool, name: str, msg: str) -> None:
