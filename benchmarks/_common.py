@@ -187,6 +187,36 @@ def weight_bytes_per_decode_token(cfg: ModelConfig, dtype_bytes: int = 2, batch:
     return int(total)
 
 
+def decode_weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    """Weights one decode step of ``batch`` tokens reads: ``weight_bytes_per_decode_token`` plus the
+    model's LoRA adapters (fp32: every dense adapter, the routed-expert adapters of the experts hit)."""
+    cfg = model.config
+    lora_dense = lora_experts = 0
+    for name, p in model.named_parameters():
+        if ".experts_lora." in name:
+            lora_experts += p.numel() * p.element_size()
+        elif ".adapter.lora_" in name:
+            lora_dense += p.numel() * p.element_size()
+    frac = experts_hit(cfg, batch) / cfg.n_routed_experts if cfg.n_routed_experts else 0.0
+    return int(weight_bytes_per_decode_token(cfg, batch=batch) + lora_dense + lora_experts * frac)
+
+
+def kv_state_bytes_per_seq(cfg: ModelConfig, ctx: int, pending: int = 32) -> int:
+    """Cache/state bytes one sequence's decode step at context ``ctx`` reads: per MLA layer storing index
+    keys the FP8 keys (+ fp32 scale) of every position, per MLA layer the bf16 latents of the selected
+    top-k; per KDA layer the fp32 state, the conv tail and the ``pending`` rows of the current chunk
+    (k, g fp32; v bf16; beta fp32; 32 = the average over a 64-row chunk)."""
+    la = cfg.linear_attn_config
+    n_kda = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
+    n_mla = cfg.num_hidden_layers - n_kda
+    sel = min(ctx, cfg.index_topk or ctx)
+    index = len(cfg.index_key_layers()) * ctx * (cfg.index_head_dim + 4)
+    mla = n_mla * sel * 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    h, dk = la.num_heads, la.head_dim
+    kda = h * dk * dk * 4 + 3 * 3 * h * dk * 2 + pending * h * (dk * (4 + 2 + 4) + 4)
+    return index + mla + n_kda * kda
+
+
 # ----------------------------------------------------------------------------- timing
 
 

@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-from _common import (OOM_ERRORS, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, default_out, empty_cache, env,
-                     experts_hit,
-                     free_gib, model_config, pick_device, setup_logging, table, weight_bytes_per_decode_token,
-                     write_json)
+from _common import (OOM_ERRORS, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
+                     default_out, empty_cache, env, free_gib, kv_state_bytes_per_seq, model_config, pick_device,
+                     setup_logging, table, write_json)
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.lora import LoraConfig, apply_lora
 from zmrl.model import ModelCache, SequenceState, forward_incremental
@@ -105,20 +104,6 @@ def cache_bytes(cfg, pages: int) -> int:
     n_mla = sum(1 for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i))
     per_token = 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.index_head_dim + 4
     return pages * PAGE * per_token * n_mla
-
-
-def kv_state_bytes_per_seq(cfg, ctx: int) -> int:
-    """Cache/state bytes one sequence's decode step reads: per MLA layer the index keys (+scales)
-    of every position and the latents of the selected top-k; per KDA layer the fp32 state, the conv
-    tail and the pending chunk rows (k, g fp32; v bf16; beta fp32)."""
-    la = cfg.linear_attn_config
-    n_kda = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
-    n_mla = cfg.num_hidden_layers - n_kda
-    sel = min(ctx, cfg.index_topk or ctx)
-    mla = ctx * (cfg.index_head_dim + 4) + sel * 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    h, dk = la.num_heads, la.head_dim
-    kda = h * dk * dk * 4 + 3 * 3 * h * dk * 2 + PENDING * h * (dk * (4 + 2 + 4) + 4)
-    return n_mla * mla + n_kda * kda
 
 
 def profile_step(step, cuda: bool, steps: int = 3, top: int = 15) -> list[dict[str, Any]]:
@@ -189,18 +174,8 @@ def main() -> int:
         apply_lora(model, LoraConfig(r=a.lora, alpha=float(a.lora), init_b_std=0.02, init_seed=a.seed))
     bw = copy_bandwidth_tb_s(dev, gib=0.25 if a.smoke else 2.0)
     log.info("device-to-device copy bandwidth %.2f TB/s", bw)
-    lora_dense = lora_experts = 0
-    for name, p in model.named_parameters():  # LoRA (fp32): every adapter, the hit experts of each layer
-        if ".experts_lora." in name:
-            lora_experts += p.numel() * p.element_size()
-        elif ".adapter.lora_" in name:
-            lora_dense += p.numel() * p.element_size()
-
     def weight_bytes_at(batch: int) -> int:
-        """Weights one decode step of ``batch`` tokens reads (see weight_bytes_per_decode_token)."""
-        base = weight_bytes_per_decode_token(cfg, batch=batch)
-        frac = experts_hit(cfg, batch) / cfg.n_routed_experts if cfg.n_routed_experts else 0.0
-        return int(base + lora_dense + lora_experts * frac)
+        return decode_weight_bytes(model, batch)
 
     weight_bytes = weight_bytes_at(1)
     template = kda_template(model, dev)
@@ -222,7 +197,7 @@ def main() -> int:
                 row["skipped"] = "time budget"
                 continue
             pages = batch * -(-(ctx_tokens + steps + 1) // PAGE) + 1
-            need_gib = (cache_bytes(cfg, pages) + batch * kv_state_bytes_per_seq(cfg, ctx)) / 2**30 + 2.0
+            need_gib = (cache_bytes(cfg, pages) + batch * kv_state_bytes_per_seq(cfg, ctx, PENDING)) / 2**30 + 2.0
             if need_gib > a.mem_fraction * free_gib():
                 row["skipped"] = f"needs ~{need_gib:.0f} GiB, {free_gib():.0f} GiB free"
                 log.info("batch %d context %d: %s", batch, ctx, row["skipped"])
@@ -295,7 +270,7 @@ def main() -> int:
                     row[f"{mode}_tok_s"] = batch / (t["median_ms"] * 1e-3)
                     # The step's HBM bound: the weights it must read once plus every sequence's cache and
                     # KDA state bytes, over the copy bandwidth measured in this run.
-                    bound_ms = (weight_bytes_at(batch) + batch * kv_state_bytes_per_seq(cfg, ctx)) / (bw * 1e12) * 1e3
+                    bound_ms = (weight_bytes_at(batch) + batch * kv_state_bytes_per_seq(cfg, ctx, PENDING)) / (bw * 1e12) * 1e3
                     row["hbm_bound_ms"] = bound_ms
                     row[f"{mode}_frac_hbm"] = bound_ms / t["median_ms"]
                     # the eager profile at batch 1 (the graph mode has its own replay profile above)

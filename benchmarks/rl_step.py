@@ -26,6 +26,13 @@ Phases (CUDA-synchronised wall clock):
 Step 0 is a warm-up (Triton compilation, CUDA-graph capture) and is reported but not summarised;
 each later step runs one ``--parity-pass`` mode. Every step checks the contract: the fraction of
 response tokens whose trainer log-prob equals the engine's bitwise (1.0 expected in bitwise mode).
+
+On a GPU the rollout is also put against its bound (``rollout_bound``): the prefill's forward FLOPs of
+the distinct prompts (prefix caching serves a prompt's n samples) over the matmul peak, plus, for an
+ideal engine that decodes every sequence from the first step, each decode step's bytes (the weights
+the step's batch reads, every live sequence's index keys, selected latents and KDA state at its
+context) over the copy bandwidth; both measured in the run. The training phase reports TFLOP/s and MFU
+(``benchmarks/_train_flops.py``).
 ``--smoke``: CPU, tiny preset and sizes; checks the script end to end (numbers meaningless).
 """
 from __future__ import annotations
@@ -38,7 +45,8 @@ from typing import Any, Callable
 
 import torch
 
-from _common import build_on_device, default_out, env, model_config, pick_device, setup_logging, table, write_json
+from _common import (build_on_device, copy_bandwidth_tb_s, decode_weight_bytes, default_out, env, kv_state_bytes_per_seq,
+                     model_config, pick_device, setup_logging, table, write_json)
 from _train_flops import measured_matmul_peak_tflops, train_flops
 from zmrl.kernels_batch_invariant import set_mode
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
@@ -76,8 +84,36 @@ def ppo_clip_loss(lp: torch.Tensor, old: torch.Tensor, adv: float, clip: float =
     return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).sum()
 
 
+def rollout_bound(model: torch.nn.Module, prompt_lens: list[int], lengths: list[tuple[int, int]], lora_r: int,
+                  bw_tb_s: float, peak_tflops: float) -> dict[str, float]:
+    """Seconds the rollout needs at the hardware's limits: forward FLOPs of the distinct ``prompt_lens``
+    over ``peak_tflops``, plus the bytes of every decode step of the (prompt, response) ``lengths``
+    (the first response token comes from the prefill) over ``bw_tb_s``. See the module docstring."""
+    cfg = model.config
+    f = train_flops(cfg, prompt_lens, lora_r, logit_rows=len(prompt_lens))
+    # forward only: attention, KDA and LoRA are counted as forward + backward (3x the forward) there
+    prefill_flops = f.base_fwd + (f.attention + f.kda + f.lora) / 3 + f.indexer
+    weights: dict[int, int] = {}
+    state: dict[int, int] = {}
+    decode_bytes = 0
+    for step in range(1, max((r for _, r in lengths), default=0)):
+        live = [p + step for p, r in lengths if r > step]
+        if len(live) not in weights:
+            weights[len(live)] = decode_weight_bytes(model, len(live))
+        decode_bytes += weights[len(live)]
+        for ctx in live:
+            if ctx not in state:
+                state[ctx] = kv_state_bytes_per_seq(cfg, ctx)
+            decode_bytes += state[ctx]
+    prefill_s = prefill_flops / (peak_tflops * 1e12)
+    decode_s = decode_bytes / (bw_tb_s * 1e12)
+    return {"prefill_tflop": prefill_flops / 1e12, "decode_gb": decode_bytes / 1e9, "prefill_s": prefill_s,
+            "decode_s": decode_s, "total_s": prefill_s + decode_s}
+
+
 def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, trainer, optimizer, prompts: list[list[int]],
-            step: int, parity_pass: str, peak_tflops: float | None = None) -> dict[str, Any]:
+            step: int, parity_pass: str, peak_tflops: float | None = None, bw_tb_s: float | None = None
+            ) -> dict[str, Any]:
     times: dict[str, float] = {}
     # The same response lengths every step (the steps' timings compare); tokens and rewards vary.
     lo = max(1, int(a.min_new_frac * a.max_new))
@@ -135,6 +171,10 @@ def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, tra
     flops = sum(train_flops(trainer.config, [len(seqs[i]) for i in b], a.lora_r,
                             logit_rows=sum(len(seqs[i]) - plens[i] for i in b)).total for b in batches)
     tflop_s = flops / times["train_forward_backward"] / 1e12
+    bound = None
+    if peak_tflops and bw_tb_s:
+        bound = rollout_bound(engine.model, [len(p) for p in prompts],
+                              [(len(o.prompt_token_ids), len(o.token_ids)) for o in outs], a.lora_r, bw_tb_s, peak_tflops)
     return {"step": step, "parity_pass": parity_pass, "sequences": len(outs), "response_tokens": n_resp,
             "tokens": sum(len(s) for s in seqs), "micro_batches": len(batches),
             "logprob_equal_fraction": equal / max(1, n_resp), "seconds": times, "total_s": total,
@@ -144,7 +184,9 @@ def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, tra
             # peak allocated GiB during the training phase (both models, the engine's cache, the optimizer)
             "train_peak_gib": train_peak,
             "train_tflop": flops / 1e12, "train_tflop_s": tflop_s,
-            "train_mfu": tflop_s / peak_tflops if peak_tflops else None}
+            "train_mfu": tflop_s / peak_tflops if peak_tflops else None,
+            "rollout_bound": bound,
+            "rollout_frac_of_bound": bound["total_s"] / times["rollout"] if bound else None}
 
 
 def main() -> int:
@@ -197,15 +239,16 @@ def main() -> int:
     steps: list[dict[str, Any]] = []
 
     peak = measured_matmul_peak_tflops(dev) if dev.type == "cuda" else None
+    bw = copy_bandwidth_tb_s(dev) if dev.type == "cuda" else None
 
     def save() -> None:  # after every step: a run cut short by a time limit keeps what it measured
         write_json(out, {"benchmark": "rl_step", **env(), "preset": "tiny" if a.smoke else "bench",
                          "layers": cfg.num_hidden_layers, "dtype": "bfloat16", "args": vars(a),
-                         "matmul_peak_tflop_s": peak, "flop_formula": "benchmarks/_train_flops.py", "steps": steps,
+                         "matmul_peak_tflop_s": peak, "copy_bandwidth_tb_s": bw, "flop_formula": "benchmarks/_train_flops.py", "steps": steps,
                          "wall_s": time.perf_counter() - t_start})
 
     for step, mode in enumerate(["fused"] + passes):  # step 0: warm-up
-        r = rl_step(a, dev, engine, trainer, optimizer, prompts, step, mode, peak)
+        r = rl_step(a, dev, engine, trainer, optimizer, prompts, step, mode, peak, bw)
         steps.append(r)
         save()
         log.info("step %d (%s): %.1fs, log-prob parity %.4f", step, mode, r["total_s"], r["logprob_equal_fraction"])
@@ -232,7 +275,9 @@ def main() -> int:
     for r in timed_steps:
         mem = "" if r["train_peak_gib"] is None else f", training peak {r['train_peak_gib']:.1f} GiB"
         mfu = "" if r["train_mfu"] is None else f" = {r['train_mfu']:.1%} MFU of the {peak:.0f} TFLOP/s matmul peak"
-        print(f"{r['parity_pass']}: {r['response_tokens']} response tokens, rollout {r['rollout_tok_s']:.0f} tok/s, "
+        rb = "" if r["rollout_bound"] is None else \
+            f" ({r['rollout_frac_of_bound']:.1%} of its {r['rollout_bound']['total_s']:.2f} s bound)"
+        print(f"{r['parity_pass']}: {r['response_tokens']} response tokens, rollout {r['rollout_tok_s']:.0f} tok/s{rb}, "
               f"trainer {r['train_tok_s']:.0f} tok/s ({r['train_tflop_s']:.1f} TFLOP/s{mfu}){mem}, "
               f"log-prob parity {r['logprob_equal_fraction']:.4f}")
     sep = {r["parity_pass"]: r for r in timed_steps}

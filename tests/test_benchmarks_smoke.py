@@ -64,3 +64,25 @@ def test_expected_peak_memory_model():
     assert est["none"].logits == 1024 * cfg.vocab_size * 10
     with pytest.raises(ValueError, match="policy"):
         expected_peak_memory(cfg, [16], 32, "everything")
+
+
+def test_rollout_bound_counts_every_decode_step():
+    """rl_step's rollout bound: the prefill's forward FLOPs over the peak, plus every decode step's weights
+    (at the step's live batch) and each live sequence's state bytes (at its context) over the bandwidth;
+    a sequence of r response tokens runs r - 1 decode steps (its first token comes from the prefill)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from _common import decode_weight_bytes, kv_state_bytes_per_seq
+        from rl_step import rollout_bound
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from zmrl.model import ModelConfig, build_model
+
+    model = build_model(ModelConfig.preset("tiny"), seed=0)
+    cfg = model.config
+    b = rollout_bound(model, [10], [(10, 3), (10, 2)], 0, bw_tb_s=1.0, peak_tflops=1.0)
+    want = (decode_weight_bytes(model, 2) + 2 * kv_state_bytes_per_seq(cfg, 11)  # step 1: both live
+            + decode_weight_bytes(model, 1) + kv_state_bytes_per_seq(cfg, 12))  # step 2: the longer one
+    assert b["decode_gb"] * 1e9 == pytest.approx(want) and b["decode_s"] == pytest.approx(want / 1e12)
+    assert b["prefill_tflop"] > 0 and b["total_s"] == pytest.approx(b["prefill_s"] + b["decode_s"])
+    assert rollout_bound(model, [10], [(10, 1)], 0, 1.0, 1.0)["decode_gb"] == 0  # no decode step at all
