@@ -1,7 +1,8 @@
 """verl's own trainer (``python -m verl.trainer.main_ppo``, recipes/verl_grpo.yaml) with
 ``actor.strategy=zmrl`` and ``rollout.name=zmrl`` on a local Ray cluster, CPU only, tiny model: from verl's
 logged metrics, the rollout/trainer mismatch is exactly zero at every step, and the first step's rollouts
-are the ones zmrl's own rollout worker (zmrl/rl/workers.py, the zmrl loop's) samples with the same seeds."""
+are, token for token and log-prob for log-prob, the ones zmrl's own RL loop (zmrl/rl/loop.py) samples at its
+first step with the same seed."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -66,8 +67,9 @@ def run_main_ppo(tmp: Path, device: str = "cpu") -> dict:
            f"data.train_batch_size={PROMPTS_PER_STEP}", f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",
            f"actor_rollout_ref.rollout.n={SAMPLES_PER_PROMPT}", f"data.max_response_length={RESPONSE_LENGTH}",
            "actor_rollout_ref.actor.optim.lr=1e-2",  # visible updates in two steps
-           f"reward.custom_reward_function.path={Path(__file__).with_name('verl_digit_reward.py')}",
-           f"trainer.rollout_data_dir={tmp / 'rollouts'}", f"trainer.default_local_dir={tmp / 'checkpoints'}"]
+           f"reward.custom_reward_function.path={Path(__file__).with_name('verl_ascii_reward.py')}",
+           f"trainer.rollout_data_dir={tmp / 'rollouts'}", f"trainer.default_local_dir={tmp / 'checkpoints'}",
+           f"+actor_rollout_ref.rollout.engine_kwargs.zmrl.record_dir={tmp / 'served'}"]
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=540)
     log = proc.stdout + proc.stderr
     (tmp / "main_ppo.log").write_text(log)
@@ -108,33 +110,39 @@ def test_dashboard_of_the_verl_run_shows_kl_zero(verl_run):
     assert 'id="kl-badge" data-status="ok"' in page
 
 
-def test_first_step_rollouts_equal_zmrl_rollout_worker_with_the_same_seeds(verl_run):
-    from zmrl.integrations.verl.data import problems_for
-    from zmrl.integrations.verl.rollout import sample_seed
-    from zmrl.integrations.verl.settings import DEFAULT_LORA_RANK
-    from zmrl.lora import LoraConfig
-    from zmrl.rl.tokenizer import ByteTokenizer
-    from zmrl.rl.workers import ModelSpec, RolloutWorker
-    from zmrl.rollout import EngineConfig, SamplingParams
+def test_first_step_rollouts_equal_the_zmrl_loops_with_the_same_seed(verl_run):
+    """zmrl's RL loop (RLRunner, one n-sample request per prompt) on the same checkpoint, problems and seed
+    samples, at its first step, exactly what verl's first step got from the zmrl rollout server (one request
+    per sample): every token and every log-prob, sample by sample (the server's record_dir)."""
+    import torch
 
-    dumped = [json.loads(line) for line in (verl_run["tmp"] / "rollouts" / "1.jsonl").read_text().splitlines()]
-    assert len(dumped) == PROMPTS_PER_STEP * SAMPLES_PER_PROMPT
-    tok = ByteTokenizer()
-    problems = problems_for("synthetic", PROMPTS_PER_STEP * STEPS)[:PROMPTS_PER_STEP]  # shuffle=false: the first rows
-    prompts = [tok.encode(tok.apply_chat_template(p["question"]), add_bos=True) for p in problems]
-    worker = RolloutWorker(ModelSpec(str(verl_run["paths"]["model"]), None,
-                                     LoraConfig(r=DEFAULT_LORA_RANK, alpha=float(DEFAULT_LORA_RANK))),
-                           EngineConfig(num_blocks=64, kernel_mode="bitwise"))
-    # the first rollout runs on the weights verl sent at global step 0 (the untrained LoRA)
-    params = [SamplingParams(temperature=1.0, max_tokens=RESPONSE_LENGTH, stop_token_ids=(tok.eos_token_id,),
-                             seed=sample_seed(0, 0, p, j)) for p in prompts for j in range(SAMPLES_PER_PROMPT)]
-    samples = worker.generate([p for p in prompts for _ in range(SAMPLES_PER_PROMPT)],
-                              [g for g in range(len(prompts)) for _ in range(SAMPLES_PER_PROMPT)], params,
-                              [f"r{i}" for i in range(len(params))])
-    ours = Counter((tok.decode(p[1:]), tok.decode(s.response_ids)) for p, s in
-                   zip([p for p in prompts for _ in range(SAMPLES_PER_PROMPT)], samples))
-    theirs = Counter((d["input"], d["output"]) for d in dumped)
-    assert theirs == ours
+    from zmrl.integrations.verl.data import problems_for
+
+    from tests.integrations.zmrl_loop import groups_of, loop_runner
+
+    tmp = verl_run["tmp"]
+    served = [json.loads(line) for f in sorted((tmp / "served").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    first = {(tuple(r["prompt_ids"]), r["sample_index"]): r for r in served if r["weights_step"] == 0}
+    assert len(first) == PROMPTS_PER_STEP * SAMPLES_PER_PROMPT  # every (prompt, sample index) once
+    runner = loop_runner(verl_run["paths"]["model"], problems_for("synthetic", PROMPTS_PER_STEP * STEPS),
+                         tmp / "zmrl_loop", PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, RESPONSE_LENGTH, seed=0)
+    try:
+        loop = groups_of(runner.rollout_step(0).samples)
+    finally:
+        runner.close()
+    assert sorted(first) == sorted((p, k) for p, g in loop.items() for k in range(len(g)))
+    for prompt, samples in loop.items():
+        assert len({tuple(s.response_ids) for s in samples}) > 1, "a group's samples must differ"
+        for k, s in enumerate(samples):
+            theirs = first[prompt, k]
+            assert theirs["seed"] == s.seed, (prompt, k)
+            assert theirs["token_ids"] == s.response_ids, (prompt, k)
+            assert torch.equal(torch.tensor(theirs["logprobs"], dtype=torch.float32), s.logprobs.cpu()), (prompt, k)
+    # verl's own dump of its first step (decoded text) holds the same samples
+    tok = runner.tokenizer
+    dumped = [json.loads(line) for line in (tmp / "rollouts" / "1.jsonl").read_text().splitlines()]
+    ours = Counter((tok.decode(list(p)), tok.decode(s.response_ids)) for p, g in loop.items() for s in g)
+    assert Counter((d["input"], d["output"]) for d in dumped) == ours
 
 
 @pytest.mark.gpu

@@ -145,6 +145,51 @@ def test_engine_logprobs_in_verl_layout_equal_the_servers_recorded_ones(checkpoi
         assert torch.isfinite(out["model_output"]["entropy"][i]).all()
 
 
+def test_server_samples_every_group_as_the_zmrl_loop_does(checkpoint, tmp_path):
+    """One seed rule on both sides: verl's one-sample requests to the server, arriving interleaved, and the
+    zmrl loop's n-sample requests (RLRunner), with the same seed, weights and prompts, sample the same
+    tokens and log-probs, sample by sample -- a prompt that comes twice in the step included."""
+    from zmrl.integrations.verl.data import problems_for
+    from zmrl.integrations.verl.rollout import ZmrlServer
+
+    from tests.integrations.zmrl_loop import groups_of, loop_runner
+
+    n, max_tokens = 3, 8
+    first, second = problems_for("synthetic", 2)
+    runner = loop_runner(checkpoint, [first, second, first], tmp_path, prompts_per_step=3, n=n, max_tokens=max_tokens)
+    try:
+        gen = torch.Generator().manual_seed(0)  # a non-zero adapter (B starts at zero): the draws depend on it
+        state = {k: v + 0.05 * torch.randn(v.shape, generator=gen)
+                 for k, v in sorted(runner.trainer.lora_state().result().items())}
+        runner.trainer.load_lora_state(state)
+        runner._push_weights()
+        loop = groups_of(runner.rollout_step(0).samples)  # step 0: the weights after 0 updates
+    finally:
+        runner.close()
+    assert [len(g) for g in loop.values()] == [2 * n, n]
+
+    rollout_config = SimpleNamespace(engine_kwargs={"zmrl": {"seed": 0, "num_blocks": 64}}, prompt_length=128,
+                                     response_length=max_tokens)
+    server = ZmrlServer(rollout_config, _model_config(checkpoint))
+    server.update_weights(state, fingerprint(), global_steps=0)  # verl's sync before its first step
+    # one request per sample, the prompts interleaved: a, b, a, b, a, b, a, a, a
+    order = [p for k in range(2 * n) for p, g in loop.items() if k < len(g)]
+
+    async def ask():
+        return await asyncio.gather(*[server.generate(list(p), {"temperature": 1.0, "top_p": 1.0, "top_k": -1},
+                                                      f"q{i}") for i, p in enumerate(order)])
+
+    served: dict[tuple[int, ...], list] = {}
+    for p, out in zip(order, asyncio.run(ask())):  # a prompt's k-th request is its sample k
+        served.setdefault(p, []).append(out)
+    assert served.keys() == loop.keys()
+    for prompt, samples in loop.items():
+        assert len({tuple(s.response_ids) for s in samples}) > 1, "a group's samples must differ"
+        for k, (s, out) in enumerate(zip(samples, served[prompt], strict=True)):
+            assert out.token_ids == s.response_ids, (prompt, k)
+            assert torch.equal(torch.tensor(out.log_probs, dtype=torch.float32), s.logprobs.cpu()), (prompt, k)
+
+
 def test_engine_checkpoint_round_trip(checkpoint, tmp_path):
     from zmrl.integrations.verl.engine import ZmrlEngine
     from zmrl.lora import lora_state_dict

@@ -55,7 +55,7 @@ def test_recipe_sections_build_their_components():
     _forwarded(cfg.rollout, engine, own={"kernel_mode", "max_model_len"})
     sampling = cfg.rollout.sampling(11, (2,))
     assert isinstance(sampling, SamplingParams) and (sampling.seed, sampling.stop_token_ids) == (11, (2,))
-    _forwarded(cfg.rollout, sampling, own={"seed", "stop_token_ids"})
+    _forwarded(cfg.rollout, sampling, own={"seed", "stop_token_ids", "first_sample_index"})  # the last two: per prompt
     trainer = cfg.trainer.trainer_config("fp8")
     assert isinstance(trainer, TrainerConfig) and trainer.latent_format == "fp8"
     _forwarded(cfg.trainer, trainer, own={"latent_format"})

@@ -11,13 +11,14 @@ import torch
 
 from zmrl.kernels_batch_invariant.logprob import log_softmax, token_logprobs
 from zmrl.rollout import sampling as S
-from zmrl.rollout.sampling import SamplingParams, derive_seed, sample
+from zmrl.rollout.sampling import SamplingParams, derive_seed, rollout_seed, sample
 
 from tests.kernels.invariance import num_threads
 
 M64 = (1 << 64) - 1
 U32 = 2.0**-24  # unit roundoff of fp32
 PINNED_SEED = 451373029970860901  # derive_seed(0, 3, "sample:1"), fixed forever
+PINNED_ROLLOUT_SEED = 4578603499915848902  # rollout_seed(0, 0, [1, 2, 3]), fixed forever
 
 
 def P(**fields: object) -> SamplingParams:
@@ -65,6 +66,8 @@ BAD_PARAMS = [
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.0),
     ("n", 0), ("n", 1.5),
     ("seed", -1), ("seed", 1.5), ("seed", "1"), ("seed", True),
+    ("first_sample_index", -1), ("first_sample_index", 1 << 63), ("first_sample_index", 1.0),
+    ("first_sample_index", True),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", "12"), ("stop_token_ids", 5),
     ("stop_token_ids", [True]),
 ]
@@ -89,8 +92,9 @@ def test_params_normalised_and_frozen() -> None:
         p.seed = 3  # type: ignore[misc]
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=1e-3).greedy
     d = SamplingParams()
-    got = (d.temperature, d.top_p, d.top_k, d.max_tokens, d.seed, d.stop_token_ids, d.n)
-    assert got == (1.0, 1.0, -1, 16, None, (), 1)  # no seed: the engine draws one
+    got = (d.temperature, d.top_p, d.top_k, d.max_tokens, d.seed, d.stop_token_ids, d.n, d.first_sample_index)
+    assert got == (1.0, 1.0, -1, 16, None, (), 1, 0)  # no seed: the engine draws one
+    assert type(SamplingParams(first_sample_index=np.int64(3)).first_sample_index) is int
     assert str(SamplingParams(temperature=-0.0).temperature) == "0.0"
     assert SamplingParams(seed=1 << 80).seed == 1 << 80  # wide seeds are allowed (folded in the hash)
 
@@ -105,6 +109,14 @@ def test_derive_seed_stable_and_63_bit() -> None:
     seeds = {derive_seed(7, i) for i in range(2000)}
     assert len(seeds) == 2000 and all(0 <= s < 1 << 63 for s in seeds)
     assert derive_seed(1, 2) != derive_seed(12) != derive_seed(2, 1)
+
+
+def test_rollout_seed_is_keyed_on_run_seed_weights_step_and_prompt_tokens() -> None:
+    # Pinned like derive_seed: a resumed run, and verl's rollout, must derive the same seed.
+    assert rollout_seed(0, 0, [1, 2, 3]) == rollout_seed(0, 0, (np.int64(1), 2, 3)) == PINNED_ROLLOUT_SEED
+    seeds = {rollout_seed(base, step, prompt) for base in (0, 1) for step in (0, 1, 2)
+             for prompt in ([1, 2, 3], [1, 2], [12, 3], [1, 23], [3, 2, 1])}
+    assert len(seeds) == 2 * 3 * 5 and all(0 <= s < 1 << 63 for s in seeds)
 
 
 def test_sample_needs_a_seed() -> None:

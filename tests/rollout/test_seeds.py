@@ -56,6 +56,22 @@ def test_n_samples_differ_by_index_and_sample_zero_is_the_single_request(engine)
     assert all(_same(a, b) for a, b in zip(again[1:], outs))
 
 
+def test_a_group_as_one_request_or_one_request_per_sample_samples_the_same(engine):
+    """n samples in one request (zmrl's RL loop) == n one-sample requests with the same seed and
+    first_sample_index 0 .. n-1 (verl's rollout sends one request per sample), in any order."""
+    prompt = [4, 8, 15, 16, 23]
+    group = engine.generate([prompt], [SamplingParams(max_tokens=8, seed=91, n=4)])
+    assert len({tuple(o.token_ids) for o in group}) > 1
+    singles = engine.generate([prompt] * 4, [SamplingParams(max_tokens=8, seed=91, first_sample_index=j)
+                                             for j in (2, 0, 3, 1)])
+    by_index = {o.sample_index: o for o in singles}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert all(_same(by_index[j], group[j]) for j in range(4))
+    # an offset group continues the numbering: samples 2, 3 of the group of 4
+    tail = engine.generate([prompt], [SamplingParams(max_tokens=8, seed=91, n=2, first_sample_index=2)])
+    assert [o.sample_index for o in tail] == [2, 3] and all(_same(a, b) for a, b in zip(tail, group[2:]))
+
+
 def test_no_seed_draws_one_and_replaying_it_repeats(engine):
     prompt = [3, 1, 4, 1, 5]
     first, second = engine.generate([prompt, prompt], SamplingParams(max_tokens=6))

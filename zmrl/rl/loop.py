@@ -5,17 +5,18 @@ actors on separate placement groups (``zmrl.rl.cluster``), driven by the same co
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from zmrl.kernels_batch_invariant import apply_numerics, check_same_numerics, current_numerics
 from zmrl.parity import ParityReport
 from zmrl.rollout import SamplingParams
+from zmrl.rollout.sampling import rollout_seed
 from zmrl.trainer import Sample, TrainBatch
 
 from .cluster import ActorEnv, LocalHandle, RayCluster, gather, shard
@@ -48,11 +49,6 @@ def _parity_metrics(report: ParityReport) -> dict[str, float]:
             "mismatch/kl_k1": report.kl_k1, "mismatch/kl_k3": report.kl_k3,
             "mismatch/tokens_compared": report.tokens_compared,
             "mismatch/sequences_compared": report.sequences_compared}
-
-
-def _step_seed(seed: int, step: int, what: str) -> int:
-    h = hashlib.blake2b(f"{seed}:{step}:{what}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") >> 2
 
 
 class RLRunner:
@@ -193,15 +189,23 @@ class RLRunner:
     def _prompts(self, step: int) -> list[dict]:
         return self.train_source.batch(step, self.cfg.data.prompts_per_step)
 
-    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str, seed_step: int, seed_use: str,
+    def _rollout(self, problems: list[dict], sampling: SamplingParams, tag: str, weights_step: int,
                  progress: bool = False) -> StepRollouts:
         from .reward import aime_reward
 
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(p["question"])) for p in problems]
-        # Prompt i samples with a seed derived from (recipe seed, step, i): the same tokens wherever it
-        # runs (any rollout worker, any batch), and again after a resume.
-        params = [dataclasses.replace(sampling, seed=_step_seed(self.cfg.trainer.seed, seed_step, f"{seed_use}:{i}"))
-                  for i in range(len(prompts))]
+        # One seed rule (rollout_seed): a prompt's group samples with the seed of (recipe seed, weights step,
+        # prompt tokens), sample j with index j -- the same tokens on any rollout worker, in any batch, after a
+        # resume, and in verl's rollout (zmrl/integrations/verl/rollout.py), which sends the samples one by
+        # one. A prompt that comes again in the batch continues its numbering (indices n .. 2n-1, ...), as
+        # verl's server counts them, so the copies do not repeat each other's samples.
+        copies: Counter[tuple[int, ...]] = Counter()
+        params = []
+        for prompt in prompts:
+            copy = copies[tuple(prompt)]
+            copies[tuple(prompt)] += 1
+            params.append(dataclasses.replace(sampling, seed=rollout_seed(self.cfg.trainer.seed, weights_step, prompt),
+                                              first_sample_index=copy * sampling.n))
         samples = self._generate(prompts, params, [f"{tag}-{i}" for i in range(len(prompts))], progress)
         errors = []
         for s in samples:
@@ -210,6 +214,14 @@ class RLRunner:
             if failed:
                 errors.append(str(s.error or "unknown error"))
         return StepRollouts(samples, errors)
+
+    def rollout_step(self, step: int) -> StepRollouts:
+        """The rollouts of RL step ``step`` (0-based): its prompts, sampled by the weights after ``step``
+        updates (``weights_step = step``), with their rewards."""
+        rc = self.cfg.rollout
+        sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
+                                  max_tokens=rc.max_tokens, n=rc.n, stop_token_ids=tuple(self.tokenizer.stop_token_ids))
+        return self._rollout(self._prompts(step), sampling, f"s{step}", step)
 
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step (0-based ``step``); its metrics. The parity numbers come from the update's own
@@ -221,9 +233,7 @@ class RLRunner:
 
         rc, ac = self.cfg.rollout, self.cfg.algorithm
         t0 = time.perf_counter()
-        sampling = SamplingParams(temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k,
-                                  max_tokens=rc.max_tokens, n=rc.n, stop_token_ids=tuple(self.tokenizer.stop_token_ids))
-        batch = self._rollout(self._prompts(step), sampling, f"s{step}", step, "sample")
+        batch = self.rollout_step(step)
         samples = batch.samples
         t_rollout = time.perf_counter() - t0
         rewards = [s.reward for s in samples]
@@ -257,7 +267,9 @@ class RLRunner:
         sampling = SamplingParams(temperature=ec.temperature, max_tokens=ec.max_tokens, n=ec.n,
                                   stop_token_ids=tuple(self.tokenizer.stop_token_ids))
         t0 = time.perf_counter()
-        samples = self._rollout(self.eval_problems, sampling, f"e{step}", 0, "eval", progress=True).samples
+        # weights_step 0 at every evaluation: each one draws the same noise (common random numbers), so the
+        # held-out curve moves with the weights, not with the draw
+        samples = self._rollout(self.eval_problems, sampling, f"e{step}", 0, progress=True).samples
         spec = eval_set(self.cfg)
         name = {"synthetic": "heldout"}.get(spec, spec) if spec in ("aime24", "aime25", "synthetic") else Path(spec).stem
         key, value = f"eval/{name}_mean@{ec.n}", sum(s.reward for s in samples) / max(len(samples), 1)

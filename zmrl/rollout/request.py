@@ -25,7 +25,7 @@ class RolloutOutput:
     finish_reason: str  # "stop" | "length" | "error"
     temperature: float = 1.0
     seed: int = 0  # the request's seed: the one it gave, or the one the engine drew (replaying with it repeats)
-    sample_index: int = 0  # j of the request's n samples (the sampler's key)
+    sample_index: int = 0  # the sampler's key: params.first_sample_index + j for the request's j-th sample
     weights_version: int = 0
     num_preemptions: int = 0
     error: str | None = None
@@ -37,12 +37,17 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     fork_ids: list[str] = field(default_factory=list)  # siblings to fork when the prompt is done (n > 1)
-    sample_index: int = 0  # j of the request's n samples: the sampler's key, with params.seed
+    sample_index: int = 0  # j of the request's n samples (sample_key = params.first_sample_index + j)
     output: list[int] = field(default_factory=list)
     logprobs: list[torch.Tensor] = field(default_factory=list)
     seq: SequenceState = field(default_factory=SequenceState)
     hashes: list[int] = field(default_factory=list)  # hashes of this request's computed full blocks
     num_preemptions: int = 0
+
+    @property
+    def sample_key(self) -> int:
+        """The sampler's key, with params.seed: the sample's index within its group."""
+        return self.params.first_sample_index + self.sample_index
 
     @property
     def tokens(self) -> list[int]:
@@ -68,6 +73,6 @@ class Request:
         return RolloutOutput(
             request_id=self.request_id, prompt_token_ids=list(self.prompt), token_ids=list(self.output), logprobs=lp,
             finish_reason=reason, temperature=self.params.temperature, seed=self.params.seed,
-            sample_index=self.sample_index,
+            sample_index=self.sample_key,
             weights_version=weights_version, num_preemptions=self.num_preemptions, error=error,
         )

@@ -26,6 +26,6 @@ def draw(rows: list[tuple[Request, int]], logits: torch.Tensor) -> tuple[list[tu
     ok = [(r, row) for r, row in rows if finite[row]]
     if not ok:
         return errors, []
-    tokens, lps = sample(logits[[row for _, row in ok]], [r.params for r, _ in ok], [r.sample_index for r, _ in ok],
+    tokens, lps = sample(logits[[row for _, row in ok]], [r.params for r, _ in ok], [r.sample_key for r, _ in ok],
                          [r.num_tokens for r, _ in ok])
     return errors, [Draw(r, t, lp.reshape(1)) for (r, _), t, lp in zip(ok, tokens.tolist(), lps)]

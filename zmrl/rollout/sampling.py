@@ -1,11 +1,11 @@
 """Sampling parameters and the deterministic, batch-invariant sampler of the rollout engine.
 
 A sampled row's (token, log-prob) is a function of that row alone: its logits, its
-``SamplingParams`` (with the seed), its key — the engine passes the sample's index within its
-request (0 .. n-1) — and the absolute position of the token being sampled (docs/numerics.md,
-"Sampling"). Nothing depends on the other rows of the step, the batch size or order, the request
-id the engine assigned, the thread count, or any global RNG state, so the same request with the
-same seed samples the same tokens alone or among any others, and preemption + recompute, a
+``SamplingParams`` (with the seed), its key — the sample's index, ``first_sample_index + j`` for
+the request's j-th sample (j = 0 .. n-1) — and the absolute position of the token being sampled
+(docs/numerics.md, "Sampling"). Nothing depends on the other rows of the step, the batch size or
+order, the request id the engine assigned, the thread count, or any global RNG state, so the same
+request with the same seed samples the same tokens alone or among any others, and preemption + recompute, a
 different arrival order or a replay of the run reproduce every token bit for bit.
 
 Per row, with ``T = params.temperature``:
@@ -46,7 +46,7 @@ from zmrl.kernels_batch_invariant._dispatch import invariant_op
 from zmrl.kernels_batch_invariant.logprob import _scaled_logits, token_logprobs
 from zmrl.kernels_batch_invariant.reduce import tree_sum
 
-__all__ = ["SamplingParams", "derive_seed", "sample", "sample_scaled"]
+__all__ = ["SamplingParams", "derive_seed", "rollout_seed", "sample", "sample_scaled"]
 
 _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64 Weyl increment (odd, ~2^64 / golden ratio)
@@ -54,6 +54,7 @@ _MIX1 = 0xBF58476D1CE4E5B9   # splitmix64 finaliser constants
 _MIX2 = 0x94D049BB133111EB
 _DOMAIN = 0x7A6D726C2D73616D  # b"zmrl-sam": separates this stream from other uses of splitmix64
 _U_BITS = 24
+_MAX_SAMPLE_INDEX = 1 << 63  # first_sample_index + j stays a valid sampler key (< 2^64) for any n
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -81,7 +82,10 @@ class SamplingParams:
     max_tokens: generated-token limit (>= 1).     stop_token_ids: ids that end the request.
     seed: int >= 0, or None (the engine draws one and records it on the output). With the sample
     index and the position it fixes every draw, wherever the request sits in a batch.
-    n: samples per prompt; sample j draws with key j, so the n samples differ.
+    n: samples per prompt; sample j draws with key ``first_sample_index + j``, so the n samples differ.
+    first_sample_index: the sample index of this request's first sample (default 0). A request with
+    ``n`` samples draws exactly what ``n`` one-sample requests with the same seed and
+    ``first_sample_index`` 0 .. n-1 draw, so a group can be sent as one request or one per sample.
     """
 
     temperature: float = 1.0
@@ -91,6 +95,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
+    first_sample_index: int = 0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -106,6 +111,8 @@ class SamplingParams:
             raise _bad("max_tokens", self.max_tokens, "an int >= 1")
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "an int >= 1")
+        if not _is_int(self.first_sample_index) or not 0 <= self.first_sample_index < _MAX_SAMPLE_INDEX:
+            raise _bad("first_sample_index", self.first_sample_index, "an int in [0, 2^63)")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise _bad("seed", self.seed, "None (the engine draws one) or an int >= 0")
         stops = self.stop_token_ids
@@ -117,6 +124,7 @@ class SamplingParams:
             raise _bad("stop_token_ids", self.stop_token_ids, f"ints >= 0 (bad entry {bad[0]!r})")
         for name, value in (("temperature", float(t) + 0.0), ("top_p", float(p)), ("top_k", int(k)),
                             ("max_tokens", int(self.max_tokens)), ("n", int(self.n)),
+                            ("first_sample_index", int(self.first_sample_index)),
                             ("seed", None if self.seed is None else int(self.seed)),
                             ("stop_token_ids", tuple(int(s) for s in stops))):  # + 0.0: -0.0 -> 0.0
             object.__setattr__(self, name, value)
@@ -131,6 +139,18 @@ def derive_seed(seed: int, *parts: object) -> int:
     the same in every process. Requests given one seed share their noise; derived seeds do not."""
     text = ":".join(map(str, (seed, *parts))).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8, person=b"zmrl-sd").digest(), "big") >> 1
+
+
+def rollout_seed(base_seed: int, weights_step: int, prompt_ids: Sequence[int]) -> int:
+    """The seed of an RL rollout's samples of one prompt: a function of the run's seed, the weights they
+    sample from (``weights_step``: the number of updates those weights have had) and the prompt's tokens.
+
+    The sample's index within the prompt's group is the sampler's key (``SamplingParams.first_sample_index
+    + j``), not part of the seed, so a group sent as one request with ``n`` samples (zmrl's RL loop) and
+    as ``n`` one-sample requests with ``first_sample_index`` 0 .. n-1 (verl's rollout, zmrl/integrations/
+    verl/rollout.py) sample the same tokens. Nothing else enters: not the prompt's place in the batch,
+    the request id, the rollout worker or the arrival order."""
+    return derive_seed(base_seed, "rollout", int(weights_step), ",".join(str(int(t)) for t in prompt_ids))
 
 
 # ----------------------------------------------------------------------------- counter-based noise

@@ -10,20 +10,28 @@
   the training engine's weights after every update, and it forwards them, with the training process's
   numerics fingerprint, to the server, which refuses weights from another engine or other numerics.
 
-Seeds: verl sends each sample as its own request, with a fresh request id, so the server derives the
-seed of a request from ``engine_kwargs.zmrl.seed``, the global step verl sent with the weights now loaded
-(0 for the initial weights; a resumed run gets the same value again), the prompt's tokens and how many
-requests with that prompt it already served on these weights (the sample index within the GRPO group).
-The set of samples of a prompt is therefore a function of the seed and the weights, whatever order the
-requests arrive in; ``sample_seed`` is the rule, for anyone (a test, the zmrl loop) who wants to replay it.
+Seeds: zmrl's one rule (``rollout_seed`` in zmrl/rollout/sampling.py), the one zmrl's RL loop uses. verl
+sends each sample as its own request, with a fresh request id; the server gives it the seed of
+(``engine_kwargs.zmrl.seed``, the global step verl sent with the weights now loaded -- 0 for the initial
+weights, s after the s-th update, the same again on a resume -- and the prompt's tokens) and, as
+``SamplingParams.first_sample_index``, how many requests with that prompt it already served on these
+weights (the sample index within the GRPO group). One-sample requests with indices 0 .. n-1 sample what
+one n-sample request samples, so the set of samples of a prompt is a function of the seed, the weights
+and the prompt, whatever order the requests arrive in, and equal to the zmrl loop's with the same seed.
+
+``engine_kwargs.zmrl.record_dir``, when set, makes each server append every request it served to
+``record_dir/server_<rank>.jsonl`` (weights step, prompt and response ids, seed, sample index and the
+recorded log-probs), to replay or compare a run's rollouts outside verl.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import threading
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -47,14 +55,6 @@ def server_name(replica_rank: int, suffix: str = "") -> str:
 
 def prompt_key(prompt_ids: list[int]) -> str:
     return hashlib.blake2b(",".join(map(str, prompt_ids)).encode(), digest_size=8).hexdigest()
-
-
-def sample_seed(seed: int, weights_step: int, prompt_ids: list[int], sample_index: int) -> int:
-    """The sampling seed of the ``sample_index``-th request for ``prompt_ids`` on the weights verl sent at
-    global step ``weights_step``."""
-    from zmrl.rollout.sampling import derive_seed
-
-    return derive_seed(seed, "verl", weights_step, prompt_key(prompt_ids), sample_index)
 
 
 def _stop_token_ids(model_config: Any, path: str) -> tuple[int, ...]:
@@ -131,13 +131,19 @@ class ZmrlServer:
         return version
 
     # ------------------------------------------------------------------ generation
+    @property
+    def weights_step(self) -> int:
+        """The global step verl sent with the weights now loaded (the engine's weights version if none)."""
+        return self.global_steps if self.global_steps is not None else self.engine.weights_version
+
     def _params(self, prompt_ids: list[int], sampling_params: dict[str, Any]):
         from zmrl.rollout import SamplingParams
+        from zmrl.rollout.sampling import rollout_seed
 
         version = self.engine.weights_version
-        step = self.global_steps if self.global_steps is not None else version
+        step = self.weights_step
         key = (version, prompt_key(prompt_ids))
-        index = self._seen[key]
+        index = self._seen[key]  # the sample index within the prompt's group
         self._seen[key] += 1
         max_tokens = sampling_params.get("max_tokens") or sampling_params.get("max_new_tokens") or self.response_length
         limit = self.engine.max_model_len - len(prompt_ids)
@@ -146,7 +152,7 @@ class ZmrlServer:
         return SamplingParams(temperature=float(sampling_params.get("temperature", 1.0)),
                               top_p=float(sampling_params.get("top_p", 1.0)), top_k=-1 if top_k <= 0 else top_k,
                               max_tokens=max_tokens, stop_token_ids=self.stop_token_ids,
-                              seed=sample_seed(self.settings.seed, step, prompt_ids, index))
+                              seed=rollout_seed(self.settings.seed, step, prompt_ids), first_sample_index=index)
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                        image_data: Any = None, video_data: Any = None, **kwargs: Any) -> TokenOutput:
@@ -156,6 +162,7 @@ class ZmrlServer:
             raise ZmrlSettingError("rollout.name=zmrl received a request before any weights from the trainer: it "
                                    "needs actor_rollout_ref.actor.strategy=zmrl and verl's weight sync before rollout")
         prompt = [int(t) for t in prompt_ids]
+        weights_step = self.weights_step
         params = self._params(prompt, sampling_params)
         future = asyncio.get_running_loop().create_future()
         self._queue.append((prompt, params, future))
@@ -163,9 +170,21 @@ class ZmrlServer:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
         out = await future
+        if self.settings.record_dir:
+            self._record(weights_step, out)
         return TokenOutput(token_ids=list(out.token_ids), log_probs=out.logprobs.float().tolist(),
                            stop_reason="completed", num_preempted=int(out.num_preemptions),
                            extra_fields={"global_steps": self.global_steps})
+
+    def _record(self, weights_step: int, out: Any) -> None:
+        """One JSON line per served request (log-probs as float32 values: they read back bit for bit)."""
+        path = Path(self.settings.record_dir) / f"server_{self.replica_rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = {"weights_step": weights_step, "prompt_ids": list(out.prompt_token_ids), "seed": out.seed,
+                "sample_index": out.sample_index, "token_ids": list(out.token_ids),
+                "logprobs": out.logprobs.float().tolist(), "finish_reason": out.finish_reason}
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def _run(self, prompts: list[list[int]], params: list[Any]):
         with self._engine_lock:

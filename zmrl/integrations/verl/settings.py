@@ -5,7 +5,8 @@ Both sides (``actor.strategy=zmrl`` and ``rollout.name=zmrl``) read the model-le
 default rank-32 LoRA) and the numerics (``override_config.zmrl_kernel_mode``,
 ``override_config.zmrl_latent_format``). The rollout engine's own settings come from
 ``actor_rollout_ref.rollout.engine_kwargs.zmrl`` (``block_size``, ``num_blocks``, ``max_num_seqs``,
-``max_num_batched_tokens``, ``seed``, and ``kernel_mode`` to override the model's).
+``max_num_batched_tokens``, ``seed``, ``kernel_mode`` to override the model's, and ``record_dir``: a folder
+where each rollout server appends every request it served, zmrl/integrations/verl/rollout.py).
 """
 from __future__ import annotations
 
@@ -73,11 +74,14 @@ class RolloutSettings:
 
     engine: EngineConfig
     seed: int = 0
+    record_dir: str | None = None
 
     @classmethod
     def from_rollout_config(cls, rollout_config: Any, model: ModelSettings) -> "RolloutSettings":
         kwargs = dict(_get(_get(rollout_config, "engine_kwargs", {}) or {}, "zmrl", {}) or {})
         seed = int(kwargs.pop("seed", 0))
+        record_dir = kwargs.pop("record_dir", None)
+        record_dir = str(record_dir) if record_dir else None
         kwargs.setdefault("kernel_mode", model.kernel_mode)
         kwargs.setdefault("latent_format", model.latent_format)
         prompt_len = int(_get(rollout_config, "prompt_length", 0) or 0)
@@ -87,10 +91,10 @@ class RolloutSettings:
         known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ZmrlSettingError(f"{ROLLOUT_KWARGS_KEY}.{unknown[0]}: unknown; allowed seed, "
+            raise ZmrlSettingError(f"{ROLLOUT_KWARGS_KEY}.{unknown[0]}: unknown; allowed seed, record_dir, "
                                    f"{', '.join(sorted(known))}")
         try:
             engine = EngineConfig(**kwargs).validate()
         except ValueError as e:
             raise ZmrlSettingError(f"{ROLLOUT_KWARGS_KEY}: {e}") from e
-        return cls(engine, seed)
+        return cls(engine, seed, record_dir)
