@@ -51,12 +51,37 @@ class SequenceState:
 
     kda: dict[int, KDASeqState] = field(default_factory=dict)
     num_tokens: int = 0  # tokens whose cache entries and states exist
+    # The sequence's cache pages in order. A page list only ever grows in place (``extend``/``append``) or is
+    # replaced by another list (assignment, ``reset``): ``page_tensor`` and the decode runner's block-table rows
+    # rely on it to update only what was appended.
     pages: list[int] = field(default_factory=list)
+    # page_tensor's mirror of ``pages``: (the list it mirrors, its length then, int64 buffer with spare room)
+    _page_mirror: tuple[list[int], int, torch.Tensor] | None = field(default=None, init=False, repr=False,
+                                                                      compare=False)
 
     def reset(self) -> None:
         self.kda.clear()
         self.num_tokens = 0
         self.pages = []
+
+    def page_tensor(self) -> torch.Tensor:
+        """``pages`` as an int64 CPU tensor (read-only: a view of a buffer this state keeps), converting only
+        the pages appended since the last call, so a long sequence costs its new pages, not all of them."""
+        pages, n = self.pages, len(self.pages)
+        mirror = self._page_mirror
+        if mirror is not None and mirror[0] is pages and mirror[1] <= n:
+            done, buf = mirror[1], mirror[2]
+            if n > done:
+                if n > buf.numel():
+                    grown = torch.empty(max(2 * buf.numel(), n), dtype=torch.int64)
+                    grown[:done] = buf[:done]
+                    buf = grown
+                buf[done:n] = torch.tensor(pages[done:], dtype=torch.int64)
+        else:
+            buf = torch.empty(n + 16, dtype=torch.int64)  # room for the next pages of a decoding sequence
+            buf[:n] = torch.tensor(pages, dtype=torch.int64)
+        self._page_mirror = (pages, n, buf)
+        return buf[:n]
 
 
 class LatentStore(abc.ABC):
@@ -180,23 +205,38 @@ def cu_seqlens_from_lens(lens: list[int], device: torch.device | str = "cpu") ->
     return cu
 
 
-def paged_context(pages: Sequence[Sequence[int]], starts: Sequence[int], lens: Sequence[int], store: LatentStore,
-                  device: torch.device | str = "cpu", kda_states: list[SequenceState] | None = None,
+def _page_row(pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    if isinstance(pages, torch.Tensor):
+        return pages.to(torch.int64)
+    if isinstance(pages, range) and pages.step == 1:
+        return torch.arange(pages.start, pages.stop, dtype=torch.int64)
+    return torch.tensor(list(pages), dtype=torch.int64)
+
+
+def paged_context(pages: Sequence[Sequence[int] | torch.Tensor], starts: Sequence[int], lens: Sequence[int],
+                  store: LatentStore, device: torch.device | str = "cpu", kda_states: list[SequenceState] | None = None,
                   latent_format: LatentFormat = "native", record_snapshots: bool = False,
                   cu_seqlens: torch.Tensor | None = None) -> ForwardContext:
     """The one builder of an eager ``ForwardContext``: sequence i has ``lens[i]`` new tokens at positions
-    ``starts[i]...`` over the pages ``pages[i]`` of ``store``. Built on the host, moved in one copy per
-    tensor. (The CUDA-graph decode step fills fixed device buffers instead: rollout/graph_runner.py.)"""
+    ``starts[i]...`` over the pages ``pages[i]`` of ``store`` (a list or range of page ids, or a 1-D integer
+    tensor such as ``SequenceState.page_tensor()``, which is cheapest for long sequences). Built on the host
+    with a fixed number of tensor ops whatever the batch, moved in one copy per tensor. (The CUDA-graph decode
+    step fills fixed device buffers instead: rollout/graph_runner.py.)"""
     ps = store.page_size
-    max_pages = max((len(p) for p in pages), default=1) or 1
-    block_table = torch.zeros(len(pages), max_pages, dtype=torch.int64)
-    positions, seq_idx = [], []
-    for i, (p, s, n) in enumerate(zip(pages, starts, lens)):
-        block_table[i, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
-        positions.append(torch.arange(s, s + n))
-        seq_idx.append(torch.full((n,), i, dtype=torch.int64))
-    positions_t = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
-    seq_idx_t = torch.cat(seq_idx) if seq_idx else torch.zeros(0, dtype=torch.int64)
+    n = len(pages)
+    rows = [_page_row(p) for p in pages]
+    num_pages = [r.numel() for r in rows]
+    max_pages = max(num_pages, default=1) or 1
+    block_table = torch.zeros(n, max_pages, dtype=torch.int64)
+    if n:
+        # row-major order of the mask is the order of the concatenated rows
+        block_table[torch.arange(max_pages) < torch.tensor(num_pages)[:, None]] = torch.cat(rows)
+    lens_t = torch.tensor(list(lens), dtype=torch.int64)
+    starts_t = torch.tensor(list(starts), dtype=torch.int64)
+    seq_idx_t = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), lens_t)
+    first_row = torch.cumsum(lens_t, 0) - lens_t  # packed row of each sequence's first new token
+    # token j of sequence i sits at starts[i] + (j - first_row[i])
+    positions_t = torch.arange(seq_idx_t.numel(), dtype=torch.int64) + (starts_t - first_row)[seq_idx_t]
     slots = block_table[seq_idx_t, positions_t // ps] * ps + positions_t % ps
     return ForwardContext(
         cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_from_lens(list(lens), device),

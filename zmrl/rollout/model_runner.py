@@ -111,7 +111,7 @@ class ModelRunner:
             self.evict(r)
         reqs = [r for r, _ in batch]
         seqs: list[SequenceState] = [r.seq for r in reqs]
-        ctx = paged_context([s.pages for s in seqs], [s.num_tokens for s in seqs], [n for _, n in batch], self.store,
+        ctx = paged_context([s.page_tensor() for s in seqs], [s.num_tokens for s in seqs], [n for _, n in batch], self.store,
                             self.device, kda_states=seqs, record_snapshots=self.config.enable_prefix_caching,
                             latent_format=self.config.latent_format)  # type: ignore[arg-type]
         ids = torch.tensor([r.token_at(i) for r, n in batch for i in range(r.num_computed, r.num_computed + n)],
