@@ -12,16 +12,17 @@ fixed logits table, so every millisecond measured is host work the engine does p
   cache slots, KDA slots and the block table written into the static input buffers (on a GPU this is
   followed by one host->device copy and a graph replay);
 * ``runner``: the rest of ``ModelRunner.run`` (picking the decode rows, advancing the sequences);
-* ``sample``: the sampler driver (``sampler.draw``: finiteness check, the per-row noise states, the draw
-  on a small vocabulary, which on the CPU includes the draw's arithmetic);
+* ``sample``: the sampler driver (``sampler.draw``: argument checks, the per-row noise states, the draw
+  and its log-probs over a 32-token vocabulary: on the CPU this includes the draw's arithmetic, which a
+  GPU runs as kernels);
 * ``bookkeep``: prefix-cache registration, forks, appending the draws, finishing;
 * ``step``: all of ``RolloutEngine.step``;
 * ``eager ctx``: ``paged_context`` for the same decode batch (the eager builder that prefill and mixed
   batches use; the "host ctx ms" column of benchmarks/decode_throughput.py times this builder).
 
 Every sequence decodes with a context of about ``context`` tokens (staggered over one page, so page
-appends are spread over the steps as in a real rollout), page size 64. Milliseconds are medians over
-``--iters`` steps after ``--warmup``. ``--baseline`` adds the same figures from an earlier JSON of this
+appends are spread over the steps as in a real rollout), page size 64. Milliseconds are CPU time of the
+engine's thread (torch single-threaded), medians over ``--iters`` steps after ``--warmup``. ``--baseline`` adds the same figures from an earlier JSON of this
 script (e.g. run against another commit) as "before" columns.
 """
 from __future__ import annotations
@@ -44,7 +45,12 @@ from zmrl.rollout import engine as engine_module
 from zmrl.rollout import model_runner as model_runner_module
 
 PAGE = 64
-VOCAB = 256  # logits width of the stub forward: keeps the draw's own arithmetic small on the CPU
+# Logits width of the stub forward: small, so that the draw's own arithmetic (device work on a GPU, a few
+# elementwise ops over batch x vocab) stays small next to the sampler's host work on the CPU.
+VOCAB = 32
+# The CPU time of this thread, not wall time: the host this runs on is shared, and a step's own work is what
+# is measured (torch runs single-threaded here, so every op's work is on this thread).
+clock = time.thread_time
 PARTS = ("schedule", "decode_ctx", "runner", "sample", "bookkeep")
 
 
@@ -68,11 +74,11 @@ class Timers:
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             yield
         finally:
-            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+            self.ms[name] = self.ms.get(name, 0.0) + (clock() - t0) * 1e3
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -120,7 +126,8 @@ def build_engine(batch: int, context: int, steps: int, seed: int) -> tuple[Rollo
         # the eager builder over the same batch, pages already grown by schedule(); not part of the step
         seqs = [r.seq for r in reqs]
         with timers.part("eager_ctx"):
-            paged_context([s.page_tensor() for s in seqs], [s.num_tokens for s in seqs], [1] * len(seqs),
+            pages = [s.page_array() if hasattr(s, "page_array") else s.pages for s in seqs]  # older commits: lists
+            paged_context(pages, [s.num_tokens for s in seqs], [1] * len(seqs),
                           engine.runner.store, kda_states=seqs)
         return run_decode(reqs)
 
@@ -138,10 +145,10 @@ def measure(batch: int, context: int, warmup: int, iters: int, seed: int) -> dic
         for it in range(warmup + iters):
             reqs = list(engine.running)
             timers.ms.clear()
-            t0 = time.perf_counter()
+            t0 = clock()
             done = engine.step()
             ms = dict(timers.ms)
-            step_ms = (time.perf_counter() - t0) * 1e3 - ms["eager_ctx"]
+            step_ms = (clock() - t0) * 1e3 - ms["eager_ctx"]
             assert not done and engine.num_steps, "a request finished inside the timed window"
             assert len(engine.running) == batch and all(r.num_computed == r.num_tokens - 1 for r in reqs)
             if it < warmup:

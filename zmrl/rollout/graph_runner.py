@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from zmrl.kernels_batch_invariant import get_mode
-from zmrl.model.context import ForwardContext, PagedLatentStore
+from zmrl.model.context import ForwardContext, PagedLatentStore, int64_tensor
 from zmrl.model.kda_pool import KDAStatePool
 
 if TYPE_CHECKING:
@@ -147,19 +147,19 @@ class DecodeGraphRunner:
                 slot = self.free_slots.pop()
                 self.pool.load(r.seq, slot)
                 slot_of[r.request_id] = slot
-            pos = r.seq.num_tokens
-            seq_pages = r.seq.pages
-            ids.append(r.token_at(pos))
+            seq = r.seq
+            pos, seq_pages, prompt = seq.num_tokens, seq.pages, r.prompt
+            ids.append(prompt[pos] if pos < len(prompt) else r.output[pos - len(prompt)])  # r.token_at(pos)
             positions.append(pos)
             cache_slots.append(seq_pages[pos // ps] * ps + pos % ps)
             pool_slots.append(slot)
             held = slot_rows[slot]
             if held is None or held[0] is not seq_pages or held[1] != len(seq_pages):
-                self._write_slot_row(slot, r.seq, held)
+                self._write_slot_row(slot, seq, held)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are still being read by the last step's copy
         host = self._host
-        host[:, :n] = torch.tensor([ids, positions, cache_slots, pool_slots], dtype=torch.int64)
+        host[:, :n] = int64_tensor(ids + positions + cache_slots + pool_slots).view(4, n)
         host[:, n:bs] = self._pad_row
         bt_dev, bt_host = self._block_table(bs, pages)
         # padding rows gather the scratch slot's row: every entry the scratch page
@@ -180,11 +180,14 @@ class DecodeGraphRunner:
     def _write_slot_row(self, slot: int, seq: "SequenceState", held: tuple[list[int], int] | None) -> None:
         """Bring a slot's block-table row to the sequence's pages. A page list only ever grows in place or is
         replaced (``SequenceState.pages``): the same list object with more entries kept its first ones."""
-        row, n = self._slot_pages[slot], len(seq.pages)
-        row[:n] = seq.page_tensor()
-        if held is None or held[0] is not seq.pages or held[1] > n:
-            row[n:].fill_(self.scratch_page)
-        self._slot_rows[slot] = (seq.pages, n)
+        row, pages, n = self._slot_pages[slot], seq.pages, len(seq.pages)
+        if held is not None and held[0] is pages and held[1] < n:
+            row[held[1]: n] = int64_tensor(pages[held[1]:])
+        else:
+            row.fill_(self.scratch_page)
+            if n:
+                row[:n] = int64_tensor(pages)
+        self._slot_rows[slot] = (pages, n)
 
     def _block_table(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(device table, pinned host table) of one bucket."""
