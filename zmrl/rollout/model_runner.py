@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from zmrl.model.cache import latent_store
-from zmrl.model.context import SequenceState, paged_context
+from zmrl.model.context import SequenceState, int64_tensor, paged_context
 from zmrl.model.kda import KimiDeltaAttention
 
 from .config import EngineConfig
@@ -116,11 +116,12 @@ class ModelRunner:
             self.evict(r)
         reqs = [r for r, _ in batch]
         seqs: list[SequenceState] = [r.seq for r in reqs]
-        ctx = paged_context([s.page_array() for s in seqs], [s.num_tokens for s in seqs], [n for _, n in batch], self.store,
-                            self.device, kda_states=seqs, record_snapshots=self.config.enable_prefix_caching,
+        ctx = paged_context([s.page_array() for s in seqs], [s.num_tokens for s in seqs], [n for _, n in batch],
+                            self.store, self.device, kda_states=seqs,
+                            record_snapshots=self.config.enable_prefix_caching,
                             latent_format=self.config.latent_format)  # type: ignore[arg-type]
-        ids = torch.tensor([r.token_at(i) for r, n in batch for i in range(r.num_computed, r.num_computed + n)],
-                           dtype=torch.int64, device=self.device)
+        ids = int64_tensor([t for r, n in batch for t in r.token_slice(r.num_computed, r.num_computed + n)]
+                           ).to(self.device)
         hidden = self.model(ids, ctx)
         for r, n in batch:
             r.seq.num_tokens += n

@@ -57,6 +57,15 @@ class Request:
         n = len(self.prompt)
         return self.prompt[i] if i < n else self.output[i - n]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the whole token list (0 <= start <= end)."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:] + self.output[:end - n]
+
     @property
     def num_computed(self) -> int:
         return self.seq.num_tokens

@@ -34,6 +34,7 @@ float64 so neither 0 nor 1 is reachable and ``G`` is always finite.
 """
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
 import math
@@ -187,8 +188,12 @@ def _seed_key_state(seed: int, key: int) -> int:
 def _row_states(seed_key_states: list[int], positions: list[int], device: torch.device | str) -> torch.Tensor:
     """``row_state`` of many rows at once, as int64 bit patterns [R]: the position is mixed in by tensor ops
     (the same 64-bit wrapping arithmetic) instead of one Python ``_mix64`` per row."""
-    x = torch.tensor([_signed(h) for h in seed_key_states], dtype=torch.int64)
-    x.bitwise_xor_(torch.tensor(positions, dtype=torch.int64)).add_(_signed(_GAMMA))  # positions < 2^63
+    if not positions:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    # int64 tensors through array.array: several times faster than torch.tensor on a list of ints
+    x = torch.frombuffer(array.array("q", [_signed(h) for h in seed_key_states]), dtype=torch.int64)
+    x.bitwise_xor_(torch.frombuffer(array.array("q", positions), dtype=torch.int64))  # positions < 2^63
+    x.add_(_signed(_GAMMA))
     return _mix64_t(x).to(device)
 
 

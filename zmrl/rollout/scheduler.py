@@ -100,11 +100,12 @@ class Scheduler:
         self.waiting.appendleft(req)
         log.debug("preempted %s at %d tokens", req.request_id, len(req.tokens))
 
-    def _full_block_hashes(self, tokens: list[int], n_blocks: int, start: list[int]) -> list[int]:
+    def _full_block_hashes(self, req: Request, n_blocks: int, start: list[int]) -> list[int]:
         hashes = list(start)
         bs = self.block_size
         for b in range(len(hashes), n_blocks):
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[b * bs:(b + 1) * bs], self.weights_version))
+            hashes.append(block_hash(hashes[-1] if hashes else None, req.token_slice(b * bs, (b + 1) * bs),
+                                     self.weights_version))
         return hashes
 
     def _apply_prefix_cache(self, req: Request) -> None:
@@ -112,7 +113,7 @@ class Scheduler:
             return
         # At least the last token must be computed: its logits are needed for sampling.
         n_full = (len(req.tokens) - 1) // self.block_size
-        hashes = self._full_block_hashes(req.tokens, n_full, [])
+        hashes = self._full_block_hashes(req, n_full, [])
         blocks, snapshot = self.blocks.match_prefix(hashes)
         if not blocks:
             return
@@ -184,7 +185,7 @@ class Scheduler:
         if n_full <= len(r.hashes):
             return
         first_new = len(r.hashes)
-        r.hashes = self._full_block_hashes(r.tokens, n_full, r.hashes)
+        r.hashes = self._full_block_hashes(r, n_full, r.hashes)
         for b in range(first_new, n_full):
             end = (b + 1) * self.block_size
             snap = {}
