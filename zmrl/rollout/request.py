@@ -39,7 +39,7 @@ class Request:
     fork_ids: list[str] = field(default_factory=list)  # siblings to fork when the prompt is done (n > 1)
     sample_index: int = 0  # j of the request's n samples: the sampler's key, with params.seed
     output: list[int] = field(default_factory=list)
-    logprobs: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # float32 values of the sampled tokens' log-probs
     seq: SequenceState = field(default_factory=SequenceState)
     hashes: list[int] = field(default_factory=list)  # hashes of this request's computed full blocks
     num_preemptions: int = 0
@@ -73,7 +73,7 @@ class Request:
     def finish(self, reason: str, weights_version: int, device: torch.device,
                error: str | None = None) -> RolloutOutput:
         # log-probs on the model's device, like the trainer's (torch.equal needs one device)
-        lp = torch.cat(self.logprobs) if self.logprobs else torch.zeros(0, dtype=torch.float32, device=device)
+        lp = torch.tensor(self.logprobs, dtype=torch.float32, device=device)  # exact: each value was a float32
         return RolloutOutput(
             request_id=self.request_id, prompt_token_ids=list(self.prompt), token_ids=list(self.output), logprobs=lp,
             finish_reason=reason, temperature=self.params.temperature, seed=self.params.seed,

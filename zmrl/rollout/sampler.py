@@ -14,7 +14,7 @@ from .sampling import sample
 class Draw:
     request: Request
     token: int
-    logprob: torch.Tensor  # [1] float32, on the model's device
+    logprob: float  # the float32 log-prob, exactly (Request.finish makes the float32 tensor on the model's device)
 
 
 def draw(rows: list[tuple[Request, int]], logits: torch.Tensor) -> tuple[list[tuple[Request, str]], list[Draw]]:
@@ -33,5 +33,7 @@ def draw(rows: list[tuple[Request, int]], logits: torch.Tensor) -> tuple[list[tu
     reqs = [r for r, _ in ok]
     tokens, lps = sample(x, [r.params for r in reqs], [r.sample_index for r in reqs],
                          [len(r.prompt) + len(r.output) for r in reqs])
-    # one [1]-shaped view per row in one call (not a reshape per row)
-    return errors, list(map(Draw, reqs, tokens.tolist(), lps.view(-1, 1).unbind(0)))
+    if lps.dtype != torch.float32:
+        raise TypeError(f"draw: the engine's logits must be float32 (compute_logits), got {logits.dtype}")
+    # Python floats (fp32 -> float64 -> fp32 is exact), fetched with the tokens: no tensor view per row per step
+    return errors, list(map(Draw, reqs, tokens.tolist(), lps.tolist()))
