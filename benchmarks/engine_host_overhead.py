@@ -11,7 +11,9 @@ fixed logits table, so every millisecond measured is host work the engine does p
 * ``decode ctx``: ``DecodeGraphRunner.run`` without the forward: pool slots, token ids, positions,
   cache slots, KDA slots and the block table written into the static input buffers (on a GPU this is
   followed by one host->device copy and a graph replay);
-* ``runner``: the rest of ``ModelRunner.run`` (picking the decode rows, advancing the sequences);
+* ``runner``: the rest of ``ModelRunner.run`` (picking the decode rows, advancing the sequences, and the
+  prefix-cache snapshot of the KDA state of each sequence that completes a 64-token block: tensor copies,
+  kernels on a GPU);
 * ``sample``: the sampler driver (``sampler.draw``: argument checks, the per-row noise states, the draw
   and its log-probs over a 32-token vocabulary: on the CPU this includes the draw's arithmetic, which a
   GPU runs as kernels);
