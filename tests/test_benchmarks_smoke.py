@@ -43,6 +43,13 @@ def test_rl_step_smoke(tmp_path):
     assert set(steps[2]["seconds"]) == {"rollout", "train_forward_backward", "optimizer", "weight_push"}
 
 
+def test_engine_host_overhead_smoke(tmp_path):
+    res = _run("engine_host_overhead.py", out=tmp_path / "h.json")
+    assert [(r["batch"], r["context"]) for r in res["results"]] == [(1, 192), (3, 192)]
+    for r in res["results"]:
+        assert r["step_ms"] > 0 and r["decode_ctx_ms"] > 0 and r["eager_ctx_ms"] > 0
+
+
 def test_expected_peak_memory_model():
     """The analytic peak-memory model the trainer benchmark prints next to the measured peak: every part
     positive, and the policies ordered as their definitions imply (none keeps everything; attention

@@ -16,7 +16,7 @@ from zmrl.model import ModelConfig, build_model, cu_seqlens_from_lens, forward_p
 from zmrl.model.context import KDASeqState, SequenceState
 from zmrl.model.kda_pool import KDAStatePool
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
-from zmrl.rollout.graph_runner import buckets, bucket_of
+from zmrl.rollout.graph_runner import DecodeGraphRunner, buckets, bucket_of
 
 from tests.device import ON_CUDA, TEST_DEVICE
 
@@ -194,3 +194,68 @@ def test_static_step_has_no_host_sync(prompts, latent_format):
             runner._forward(bs, pages)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_static_inputs_equal_a_rebuild_from_the_requests():
+    """The decode step's static buffers (ids, positions, cache slots, pool slots, block table) are written
+    incrementally (persistent per-slot block-table rows, one tensor per field): over random steps with page
+    appends, page lists replaced, requests leaving and joining and bucket changes, they equal the buffers
+    rebuilt from scratch from the requests."""
+    import random
+
+    from zmrl.model.cache import latent_store
+    from zmrl.rollout.request import Request
+
+    model = build_model(ModelConfig.preset("tiny"), seed=0, dtype="float32").eval()
+    ps, scratch, max_seqs, max_pages = 64, 200, 6, 10
+    store = latent_store(model.config, scratch + 1, ps)
+    runner = DecodeGraphRunner(model, store, scratch_page=scratch, max_num_seqs=max_seqs, max_pages=max_pages,
+                               mode="static")
+    runner.pool.load = lambda seq, slot: None  # pool contents are not what this test is about
+    seen = {}
+    runner._forward = lambda bs, pages: seen.update(bs=bs, pages=pages) or torch.zeros(bs, 4)
+    rng = random.Random(0)
+    free_pages = list(range(scratch))
+    rng.shuffle(free_pages)
+
+    def new_request(i):
+        r = Request(f"r{i}", [rng.randrange(2048) for _ in range(rng.randrange(1, 300))], SamplingParams())
+        r.output = [rng.randrange(2048) for _ in range(rng.randrange(0, 5))]
+        r.seq = SequenceState(num_tokens=r.num_tokens - 1)
+        ahead = rng.choice([0, 0, 1, 2])  # pages allocated ahead of the position (a prefill budget)
+        r.seq.pages.extend(free_pages.pop() for _ in range(-(-r.num_tokens // ps) + ahead))
+        return r
+
+    live = [new_request(i) for i in range(3)]
+    for step in range(120):
+        op = rng.random()
+        if op < 0.15 and len(live) > 1:  # a request leaves (finished / preempted) and gives its pages back
+            gone = live.pop(rng.randrange(len(live)))
+            runner.release(gone.request_id)
+            free_pages.extend(gone.seq.pages)
+        elif op < 0.3 and len(live) < max_seqs:
+            live.insert(rng.randrange(len(live) + 1), new_request(step + 10))
+        elif op < 0.4:  # a page list replaced by a new list, as long or shorter (down to the pages in use)
+            r = rng.choice(live)
+            old = r.seq.pages
+            r.seq.pages = [free_pages.pop() for _ in range(rng.randint(-(-r.num_tokens // ps), len(old)))]
+            free_pages.extend(old)
+        batch = [r for r in live if len(r.seq.pages) <= max_pages]
+        if not batch or not runner.accepts(batch):
+            continue
+        runner.run(batch)
+        bs, pages = seen["bs"], seen["pages"]
+        want = torch.tensor([[0, 0, scratch * ps, runner.pool.scratch_slot]] * bs).T.contiguous()
+        want_bt = torch.full((bs, pages), scratch, dtype=torch.int64)
+        for i, r in enumerate(batch):
+            pos = r.num_computed
+            want[:, i] = torch.tensor([r.token_at(pos), pos, r.seq.pages[pos // ps] * ps + pos % ps,
+                                       runner.slot_of[r.request_id]])
+            want_bt[i, : len(r.seq.pages)] = torch.tensor(r.seq.pages)
+        assert torch.equal(runner._inputs[:, :bs], want), f"step {step}: static inputs differ"
+        assert torch.equal(runner._block_tables[(bs, pages)][0], want_bt), f"step {step}: block table differs"
+        for r in batch:  # the step's token is computed; the sampled one is appended, pages grow when full
+            r.seq.num_tokens += 1
+            r.output.append(rng.randrange(2048))
+            if r.num_tokens > len(r.seq.pages) * ps:
+                r.seq.pages.append(free_pages.pop())

@@ -139,6 +139,17 @@ def test_mix64_torch_matches_python() -> None:
     assert S._mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
 
 
+def test_batched_row_states_equal_row_state() -> None:
+    """The sampler mixes the positions of a whole batch in with tensor ops: the same states as row_state."""
+    g = torch.Generator().manual_seed(3)
+    rows = [(0, 0, 0), (1 << 70, M64, (1 << 63) - 1), (M64, 1, 1 << 62), ((1 << 63) - 1, 2, 12345)]
+    rows += [(int(s) & M64, int(k) & M64, int(p) & ((1 << 63) - 1))
+             for s, k, p in torch.randint(-(1 << 63), (1 << 63) - 1, (300, 3), generator=g).tolist()]
+    got = S._row_states([S._seed_key_state(s, k) for s, k, _ in rows], [p for _, _, p in rows], "cpu")
+    assert got.dtype == torch.int64
+    assert [v & M64 for v in got.tolist()] == [S.row_state(s, k, p) for s, k, p in rows]
+
+
 def test_uniform_bits_match_python_reference() -> None:
     g = torch.Generator().manual_seed(1)
     states = [S.row_state(s, k, p) for s, k, p in [(0, 0, 0), (1, _key("a"), 7), (1 << 70, M64, (1 << 63) - 1)]]

@@ -62,8 +62,9 @@ class ModelCache:
                 raise ValueError(f"sequence would reach {s.num_tokens + n} tokens, more than "
                                  f"max_position_embeddings={self.cfg.max_position_embeddings}")
             self.allocate(s, n)
-        return paged_context([s.pages for s in seqs], [s.num_tokens for s in seqs], num_new, self.store, self.device,
-                             kda_states=seqs, latent_format=self.latent_format, record_snapshots=record_snapshots)
+        return paged_context([s.page_array() for s in seqs], [s.num_tokens for s in seqs], num_new, self.store,
+                             self.device, kda_states=seqs, latent_format=self.latent_format,
+                             record_snapshots=record_snapshots)
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ reach the same layer code and the same ops.
 from __future__ import annotations
 
 import abc
+import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Sequence
 
@@ -51,12 +52,33 @@ class SequenceState:
 
     kda: dict[int, KDASeqState] = field(default_factory=dict)
     num_tokens: int = 0  # tokens whose cache entries and states exist
+    # The sequence's cache pages in order. A page list only ever grows in place (``extend``/``append``) or is
+    # replaced by another list (assignment, ``reset``): ``page_array`` and the decode runner's block-table rows
+    # rely on it to update only what was appended.
     pages: list[int] = field(default_factory=list)
+    # page_array's mirror of ``pages``: (the list it mirrors, its length then, the int64 array)
+    _page_mirror: tuple[list[int], int, array.array] | None = field(default=None, init=False, repr=False,
+                                                                     compare=False)
 
     def reset(self) -> None:
         self.kda.clear()
         self.num_tokens = 0
         self.pages = []
+
+    def page_array(self) -> array.array:
+        """``pages`` as an int64 ``array.array`` kept in step with the list: only the pages appended since the
+        last call are converted, so a long sequence costs its new pages, not all of them. The array is the
+        live mirror (it grows with the sequence): read it or copy it, never change it."""
+        pages, n = self.pages, len(self.pages)
+        mirror = self._page_mirror
+        if mirror is not None and mirror[0] is pages and mirror[1] <= n:
+            pages_i64 = mirror[2]
+            if n > mirror[1]:
+                pages_i64.extend(pages[mirror[1]:])
+        else:
+            pages_i64 = array.array("q", pages)
+        self._page_mirror = (pages, n, pages_i64)
+        return pages_i64
 
 
 class LatentStore(abc.ABC):
@@ -180,26 +202,58 @@ def cu_seqlens_from_lens(lens: list[int], device: torch.device | str = "cpu") ->
     return cu
 
 
-def paged_context(pages: Sequence[Sequence[int]], starts: Sequence[int], lens: Sequence[int], store: LatentStore,
-                  device: torch.device | str = "cpu", kda_states: list[SequenceState] | None = None,
-                  latent_format: LatentFormat = "native", record_snapshots: bool = False,
-                  cu_seqlens: torch.Tensor | None = None) -> ForwardContext:
+def _int64_array(pages: Sequence[int] | array.array | torch.Tensor) -> array.array:
+    if isinstance(pages, array.array) and pages.typecode == "q":
+        return pages
+    return array.array("q", pages.tolist() if isinstance(pages, torch.Tensor) else pages)
+
+
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A CPU int64 tensor of Python ints, through ``array.array`` (several times faster than ``torch.tensor``
+    on a list: the engine builds its per-step metadata this way)."""
+    if not len(values):
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)  # the tensor owns the fresh array
+
+
+def paged_context(pages: Sequence[Sequence[int] | array.array | torch.Tensor], starts: Sequence[int],
+                  lens: Sequence[int], store: LatentStore, device: torch.device | str = "cpu",
+                  kda_states: list[SequenceState] | None = None, latent_format: LatentFormat = "native",
+                  record_snapshots: bool = False, cu_seqlens: torch.Tensor | None = None) -> ForwardContext:
     """The one builder of an eager ``ForwardContext``: sequence i has ``lens[i]`` new tokens at positions
-    ``starts[i]...`` over the pages ``pages[i]`` of ``store``. Built on the host, moved in one copy per
-    tensor. (The CUDA-graph decode step fills fixed device buffers instead: rollout/graph_runner.py.)"""
+    ``starts[i]...`` over the pages ``pages[i]`` of ``store`` (a list or range of page ids, an int64
+    ``array.array`` such as ``SequenceState.page_array()`` (cheapest for long sequences), or a 1-D integer
+    tensor). Built on the host with a fixed number of tensor ops whatever the batch (the block table is the
+    page arrays joined, each padded with zeros to the longest), moved in one copy per tensor. (The CUDA-graph
+    decode step fills fixed device buffers instead: rollout/graph_runner.py.)"""
     ps = store.page_size
-    max_pages = max((len(p) for p in pages), default=1) or 1
-    block_table = torch.zeros(len(pages), max_pages, dtype=torch.int64)
-    positions, seq_idx = [], []
-    for i, (p, s, n) in enumerate(zip(pages, starts, lens)):
-        block_table[i, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
-        positions.append(torch.arange(s, s + n))
-        seq_idx.append(torch.full((n,), i, dtype=torch.int64))
-    positions_t = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64)
-    seq_idx_t = torch.cat(seq_idx) if seq_idx else torch.zeros(0, dtype=torch.int64)
+    n = len(pages)
+    rows = [_int64_array(p) for p in pages]
+    num_pages = [len(r) for r in rows]
+    max_pages = max(num_pages, default=1) or 1
+    if n:
+        zeros = memoryview(bytes(8 * max_pages))
+        parts = []
+        for row, k in zip(rows, num_pages):
+            parts.append(row)
+            parts.append(zeros[: 8 * (max_pages - k)])
+        block_table = torch.frombuffer(bytearray().join(parts), dtype=torch.int64).view(n, max_pages)
+    else:
+        block_table = torch.zeros(0, max_pages, dtype=torch.int64)
+    lens = list(lens)
+    starts_t = int64_tensor(starts)
+    if all(k == 1 for k in lens):  # a decode batch: one new token per sequence
+        seq_idx_t = torch.arange(n, dtype=torch.int64)
+        positions_t = starts_t
+    else:
+        lens_t = int64_tensor(lens)
+        seq_idx_t = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), lens_t)
+        first_row = torch.cumsum(lens_t, 0) - lens_t  # packed row of each sequence's first new token
+        # token j of sequence i sits at starts[i] + (j - first_row[i])
+        positions_t = torch.arange(seq_idx_t.numel(), dtype=torch.int64) + (starts_t - first_row)[seq_idx_t]
     slots = block_table[seq_idx_t, positions_t // ps] * ps + positions_t % ps
     return ForwardContext(
-        cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_from_lens(list(lens), device),
+        cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_from_lens(lens, device),
         positions=positions_t.to(device), seq_idx=seq_idx_t.to(device), block_table=block_table.to(device),
         slot_mapping=slots.to(device), store=store, kda_states=kda_states, latent_format=latent_format,
         record_snapshots=record_snapshots,

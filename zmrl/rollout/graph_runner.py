@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from zmrl.kernels_batch_invariant import get_mode
-from zmrl.model.context import ForwardContext, PagedLatentStore
+from zmrl.model.context import ForwardContext, PagedLatentStore, int64_tensor
 from zmrl.model.kda_pool import KDAStatePool
 
 if TYPE_CHECKING:
+    from zmrl.model.context import SequenceState
+
     from .request import Request
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,12 @@ class DecodeGraphRunner:
         self.ids, self.positions, self.slot_mapping, self.kda_slots = self._inputs.unbind(0)
         self.cu_seqlens = torch.arange(mb + 1, dtype=torch.int64, device=self.device)
         self.seq_idx = torch.arange(mb, dtype=torch.int64, device=self.device)
-        self._block_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list]] = {}
+        # Block tables: one persistent host row per pool slot (the scratch slot's row is all scratch page, what
+        # a padding row reads), written only when the slot's page list grows or changes; a step gathers its
+        # rows into the bucket's host table, which one copy moves to the bucket's device table.
+        self._slot_pages = torch.full((max_num_seqs + 1, self.page_counts[-1]), scratch_page, dtype=torch.int64)
+        self._slot_rows: list[tuple[list[int], int] | None] = [None] * (max_num_seqs + 1)
+        self._block_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs: dict[tuple[str, int, int], _Captured] = {}
         self._graph_pool = None
         self._copied: "torch.cuda.Event | None" = None
@@ -109,6 +116,7 @@ class DecodeGraphRunner:
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
             self.free_slots.append(slot)
+            self._slot_rows[slot] = None
 
     def evict(self, req: "Request") -> None:
         """Hand a request's KDA state back to its ``KDASeqState`` (an eager forward or a fork follows)."""
@@ -128,34 +136,34 @@ class DecodeGraphRunner:
         n = len(reqs)
         bs = bucket_of(n, self.batch_sizes)
         pages = bucket_of(max(len(r.seq.pages) for r in reqs), self.page_counts)
+        ps = self.page_size
+        # One pass over the requests builds each static input as a Python list (one tensor per step, not one
+        # element write per request) and brings the slots' block-table rows up to date.
+        ids, positions, cache_slots, pool_slots = [], [], [], []
+        slot_of, slot_rows = self.slot_of, self._slot_rows
         for r in reqs:
-            if r.request_id not in self.slot_of:
+            slot = slot_of.get(r.request_id)
+            if slot is None:
                 slot = self.free_slots.pop()
                 self.pool.load(r.seq, slot)
-                self.slot_of[r.request_id] = slot
-        ps = self.page_size
-        host = self._host
+                slot_of[r.request_id] = slot
+            seq = r.seq
+            pos, seq_pages, prompt = seq.num_tokens, seq.pages, r.prompt
+            ids.append(prompt[pos] if pos < len(prompt) else r.output[pos - len(prompt)])  # r.token_at(pos)
+            positions.append(pos)
+            cache_slots.append(seq_pages[pos // ps] * ps + pos % ps)
+            pool_slots.append(slot)
+            held = slot_rows[slot]
+            if held is None or held[0] is not seq_pages or held[1] != len(seq_pages):
+                self._write_slot_row(slot, seq, held)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are still being read by the last step's copy
+        host = self._host
+        host[:, :n] = int64_tensor(ids + positions + cache_slots + pool_slots).view(4, n)
         host[:, n:bs] = self._pad_row
-        bt_dev, bt_host, bt_rows = self._block_table(bs, pages)
-        for i, r in enumerate(reqs):
-            pos = r.num_computed
-            host[0, i] = r.token_at(pos)
-            host[1, i] = pos
-            host[2, i] = r.seq.pages[pos // ps] * ps + pos % ps
-            host[3, i] = self.slot_of[r.request_id]
-            # A page list only ever grows (extend) or is replaced, so (list object, length) names its contents:
-            # rewrite a block-table row only when that changes (long contexts: hundreds of pages per row).
-            if bt_rows[i] is None or bt_rows[i][0] is not r.seq.pages or bt_rows[i][1] != len(r.seq.pages):
-                row = bt_host[i]
-                row.fill_(self.scratch_page)
-                row[: len(r.seq.pages)] = torch.tensor(r.seq.pages, dtype=torch.int64)
-                bt_rows[i] = (r.seq.pages, len(r.seq.pages))
-        for i in range(n, bs):
-            if bt_rows[i] is not None:
-                bt_host[i].fill_(self.scratch_page)
-                bt_rows[i] = None
+        bt_dev, bt_host = self._block_table(bs, pages)
+        # padding rows gather the scratch slot's row: every entry the scratch page
+        torch.index_select(self._slot_pages[:, :pages], 0, host[3, :bs], out=bt_host)
         self._inputs[:, :bs].copy_(host[:, :bs], non_blocking=True)
         bt_dev.copy_(bt_host, non_blocking=True)
         if self.device.type == "cuda":
@@ -169,13 +177,25 @@ class DecodeGraphRunner:
         captured.graph.replay()
         return captured.logits[:n]
 
-    def _block_table(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """(device table, pinned host table, what each host row holds) of one bucket."""
+    def _write_slot_row(self, slot: int, seq: "SequenceState", held: tuple[list[int], int] | None) -> None:
+        """Bring a slot's block-table row to the sequence's pages. A page list only ever grows in place or is
+        replaced (``SequenceState.pages``): the same list object with more entries kept its first ones."""
+        row, pages, n = self._slot_pages[slot], seq.pages, len(seq.pages)
+        if held is not None and held[0] is pages and held[1] < n:
+            row[held[1]: n] = int64_tensor(pages[held[1]:])
+        else:
+            row.fill_(self.scratch_page)
+            if n:
+                row[:n] = int64_tensor(pages)
+        self._slot_rows[slot] = (pages, n)
+
+    def _block_table(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device table, pinned host table) of one bucket."""
         key = (bs, pages)
         if key not in self._block_tables:
             pin = self.device.type == "cuda"
             host = torch.full((bs, pages), self.scratch_page, dtype=torch.int64, pin_memory=pin)
-            self._block_tables[key] = (torch.zeros(bs, pages, dtype=torch.int64, device=self.device), host, [None] * bs)
+            self._block_tables[key] = (torch.zeros(bs, pages, dtype=torch.int64, device=self.device), host)
         return self._block_tables[key]
 
     def _forward(self, bs: int, pages: int) -> torch.Tensor:

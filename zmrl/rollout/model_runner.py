@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from zmrl.model.cache import latent_store
-from zmrl.model.context import SequenceState, paged_context
+from zmrl.model.context import SequenceState, int64_tensor, paged_context
 from zmrl.model.kda import KimiDeltaAttention
 
 from .config import EngineConfig
@@ -77,8 +77,11 @@ class ModelRunner:
     def run(self, batch: list[tuple[Request, int]]) -> StepForward:
         """Compute the batch's tokens (eager rows first, then the fixed-shape decode rows)."""
         decode = self._graph_decodes(batch)
-        in_graph = {id(r) for r in decode}
-        eager = [(r, n) for r, n in batch if id(r) not in in_graph]
+        if len(decode) == len(batch):  # the common decode step: every row is in the fixed-shape batch
+            eager = []
+        else:
+            in_graph = {id(r) for r in decode}
+            eager = [(r, n) for r, n in batch if id(r) not in in_graph]
         ready: list[Request] = []
         parts: list[torch.Tensor] = []
         if eager:
@@ -87,9 +90,11 @@ class ModelRunner:
             parts.append(logits)
         if decode:
             logits = self.graphs.run(decode)
+            snapshots, block_size = self.config.enable_prefix_caching, self.block_size
             for r in decode:
-                r.seq.num_tokens += 1
-                if self.config.enable_prefix_caching and r.num_computed % self.block_size == 0:
+                seq = r.seq
+                seq.num_tokens += 1
+                if snapshots and seq.num_tokens % block_size == 0:
                     self.graphs.snapshot(r)
             ready += decode
             parts.append(logits)
@@ -102,7 +107,7 @@ class ModelRunner:
         """The batch's decode rows (one token, the last one) when the graph runner takes them."""
         if self.graphs is None:
             return []
-        decode = [r for r, n in batch if n == 1 and r.num_computed == r.num_tokens - 1]
+        decode = [r for r, n in batch if n == 1 and r.seq.num_tokens == len(r.prompt) + len(r.output) - 1]
         return decode if self.graphs.accepts(decode) else []
 
     def _forward_eager(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
@@ -111,11 +116,12 @@ class ModelRunner:
             self.evict(r)
         reqs = [r for r, _ in batch]
         seqs: list[SequenceState] = [r.seq for r in reqs]
-        ctx = paged_context([s.pages for s in seqs], [s.num_tokens for s in seqs], [n for _, n in batch], self.store,
-                            self.device, kda_states=seqs, record_snapshots=self.config.enable_prefix_caching,
+        ctx = paged_context([s.page_array() for s in seqs], [s.num_tokens for s in seqs], [n for _, n in batch],
+                            self.store, self.device, kda_states=seqs,
+                            record_snapshots=self.config.enable_prefix_caching,
                             latent_format=self.config.latent_format)  # type: ignore[arg-type]
-        ids = torch.tensor([r.token_at(i) for r, n in batch for i in range(r.num_computed, r.num_computed + n)],
-                           dtype=torch.int64, device=self.device)
+        ids = int64_tensor([t for r, n in batch for t in r.token_slice(r.num_computed, r.num_computed + n)]
+                           ).to(self.device)
         hidden = self.model(ids, ctx)
         for r, n in batch:
             r.seq.num_tokens += n

@@ -39,7 +39,7 @@ class Request:
     fork_ids: list[str] = field(default_factory=list)  # siblings to fork when the prompt is done (n > 1)
     sample_index: int = 0  # j of the request's n samples (sample_key = params.first_sample_index + j)
     output: list[int] = field(default_factory=list)
-    logprobs: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # float32 values of the sampled tokens' log-probs
     seq: SequenceState = field(default_factory=SequenceState)
     hashes: list[int] = field(default_factory=list)  # hashes of this request's computed full blocks
     num_preemptions: int = 0
@@ -62,6 +62,15 @@ class Request:
         n = len(self.prompt)
         return self.prompt[i] if i < n else self.output[i - n]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the whole token list (0 <= start <= end)."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n:end - n]
+        return self.prompt[start:] + self.output[:end - n]
+
     @property
     def num_computed(self) -> int:
         return self.seq.num_tokens
@@ -69,7 +78,7 @@ class Request:
     def finish(self, reason: str, weights_version: int, device: torch.device,
                error: str | None = None) -> RolloutOutput:
         # log-probs on the model's device, like the trainer's (torch.equal needs one device)
-        lp = torch.cat(self.logprobs) if self.logprobs else torch.zeros(0, dtype=torch.float32, device=device)
+        lp = torch.tensor(self.logprobs, dtype=torch.float32, device=device)  # exact: each value was a float32
         return RolloutOutput(
             request_id=self.request_id, prompt_token_ids=list(self.prompt), token_ids=list(self.output), logprobs=lp,
             finish_reason=reason, temperature=self.params.temperature, seed=self.params.seed,

@@ -14,7 +14,7 @@ from .sampling import sample
 class Draw:
     request: Request
     token: int
-    logprob: torch.Tensor  # [1] float32, on the model's device
+    logprob: float  # the float32 log-prob, exactly (Request.finish makes the float32 tensor on the model's device)
 
 
 def draw(rows: list[tuple[Request, int]], logits: torch.Tensor) -> tuple[list[tuple[Request, str]], list[Draw]]:
@@ -23,9 +23,16 @@ def draw(rows: list[tuple[Request, int]], logits: torch.Tensor) -> tuple[list[tu
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     errors = [(r, f"non-finite logits for request {r.request_id!r} at position {len(r.tokens)}")
               for r, row in rows if not finite[row]]
-    ok = [(r, row) for r, row in rows if finite[row]]
+    ok = [(r, row) for r, row in rows if finite[row]] if errors else rows
     if not ok:
         return errors, []
-    tokens, lps = sample(logits[[row for _, row in ok]], [r.params for r, _ in ok], [r.sample_key for r, _ in ok],
-                         [r.num_tokens for r, _ in ok])
-    return errors, [Draw(r, t, lp.reshape(1)) for (r, _), t, lp in zip(ok, tokens.tolist(), lps)]
+    picked = [row for _, row in ok]
+    # the usual step samples every row once, in order: no gathered copy of the logits (rows are independent,
+    # a row's bits are the same in either tensor)
+    x = logits if logits.is_contiguous() and picked == list(range(logits.shape[0])) else logits[picked]
+    reqs = [r for r, _ in ok]
+    tokens, lps = sample(x, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
+    if lps.dtype != torch.float32:
+        raise TypeError(f"draw: the engine's logits must be float32 (compute_logits), got {logits.dtype}")
+    # Python floats (fp32 -> float64 -> fp32 is exact), fetched with the tokens: no tensor view per row per step
+    return errors, list(map(Draw, reqs, tokens.tolist(), lps.tolist()))

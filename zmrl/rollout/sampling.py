@@ -34,6 +34,8 @@ float64 so neither 0 nor 1 is reachable and ``G`` is always finite.
 """
 from __future__ import annotations
 
+import array
+import functools
 import hashlib
 import math
 import numbers
@@ -188,13 +190,31 @@ def _mix64_t(x: torch.Tensor) -> torch.Tensor:
 def row_state(seed: int, key: int, position: int) -> int:
     """The per-row counter state from (seed, key = sample index, position), in [0, 2^64). Seeds wider
     than 64 bits are folded in 64-bit limbs."""
+    return _mix64((_seed_key_state(seed, key) ^ position) + _GAMMA & _M64)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _seed_key_state(seed: int, key: int) -> int:
+    """row_state before the position is mixed in: the same for every token a request samples (cached, the
+    sampler computes one row state per sequence per decode step)."""
     h = _mix64(((seed & _M64) ^ _DOMAIN) + _GAMMA & _M64)
     rest = seed >> 64
     while rest:
         h = _mix64((h ^ (rest & _M64)) + _GAMMA & _M64)
         rest >>= 64
-    h = _mix64((h ^ key) + _GAMMA & _M64)
-    return _mix64((h ^ position) + _GAMMA & _M64)
+    return _mix64((h ^ key) + _GAMMA & _M64)
+
+
+def _row_states(seed_key_states: list[int], positions: list[int], device: torch.device | str) -> torch.Tensor:
+    """``row_state`` of many rows at once, as int64 bit patterns [R]: the position is mixed in by tensor ops
+    (the same 64-bit wrapping arithmetic) instead of one Python ``_mix64`` per row."""
+    if not positions:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    # int64 tensors through array.array: several times faster than torch.tensor on a list of ints
+    x = torch.frombuffer(array.array("q", [_signed(h) for h in seed_key_states]), dtype=torch.int64)
+    x.bitwise_xor_(torch.frombuffer(array.array("q", positions), dtype=torch.int64))  # positions < 2^63
+    x.add_(_signed(_GAMMA))
+    return _mix64_t(x).to(device)
 
 
 def _uniform_bits(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -369,19 +389,25 @@ def _check_args(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Se
     if not len(params) == len(keys) == len(positions) == b:
         raise ValueError(f"sample: logits has {b} rows but got {len(params)} params, {len(keys)} keys and "
                          f"{len(positions)} positions (one each per row)")
-    for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"sample: params[{i}] must be a SamplingParams, got {type(p).__name__}")
-    for i, k in enumerate(keys):
-        if not _is_int(k) or not 0 <= k <= _M64:
-            raise ValueError(f"sample: keys[{i}] must be an int in [0, 2^64) (the sample index), got {k!r}")
-    for i, p in enumerate(params):
-        if p.seed is None and not p.greedy:
-            raise ValueError(f"sample: params[{i}].seed is None; a sampled row needs a seed (RolloutEngine draws one "
-                             "for a request without one)")
-    for i, pos in enumerate(positions):
-        if not _is_int(pos) or not 0 <= pos < 1 << 63:
-            raise ValueError(f"sample: positions[{i}] must be an int >= 0, got {pos!r}")
+    # Per-row checks run for every sampled token: the all-valid case is decided with a few passes over plain
+    # ints, the loops below (which name the first bad row) run only when it is not.
+    plain_ints = all(type(x) is int for x in keys) and all(type(x) is int for x in positions)  # noqa: E721
+    if not (all(isinstance(p, SamplingParams) and (p.seed is not None or p.greedy) for p in params) and plain_ints
+            and (not b or (min(keys) >= 0 and max(keys) <= _M64 and min(positions) >= 0
+                           and max(positions) < 1 << 63))):
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sample: params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        for i, k in enumerate(keys):
+            if not _is_int(k) or not 0 <= k <= _M64:
+                raise ValueError(f"sample: keys[{i}] must be an int in [0, 2^64) (the sample index), got {k!r}")
+        for i, p in enumerate(params):
+            if p.seed is None and not p.greedy:
+                raise ValueError(f"sample: params[{i}].seed is None; a sampled row needs a seed (RolloutEngine draws "
+                                 "one for a request without one)")
+        for i, pos in enumerate(positions):
+            if not _is_int(pos) or not 0 <= pos < 1 << 63:
+                raise ValueError(f"sample: positions[{i}] must be an int >= 0, got {pos!r}")
     if vocab_size is not None and (not _is_int(vocab_size) or not 1 <= vocab_size <= v):
         raise ValueError(f"sample: vocab_size must be an int in [1, {v}] (the logits width), got {vocab_size!r}")
     if v == 0:
@@ -419,8 +445,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], 
     for b, p in enumerate(params):
         groups.setdefault(p.temperature, []).append(b)
     for temp, rows in groups.items():
-        idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-        xg = x.index_select(0, idx)
+        # one temperature for the whole (contiguous) batch, the usual rollout step: no gather, no scatter back
+        whole = len(rows) == bsz and x.is_contiguous()
+        idx = None if whole else torch.tensor(rows, dtype=torch.int64, device=dev)
+        xg = x if whole else x.index_select(0, idx)
         if temp == 0.0:
             z = xg.to(torch.float64 if xg.dtype == torch.float64 else torch.float32)
             if not bool(torch.isfinite(z).all()):
@@ -435,11 +463,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], 
                 _raise_nonfinite(xg.to(torch.float32) / temp, rows, keys, positions, temp)
                 raise
             ps = [params[b] for b in rows]
-            states = torch.tensor([_signed(row_state(p.seed, keys[b], positions[b])) for b, p in zip(rows, ps)],
-                                  dtype=torch.int64, device=dev)
+            states = _row_states([_seed_key_state(p.seed, keys[b]) for b, p in zip(rows, ps)],
+                                 [positions[b] for b in rows], dev)
             top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in ps], dtype=torch.int64, device=dev)
             top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=dev)
             tok = sample_scaled(z, states, top_k, top_p)
-        tokens[idx] = tok
-        logprobs[idx] = token_logprobs(xg, tok, temp).to(logprobs.dtype)
+        if whole:
+            tokens.copy_(tok)
+            logprobs.copy_(token_logprobs(xg, tok, temp))
+        else:
+            tokens[idx] = tok
+            logprobs[idx] = token_logprobs(xg, tok, temp).to(logprobs.dtype)
     return tokens, logprobs

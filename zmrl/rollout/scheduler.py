@@ -100,11 +100,12 @@ class Scheduler:
         self.waiting.appendleft(req)
         log.debug("preempted %s at %d tokens", req.request_id, len(req.tokens))
 
-    def _full_block_hashes(self, tokens: list[int], n_blocks: int, start: list[int]) -> list[int]:
+    def _full_block_hashes(self, req: Request, n_blocks: int, start: list[int]) -> list[int]:
         hashes = list(start)
         bs = self.block_size
         for b in range(len(hashes), n_blocks):
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[b * bs:(b + 1) * bs], self.weights_version))
+            hashes.append(block_hash(hashes[-1] if hashes else None, req.token_slice(b * bs, (b + 1) * bs),
+                                     self.weights_version))
         return hashes
 
     def _apply_prefix_cache(self, req: Request) -> None:
@@ -112,7 +113,7 @@ class Scheduler:
             return
         # At least the last token must be computed: its logits are needed for sampling.
         n_full = (len(req.tokens) - 1) // self.block_size
-        hashes = self._full_block_hashes(req.tokens, n_full, [])
+        hashes = self._full_block_hashes(req, n_full, [])
         blocks, snapshot = self.blocks.match_prefix(hashes)
         if not blocks:
             return
@@ -127,19 +128,25 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         i = 0
+        blocks, block_size = self.blocks, self.block_size
         while i < len(self.running) and budget > 0:
+            # the running requests' loop runs every step for every sequence: _blocks_needed and _grow inlined,
+            # nothing allocated or preempted for a sequence whose pages already hold its next tokens
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
-            preempted_self = False
-            while self._blocks_needed(req, n) > self.blocks.num_free:
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    preempted_self = True
-                    break
-            if preempted_self:
-                continue
-            self._grow(req, n)
+            seq = req.seq
+            n = min(req.num_tokens - seq.num_tokens, budget)
+            need = -(-(seq.num_tokens + n) // block_size) - len(seq.pages)
+            if need > 0:
+                preempted_self = False
+                while need > blocks.num_free:  # preempting another request does not change this one's need
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is req:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    continue
+                seq.pages.extend(blocks.allocate(need))
             batch.append((req, n))
             budget -= n
             i += 1
@@ -168,15 +175,17 @@ class Scheduler:
         """Publish the requests' newly completed full blocks (with their KDA snapshots) for prefix caching."""
         if not self.config.enable_prefix_caching:
             return
+        block_size = self.block_size
         for r in reqs:
-            self._register(r)
+            if r.seq.num_tokens // block_size > len(r.hashes):  # a block was completed
+                self._register(r)
 
     def _register(self, r: Request) -> None:
         n_full = r.num_computed // self.block_size
         if n_full <= len(r.hashes):
             return
         first_new = len(r.hashes)
-        r.hashes = self._full_block_hashes(r.tokens, n_full, r.hashes)
+        r.hashes = self._full_block_hashes(r, n_full, r.hashes)
         for b in range(first_new, n_full):
             end = (b + 1) * self.block_size
             snap = {}
@@ -190,6 +199,8 @@ class Scheduler:
     def with_forks(self, ready: list[Request]) -> list[tuple[Request, int]]:
         """(request, logits row) of everything that samples this step: each ready request, followed by the
         siblings forked from it when its prompt is done (n > 1), on the same row."""
+        if not any(r.fork_ids for r in ready):
+            return list(zip(ready, range(len(ready))))
         rows: list[tuple[Request, int]] = []
         for row, r in enumerate(ready):
             rows.append((r, row))
@@ -228,14 +239,15 @@ class Scheduler:
         """Record what the sampler drew; finish requests that failed, stopped or reached their length."""
         for r, error in errors:
             self._drop(r, "error", error=error)
+        max_model_len = self.max_model_len
         for d in draws:
             r = d.request
             r.output.append(d.token)
             r.logprobs.append(d.logprob)
             p = r.params
-            if d.token in p.stop_token_ids:
+            if p.stop_token_ids and d.token in p.stop_token_ids:
                 self._drop(r, "stop")
-            elif len(r.output) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            elif len(r.output) >= p.max_tokens or len(r.prompt) + len(r.output) >= max_model_len:
                 self._drop(r, "length")
 
     def _drop(self, r: Request, reason: str, error: str | None = None) -> None:
