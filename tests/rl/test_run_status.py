@@ -98,9 +98,12 @@ def test_loop_writes_finished_and_failed(tmp_path, model_dir, monkeypatch):
 def test_ctrl_c_is_clean_and_prints_the_resume_command(tmp_path, model_dir):
     out = tmp_path / "run"
     args = _overrides(out, model_dir, steps=50)
+    # SIG_DFL in the child: a test run started in the background by a non-interactive shell inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler (the run would finish instead)
     proc = subprocess.Popen([sys.executable, "-m", "zmrl.train", str(RECIPE), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 600
     while not (out / "checkpoints" / "latest").exists():
         assert proc.poll() is None, proc.stderr.read()[-3000:]
