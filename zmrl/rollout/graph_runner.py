@@ -148,8 +148,8 @@ class DecodeGraphRunner:
                 self.pool.load(r.seq, slot)
                 slot_of[r.request_id] = slot
             seq = r.seq
-            pos, seq_pages, prompt = seq.num_tokens, seq.pages, r.prompt
-            ids.append(prompt[pos] if pos < len(prompt) else r.output[pos - len(prompt)])  # r.token_at(pos)
+            pos, seq_pages = seq.num_tokens, seq.pages
+            ids.append(r.token_at(pos))
             positions.append(pos)
             cache_slots.append(seq_pages[pos // ps] * ps + pos % ps)
             pool_slots.append(slot)

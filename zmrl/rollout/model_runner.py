@@ -90,11 +90,9 @@ class ModelRunner:
             parts.append(logits)
         if decode:
             logits = self.graphs.run(decode)
-            snapshots, block_size = self.config.enable_prefix_caching, self.block_size
             for r in decode:
-                seq = r.seq
-                seq.num_tokens += 1
-                if snapshots and seq.num_tokens % block_size == 0:
+                r.seq.num_tokens += 1
+                if self.config.enable_prefix_caching and r.num_computed % self.block_size == 0:
                     self.graphs.snapshot(r)
             ready += decode
             parts.append(logits)
@@ -107,7 +105,7 @@ class ModelRunner:
         """The batch's decode rows (one token, the last one) when the graph runner takes them."""
         if self.graphs is None:
             return []
-        decode = [r for r, n in batch if n == 1 and r.seq.num_tokens == len(r.prompt) + len(r.output) - 1]
+        decode = [r for r, n in batch if n == 1 and r.num_computed == r.num_tokens - 1]
         return decode if self.graphs.accepts(decode) else []
 
     def _forward_eager(self, batch: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:

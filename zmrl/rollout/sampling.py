@@ -34,7 +34,6 @@ float64 so neither 0 nor 1 is reachable and ``G`` is always finite.
 """
 from __future__ import annotations
 
-import array
 import functools
 import hashlib
 import math
@@ -47,6 +46,7 @@ import torch
 from zmrl.kernels_batch_invariant._dispatch import invariant_op
 from zmrl.kernels_batch_invariant.logprob import _scaled_logits, token_logprobs
 from zmrl.kernels_batch_invariant.reduce import tree_sum
+from zmrl.model.context import int64_tensor
 
 __all__ = ["SamplingParams", "derive_seed", "rollout_seed", "sample", "sample_scaled"]
 
@@ -208,11 +208,8 @@ def _seed_key_state(seed: int, key: int) -> int:
 def _row_states(seed_key_states: list[int], positions: list[int], device: torch.device | str) -> torch.Tensor:
     """``row_state`` of many rows at once, as int64 bit patterns [R]: the position is mixed in by tensor ops
     (the same 64-bit wrapping arithmetic) instead of one Python ``_mix64`` per row."""
-    if not positions:
-        return torch.zeros(0, dtype=torch.int64, device=device)
-    # int64 tensors through array.array: several times faster than torch.tensor on a list of ints
-    x = torch.frombuffer(array.array("q", [_signed(h) for h in seed_key_states]), dtype=torch.int64)
-    x.bitwise_xor_(torch.frombuffer(array.array("q", positions), dtype=torch.int64))  # positions < 2^63
+    x = int64_tensor([_signed(h) for h in seed_key_states])
+    x.bitwise_xor_(int64_tensor(positions))  # positions < 2^63
     x.add_(_signed(_GAMMA))
     return _mix64_t(x).to(device)
 

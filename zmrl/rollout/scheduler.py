@@ -85,9 +85,6 @@ class Scheduler:
     def _blocks_needed(self, req: Request, n: int) -> int:
         return max(0, -(-(req.num_computed + n) // self.block_size) - len(req.seq.pages))
 
-    def _grow(self, req: Request, n: int) -> None:
-        req.seq.pages.extend(self.blocks.allocate(self._blocks_needed(req, n)))
-
     def _preempt(self, req: Request) -> None:
         """Free everything the request holds; it recomputes prompt + output so far when rescheduled."""
         self.blocks.release(req.seq.pages)
@@ -128,17 +125,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         i = 0
-        blocks, block_size = self.blocks, self.block_size
         while i < len(self.running) and budget > 0:
-            # the running requests' loop runs every step for every sequence: _blocks_needed and _grow inlined,
-            # nothing allocated or preempted for a sequence whose pages already hold its next tokens
             req = self.running[i]
-            seq = req.seq
-            n = min(req.num_tokens - seq.num_tokens, budget)
-            need = -(-(seq.num_tokens + n) // block_size) - len(seq.pages)
-            if need > 0:
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self._blocks_needed(req, n)
+            if need:  # nothing allocated or preempted for a sequence whose pages already hold its next tokens
                 preempted_self = False
-                while need > blocks.num_free:  # preempting another request does not change this one's need
+                while need > self.blocks.num_free:  # preempting another request does not change this one's need
                     victim = self.running[-1]
                     self._preempt(victim)
                     if victim is req:
@@ -146,7 +139,7 @@ class Scheduler:
                         break
                 if preempted_self:
                     continue
-                seq.pages.extend(blocks.allocate(need))
+                req.seq.pages.extend(self.blocks.allocate(need))
             batch.append((req, n))
             budget -= n
             i += 1
@@ -155,13 +148,14 @@ class Scheduler:
             if req.num_computed == 0 and not req.seq.pages:
                 self._apply_prefix_cache(req)
             n = min(req.num_tokens - req.num_computed, budget)
-            if self._blocks_needed(req, n) > self.blocks.num_free:
+            need = self._blocks_needed(req, n)
+            if need > self.blocks.num_free:
                 if req.seq.pages:  # give prefix-cache references back while it waits
                     self.blocks.release(req.seq.pages)
                     req.seq.reset()
                     req.hashes = []
                 break
-            self._grow(req, n)
+            req.seq.pages.extend(self.blocks.allocate(need))
             self.waiting.popleft()
             self.running.append(req)
             batch.append((req, n))
@@ -175,10 +169,8 @@ class Scheduler:
         """Publish the requests' newly completed full blocks (with their KDA snapshots) for prefix caching."""
         if not self.config.enable_prefix_caching:
             return
-        block_size = self.block_size
         for r in reqs:
-            if r.seq.num_tokens // block_size > len(r.hashes):  # a block was completed
-                self._register(r)
+            self._register(r)
 
     def _register(self, r: Request) -> None:
         n_full = r.num_computed // self.block_size
@@ -239,7 +231,6 @@ class Scheduler:
         """Record what the sampler drew; finish requests that failed, stopped or reached their length."""
         for r, error in errors:
             self._drop(r, "error", error=error)
-        max_model_len = self.max_model_len
         for d in draws:
             r = d.request
             r.output.append(d.token)
@@ -247,7 +238,7 @@ class Scheduler:
             p = r.params
             if p.stop_token_ids and d.token in p.stop_token_ids:
                 self._drop(r, "stop")
-            elif len(r.output) >= p.max_tokens or len(r.prompt) + len(r.output) >= max_model_len:
+            elif len(r.output) >= p.max_tokens or r.num_tokens >= self.max_model_len:
                 self._drop(r, "length")
 
     def _drop(self, r: Request, reason: str, error: str | None = None) -> None:
