@@ -18,6 +18,10 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_i13.sh          (TOTAL_S=... to change the overall budget)
 #
+# STEPS picks steps (default "kda_bwd kimi trainer rl_step more"; also: new rowwise kda_bwd_small; kimi is
+# the Kimi-Linear KDA layer against fla's chunk_kda), T_KDA_BWD / T_KIMI / T_TRAINER their limits,
+# RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes and extra flags.
+#
 # The KDA backward through fla-core is opt-in (ZMRL_KDA_FLA_BACKWARD=1, see
 # zmrl/kernels_batch_invariant/triton/kda_chunk_bwd.py); this run turns it on for every step, so the
 # benchmarks measure the trainer as it is meant to run, and step 2 checks that backward. Needs torch +
@@ -36,6 +40,14 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export ZMRL_KDA_FLA_BACKWARD=1 FLA_CACHE_RESULTS=1 OUT
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
+# fla-core autotunes its KDA kernels for ~100 s on a fresh machine. Triton's on-disk autotune cache
+# (TRITON_CACHE_AUTOTUNING) keeps the choices; AUTOTUNE_TGZ (a tarball of *.autotune.json files saved by an
+# earlier run, see the end of this script) restores them, so that time is spent once, not per machine.
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/zmrl_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -n "${AUTOTUNE_TGZ:-}" ] && [ -f "$AUTOTUNE_TGZ" ]; then
+  tar xzf "$AUTOTUNE_TGZ" -C "$TRITON_CACHE_DIR" && echo "# restored $(tar tzf "$AUTOTUNE_TGZ" | wc -l) autotune results"
+fi
 
 if ! $PY -c "import fla.ops.kda, einops" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tee "$OUT/pip.log"
@@ -64,24 +76,33 @@ step() {  # step NAME LIMIT_S CMD... : run under min(LIMIT_S, time left), log to
 
 PYTEST="$PY -m pytest -p no:cacheprovider -m gpu -rA -v -s"
 
-step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py
+STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
 
-step gpu_tests_kda_bwd 100 $PYTEST -k "H16 or deterministic or path_is_taken" tests/kernels/triton/test_kda_chunk_bwd_gpu.py
+has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py
 
-step trainer_throughput 180 $PY benchmarks/trainer_throughput.py --layers 16 --seq-lens 4096,4096,4096,4096 \
-  --modes bitwise --recompute none,layer,selective,attention --warmup 1 --iters 1 --profile 30 --kda-tokens 8192,32768 \
-  --out "$OUT/trainer_throughput.json"
+has kda_bwd && step gpu_tests_kda_bwd "${T_KDA_BWD:-220}" $PYTEST -k "H16 or deterministic or path_is_taken" tests/kernels/triton/test_kda_chunk_bwd_gpu.py
 
-step rl_step 150 $PY benchmarks/rl_step.py --layers 16 --prompts 8 --n 8 --prompt-len 512 --max-new 512 \
+has kimi && step kimi_linear_gpu "${T_KIMI:-90}" $PYTEST tests/model/test_kimi_linear_checkpoint.py
+
+has trainer && step trainer_throughput "${T_TRAINER:-200}" $PY benchmarks/trainer_throughput.py --layers 16 --seq-lens 4096,4096,4096,4096 \
+  --modes bitwise --recompute "${RECOMPUTE:-none,layer,selective,attention}" --warmup 1 --iters 1 --profile 30 \
+  --kda-tokens "${KDA_TOKENS:-8192,32768}" ${TRAINER_ARGS:-} --out "$OUT/trainer_throughput.json"
+
+has rl_step && step rl_step 150 $PY benchmarks/rl_step.py --layers 16 --prompts 8 --n 8 --prompt-len 512 --max-new 512 \
   --micro-batch-tokens 16384 --parity-pass separate,fused --out "$OUT/rl_step.json"
 
-step gpu_tests_more 90 $PYTEST tests/kernels/triton/test_mla_attention_grads_gpu.py tests/trainer/test_gradients_gpu.py
+has more && step gpu_tests_more 90 $PYTEST tests/kernels/triton/test_mla_attention_grads_gpu.py tests/trainer/test_gradients_gpu.py
 
-step gpu_tests_rowwise_grads 60 $PYTEST -k grad "tests/kernels/triton/test_kda_chunk.py::test_gradients_match_float64" \
+has rowwise && step gpu_tests_rowwise_grads 60 $PYTEST -k grad "tests/kernels/triton/test_kda_chunk.py::test_gradients_match_float64" \
   tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_norms.py tests/kernels/triton/test_l2norm.py \
   tests/kernels/triton/test_kda_gate.py tests/kernels/triton/test_glu.py tests/kernels/triton/test_short_conv.py
 
-step gpu_tests_kda_bwd_small 60 $PYTEST -k H4 tests/kernels/triton/test_kda_chunk_bwd_gpu.py
+has kda_bwd_small && step gpu_tests_kda_bwd_small 60 $PYTEST -k H4 tests/kernels/triton/test_kda_chunk_bwd_gpu.py
+
+# Keep the autotune choices for the next machine (small JSON files; the compiled kernels are rebuilt).
+( cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$OUT/autotune.tgz" -T - ) \
+  && echo "# saved $(tar tzf "$OUT/autotune.tgz" | wc -l) autotune results to $OUT/autotune.tgz"
 
 echo "total seconds=$(( $(date +%s) - START ))" | tee -a "$SUMMARY"
 cat "$SUMMARY"
