@@ -34,7 +34,8 @@ def test_defaults_and_mkl_mode_set_at_import():
 
 
 @pytest.mark.parametrize("field,value", [("kernel_mode", "turbo"), ("kda_dot_precision", "fp16"),
-                                         ("cpu_gemm_cnr", "AVX2"), ("cpu_threads", 0)])
+                                         ("cpu_gemm_cnr", "AVX2"), ("cpu_threads", 0),
+                                         ("backward_matmul_precision", "fp16")])
 def test_bad_values_name_the_field(field: str, value: object):
     before = kbi.current_numerics()
     with pytest.raises(ValueError, match=rf"Numerics\.{field} must be"):
@@ -82,6 +83,30 @@ def test_fingerprint_fields_and_digest():
     assert other.digest != fp.digest and fp.differences(other) == ["kda_dot_precision"]
     with kbi.numerics_scope(kbi.Numerics(kernel_mode="fast")):
         assert kbi.fingerprint().fields["kernel_mode"] == "fast"
+
+
+def test_backward_matmul_precision_scopes_torch_fp32_gemms_on_cuda_only():
+    assert kbi.Numerics().backward_matmul_precision == "tf32"
+    assert kbi.fingerprint(kbi.Numerics(backward_matmul_precision="ieee")) == kbi.fingerprint(kbi.Numerics()), \
+        "the backward's precision never reaches a forward bit"
+    before = torch.get_float32_matmul_precision()
+    seen = []
+
+    @nm.with_backward_matmuls
+    def backward(ctx, grad):
+        seen.append(torch.get_float32_matmul_precision())
+        return grad
+
+    with kbi.numerics_scope(kbi.Numerics()):
+        with nm.backward_matmuls(torch.device("cpu")):
+            assert torch.get_float32_matmul_precision() == before  # CPU: left alone
+        backward(None, torch.zeros(1))
+        if torch.cuda.is_available():
+            backward(None, torch.zeros(1, device="cuda"))
+            with kbi.numerics_scope(kbi.Numerics(backward_matmul_precision="ieee")):
+                backward(None, torch.zeros(1, device="cuda"))
+    expected = [before] + (["high", before] if torch.cuda.is_available() else [])
+    assert seen == expected and torch.get_float32_matmul_precision() == before
 
 
 def test_mismatch_stops_naming_the_field():

@@ -30,6 +30,7 @@ import torch
 
 from .logprob import _check_temperature, _scales, token_logprobs
 from .matmul import linear
+from .numerics import with_backward_matmuls
 
 # Rows per chunk when the caller does not say: 1024 rows of a 160K vocabulary are 0.6 GiB of fp32 logits.
 DEFAULT_CHUNK_ROWS = 1024
@@ -112,6 +113,7 @@ class _LMHeadTokenLogprobs(torch.autograd.Function):
         return _forward(hidden, weight, bias, token_ids, segments, chunk_rows)
 
     @staticmethod
+    @with_backward_matmuls
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, bias, token_ids = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]

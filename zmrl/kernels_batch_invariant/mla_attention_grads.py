@@ -10,40 +10,23 @@ chunk's sequence length for trainer batches): scores ``q @ K_u^T`` [G*H, U] are 
 per-query key lists become a boolean mask over U, and every other product (``o``, ``dP``, ``dQ``,
 ``dK_u``) is one GEMM too. The key gradient lands on unique slots, so a plain ``index_add_`` is
 exact and deterministic. The dense products do at most ~2x the sparse FLOPs (U <= 2 L for
-sequences up to twice the top-k) but on tensor cores: when the cache and queries are bf16/fp16 (the
-model's case) the fp32 products run with TF32 allowed on CUDA: the bf16 operands are exact in TF32,
-and the gradients are returned in bf16, whose rounding (2^-9) exceeds TF32's (2^-11). fp32 inputs
-keep full fp32 products.
+sequences up to twice the top-k) but on tensor cores: the fp32 products run at the numerics
+contract's ``backward_matmul_precision`` on CUDA (TF32 by default: bf16 operands are exact in TF32, fp32
+ones, such as the absorbed queries, are rounded to 2^-11 relative; the bf16 weights the gradients flow to
+round to 2^-9).
 
 Everything is deterministic run to run: sorted ``unique``, constant-value ``scatter_``, fixed-shape
 GEMMs, ``index_add_`` onto distinct rows, chunks in ascending order.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
 from .mla_attention import cache_slots
+from .numerics import backward_matmuls
 
 # Elements of one [G, H, U] fp32 buffer per chunk (the backward holds about five of them).
 CHUNK_ELEMS = 1 << 26
-# TF32 tensor cores for half-precision inputs on CUDA (module docstring). False: full fp32 always.
-ALLOW_TF32 = True
-
-
-@contextlib.contextmanager
-def _tf32(device: torch.device, half_inputs: bool) -> Iterator[None]:
-    if device.type != "cuda" or not ALLOW_TF32 or not half_inputs:
-        yield
-        return
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -66,8 +49,7 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
     g_kv = torch.zeros((num_pages * page_size, d), dtype=cdt, device=dev) if need[2] else None
     # U is typically <= 2 L for trainer batches (a chunk's keys come from one or two sequences).
     chunk = max(1, CHUNK_ELEMS // (h * 2 * width))
-    half = {q_lat.dtype, kv_cache.dtype} <= {torch.bfloat16, torch.float16}
-    with _tf32(dev, half):
+    with backward_matmuls(dev):
         c0 = 0
         while c0 < nq:
             c1 = min(nq, c0 + chunk)

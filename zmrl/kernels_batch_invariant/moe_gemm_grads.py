@@ -15,13 +15,16 @@ backward need not be: docs/numerics.md).
 
 Compute dtype: 16-bit GEMMs with fp32 accumulation when the output gradient's rows are multiplied with
 16-bit weights of the same dtype on CUDA (as the Triton ``linear`` backward does), fp64 for fp64,
-fp32 otherwise. Gradients are returned in the dtypes of x and of the weights.
+fp32 otherwise (on CUDA at the numerics contract's ``backward_matmul_precision``, TF32 by default). Gradients are
+returned in the dtypes of x and of the weights.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+
+from .numerics import with_backward_matmuls
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
 
@@ -125,6 +128,7 @@ class ExpertLinearFn(torch.autograd.Function):
         return fwd(x, weights[0] if stacked else list(weights), offsets, out_dtype)
 
     @staticmethod
+    @with_backward_matmuls
     def backward(ctx, gy: torch.Tensor):  # type: ignore[override]
         x, *weights = ctx.saved_tensors
         ws: Weights = weights[0] if ctx.stacked else weights

@@ -23,6 +23,13 @@ Fields:
   that the mode took effect. "off" leaves MKL alone (faster on AVX-512; bits then depend on the thread
   count and the CPU). MKL's CNR branches are defined for Intel CPUs; on other vendors MKL runs its
   AUTO branch, which is why the fingerprint records the CPU vendor.
+* ``backward_matmul_precision``: what the trainer's backward GEMMs with an fp32 operand run at on CUDA:
+  "tf32" (default: tensor cores, operands rounded to TF32's 10-bit mantissa, relative rounding 2^-11,
+  fp32 accumulation) or "ieee" (fp32 FMA on CUDA cores, ~8x slower on the H200). The forward never reads
+  it (no forward op uses a torch fp32 GEMM on CUDA in bitwise mode), so it is not part of the parity
+  fingerprint; docs/numerics.md gives the backward this freedom (correct within tolerance against
+  float64, deterministic run to run: cuBLAS picks the same kernel for the same shapes and flags).
+  ``backward_matmuls`` applies it around each hand-written backward.
 * ``cpu_threads``: torch intra-op threads (None leaves torch's choice). Not part of the fingerprint:
   with the default ``cpu_gemm_cnr`` no op's bits depend on it (tests/kernels sweep 1, 2 and 4 threads).
 """
@@ -30,13 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import platform
 import typing
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -46,6 +54,7 @@ from ._dispatch import Mode
 KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)
 KDA_DOT_PRECISIONS: tuple[str, ...] = ("tf32x3", "ieee", "tf32")
 CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
+BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
 # Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
@@ -66,11 +75,13 @@ class Numerics:
     kernel_mode: str = "bitwise"
     kda_dot_precision: str = _KDA_DOT_PRECISION_ENV
     cpu_gemm_cnr: str = _CPU_GEMM_CNR_ENV
+    backward_matmul_precision: str = dataclasses.field(default="tf32", metadata={"bits": False})
     cpu_threads: int | None = dataclasses.field(default=None, metadata={"bits": False})
 
     def validate(self) -> "Numerics":
         for name, allowed in (("kernel_mode", KERNEL_MODES), ("kda_dot_precision", KDA_DOT_PRECISIONS),
-                              ("cpu_gemm_cnr", CPU_GEMM_CNR_MODES)):
+                              ("cpu_gemm_cnr", CPU_GEMM_CNR_MODES),
+                              ("backward_matmul_precision", BACKWARD_MATMUL_PRECISIONS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"Numerics.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
@@ -238,3 +249,38 @@ def kernel_mode(mode: Mode) -> Iterator[None]:
 def kda_dot_precision() -> str:
     """The KDA dot precision of the applied contract (read by the Triton KDA kernels at launch)."""
     return _current.kda_dot_precision
+
+
+@contextlib.contextmanager
+def backward_matmuls(device: torch.device) -> Iterator[None]:
+    """Run the body's torch fp32 GEMMs on ``device`` at the contract's ``backward_matmul_precision``.
+
+    For hand-written backwards only (their GEMMs need not be invariant). CUDA only: on CPU torch's
+    fp32 GEMMs are left at full precision. The previous setting is restored on exit."""
+    if device.type != "cuda" or _current.backward_matmul_precision == "ieee":
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # "high": TF32 tensor cores for fp32 GEMMs
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def with_backward_matmuls(backward: _F) -> _F:
+    """Decorate an autograd Function's ``backward(ctx, *grads)``: it runs under ``backward_matmuls`` on
+    the device of its first tensor gradient."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        dev = next((g.device for g in grads if isinstance(g, torch.Tensor)), None)
+        if dev is None:
+            return backward(ctx, *grads)
+        with backward_matmuls(dev):
+            return backward(ctx, *grads)
+
+    return wrapper  # type: ignore[return-value]

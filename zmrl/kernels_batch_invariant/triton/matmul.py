@@ -43,7 +43,8 @@ times, from L2). ``benchmarks/gemm_invariant_vs_cublas.py --sweep`` measures alt
 Autograd: hand-written backwards with stock torch matmuls (the backward need not be invariant, only
 correct): dX = dY @ W, dW = dY^T X, dbias = sum dY. 16-bit operands use 16-bit cuBLAS GEMMs (fp32
 accumulation inside) so the backward never materialises an fp32 copy of a large weight; anything
-with an fp32 operand runs in fp32.
+with an fp32 operand runs in fp32 at the contract's ``backward_matmul_precision`` (TF32 tensor cores
+by default, ``numerics.backward_matmuls``).
 
 Weights of ``expert_linear``: the experts' ``[N, K]`` weights stay where the model holds them (one
 Linear per expert, per-expert checkpoint names). Instead of re-stacking them every forward (a copy of
@@ -75,6 +76,7 @@ import triton.language as tl
 from .. import matmul as _ops
 from .. import moe_gemm as _moe
 from ..moe_gemm_grads import expert_linear_grads
+from ..numerics import with_backward_matmuls
 from ._common import INTERPRET, cdiv, compute_in_fp64, next_pow2
 
 log = logging.getLogger(__name__)
@@ -478,6 +480,7 @@ class _LinearFn(torch.autograd.Function):
         return _linear_forward(x, weight, bias, out_dtype)
 
     @staticmethod
+    @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         (x_shape, x_dtype), (w_shape, w_dtype) = ctx.x_meta, ctx.w_meta
@@ -562,6 +565,7 @@ class _LinearConcatFn(torch.autograd.Function):
         return _concat_forward(x, list(weights), out_dtype)
 
     @staticmethod
+    @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # The backward need not be invariant (docs/numerics.md): stock GEMMs per segment, dX summed
         # over segments in segment order (deterministic).
@@ -628,6 +632,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         return _grouped_forward(x, weight, out_dtype)
 
     @staticmethod
+    @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         cdt = _bwd_dtype(x, w)
@@ -679,6 +684,7 @@ class _BmmFn(torch.autograd.Function):
         return _bmm_forward(a, b)
 
     @staticmethod
+    @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         a, b = ctx.saved_tensors
         cdt = torch.float32
@@ -848,6 +854,7 @@ class _ExpertLinearFn(torch.autograd.Function):
         return _expert_forward(x, ws, offsets, out_dtype)
 
     @staticmethod
+    @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         ws = weights[0] if ctx.stacked else weights
