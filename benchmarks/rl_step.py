@@ -3,7 +3,7 @@ optimizer step, weight push to the engine.
 
     python benchmarks/rl_step.py [--prompts 64] [--n 8] [--prompt-len 512] [--max-new 1024]
         [--min-new-frac 0.25] [--layers 16] [--micro-batch-tokens 16384] [--recompute none]
-        [--parity-pass separate,fused] [--out FILE.json] [--smoke]
+        [--parity-pass separate,fused] [--rollout-only] [--out FILE.json] [--smoke]
 
 The batch is RL-shaped: ``--prompts`` random prompts of ``--prompt-len`` tokens, ``--n`` samples each
 (temperature 1, per-request seeds), each prompt's response length drawn uniformly from
@@ -124,10 +124,19 @@ def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, tra
     outs = timed(dev, times, "rollout", lambda: engine.generate(prompts, params))
     if any(o.error for o in outs):
         raise RuntimeError(f"rollout errors: {[o.error for o in outs if o.error][:3]}")
+    bound = None
+    if peak_tflops and bw_tb_s:
+        bound = rollout_bound(engine.model, [len(p) for p in prompts],
+                              [(len(o.prompt_token_ids), len(o.token_ids)) for o in outs], a.lora_r, bw_tb_s, peak_tflops)
+    n_resp = sum(len(o.token_ids) for o in outs)
+    rollout = {"step": step, "parity_pass": parity_pass, "sequences": len(outs), "response_tokens": n_resp,
+               "rollout_tok_s": n_resp / times["rollout"], "rollout_bound": bound,
+               "rollout_frac_of_bound": bound["total_s"] / times["rollout"] if bound else None}
+    if a.rollout_only:  # no trainer pass: nothing checks the log-probs, so no parity figure is reported
+        return {**rollout, "seconds": times, "total_s": times["rollout"], "logprob_equal_fraction": None}
     seqs = [o.prompt_token_ids + o.token_ids for o in outs]
     plens = [len(o.prompt_token_ids) for o in outs]
     old = [o.logprobs.to(dev) for o in outs]
-    n_resp = sum(len(o.token_ids) for o in outs)
     rewards = torch.rand(len(outs), generator=g)
     adv = grpo_advantages(rewards, a.n).tolist()
     batches = pack_micro_batches([len(s) for s in seqs], a.micro_batch_tokens)
@@ -171,22 +180,14 @@ def rl_step(a: argparse.Namespace, dev: torch.device, engine: RolloutEngine, tra
     flops = sum(train_flops(trainer.config, [len(seqs[i]) for i in b], a.lora_r,
                             logit_rows=sum(len(seqs[i]) - plens[i] for i in b)).total for b in batches)
     tflop_s = flops / times["train_forward_backward"] / 1e12
-    bound = None
-    if peak_tflops and bw_tb_s:
-        bound = rollout_bound(engine.model, [len(p) for p in prompts],
-                              [(len(o.prompt_token_ids), len(o.token_ids)) for o in outs], a.lora_r, bw_tb_s, peak_tflops)
-    return {"step": step, "parity_pass": parity_pass, "sequences": len(outs), "response_tokens": n_resp,
-            "tokens": sum(len(s) for s in seqs), "micro_batches": len(batches),
+    return {**rollout, "tokens": sum(len(s) for s in seqs), "micro_batches": len(batches),
             "logprob_equal_fraction": equal / max(1, n_resp), "seconds": times, "total_s": total,
             "share": {k: v / total for k, v in times.items()},
-            "rollout_tok_s": n_resp / times["rollout"],
             "train_tok_s": sum(len(s) for s in seqs) / times["train_forward_backward"],
             # peak allocated GiB during the training phase (both models, the engine's cache, the optimizer)
             "train_peak_gib": train_peak,
             "train_tflop": flops / 1e12, "train_tflop_s": tflop_s,
-            "train_mfu": tflop_s / peak_tflops if peak_tflops else None,
-            "rollout_bound": bound,
-            "rollout_frac_of_bound": bound["total_s"] / times["rollout"] if bound else None}
+            "train_mfu": tflop_s / peak_tflops if peak_tflops else None}
 
 
 def main() -> int:
@@ -204,6 +205,8 @@ def main() -> int:
     ap.add_argument("--parity-pass", default="separate,fused",
                     help="one timed step per value: separate (no-grad parity forward, then training "
                          "forward) or fused (parity from the training forward)")
+    ap.add_argument("--rollout-only", action="store_true",
+                    help="time the rollout alone (tokens/s and fraction of its bound); no trainer, no parity figure")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON result (default benchmarks/results/<date>_rl_step_<device>.json)")
@@ -247,12 +250,23 @@ def main() -> int:
                          "matmul_peak_tflop_s": peak, "copy_bandwidth_tb_s": bw, "flop_formula": "benchmarks/_train_flops.py", "steps": steps,
                          "wall_s": time.perf_counter() - t_start})
 
+    if a.rollout_only:
+        passes = ["none"]
     for step, mode in enumerate(["fused"] + passes):  # step 0: warm-up
         r = rl_step(a, dev, engine, trainer, optimizer, prompts, step, mode, peak, bw)
         steps.append(r)
         save()
-        log.info("step %d (%s): %.1fs, log-prob parity %.4f", step, mode, r["total_s"], r["logprob_equal_fraction"])
+        log.info("step %d (%s): %.1fs, log-prob parity %s", step, mode, r["total_s"], r["logprob_equal_fraction"])
     timed_steps = steps[1:]
+    if a.rollout_only:
+        for r in timed_steps:
+            rb = "" if r["rollout_bound"] is None else \
+                f" = {r['rollout_frac_of_bound']:.1%} of its {r['rollout_bound']['total_s']:.2f} s bound"
+            print(f"\nRollout, bench preset ({cfg.num_hidden_layers} layers) bf16, LoRA r={a.lora_r}: {a.prompts} prompts x "
+                  f"n={a.n}, prompt {a.prompt_len}: {r['response_tokens']} response tokens in {r['total_s']:.2f} s, "
+                  f"{r['rollout_tok_s']:.0f} tok/s{rb}")
+        save()
+        return 0
     phases = ["rollout", "parity_forward", "train_forward_backward", "optimizer", "weight_push"]
     rows = []
     for ph in phases:
