@@ -87,8 +87,10 @@ def _kda_intra_kernel(
     tt_ptr,  # fp32 [*, H, 64, 64] at KEEP: T^T, the solved rows of T = (I + A_kk)^-1 (read for rows < ROW0)
     scale, H,
     DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BK: tl.constexpr,
-    BVI: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
+    BVI: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr, DECODE: tl.constexpr = False,
 ):
+    # DECODE: every chunk of the launch solves exactly one new row, its last (ROW0 == OUT0 == ROWS - 1, the
+    # decode step's contract); the row's values are computed as in the general path, see the diagonal block.
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     info = info_ptr + cid * 6
@@ -105,6 +107,8 @@ def _kda_intra_kernel(
     kmask = dks < DK
     all_rows = rows >= 0  # full-shape masks for the scratch loads
     new_rows = rows >= row0  # the rows this call solves and stores
+    if DECODE:
+        new_rows = new_rows & (rows < nr)  # the one new row (the rows past it hold nothing to keep)
     sk = H * DK  # token stride of q, k, g
     sv = H * DV  # token stride of v
     q_base = q_ptr + (qtok0 * H + h) * DK
@@ -164,25 +168,50 @@ def _kda_intra_kernel(
                 a_qk = tl.dot(q_b * left, right_t, acc=a_qk, input_precision=DOT_PREC)
                 a_kk = tl.dot(k_b * left, right_t, acc=a_kk, input_precision=DOT_PREC)
         # Diagonal block, one column at a time: exp of masked exponent differences, reduced over dk.
-        m16 = (r16 < nr)[:, None] & kmask[None, :]
-        q_i = tl.load(q_base + r16[:, None] * sk + dks[None, :], mask=qrow[:, None] & kmask[None, :],
-                      other=0.0).to(tl.float32) * scale
-        k_i = tl.load(k_base + r16[:, None] * sk + dks[None, :], mask=m16, other=0.0).to(tl.float32)
-        gc_i = tl.load(gc_base + r16[:, None] * DK + dks[None, :], mask=(r16 >= 0)[:, None] & kmask[None, :],
-                       other=0.0)
         # Only the chunk's real rows (rows >= nr stay exact zeros either way); a run-time trip
         # count also keeps the compiler from unrolling these loops into a register-hungry block.
         n_real = tl.minimum(tl.maximum(nr - lo, 0), BC)
-        for jj in range(0, n_real):
-            j = lo + jj
-            k_j = tl.load(k_base + j * sk + dks, mask=kmask, other=0.0).to(tl.float32)
-            gc_j = tl.load(gc_base + j * DK + dks, mask=kmask, other=0.0)
-            dec = tl.exp(tl.where(r16[:, None] >= j, gc_i - gc_j[None, :], float("-inf")))
-            kj_dec = k_j[None, :] * dec
-            col_qk = tl.sum(q_i * kj_dec, axis=1)
-            col_kk = tl.sum(k_i * kj_dec, axis=1)
-            a_qk = tl.where(cols[None, :] == j, col_qk[:, None], a_qk)
-            a_kk = tl.where(cols[None, :] == j, col_kk[:, None], a_kk)
+        if DECODE:
+            # Only row r = nr - 1 is new: all its diagonal columns j in one [16, dk] tile whose row j - lo
+            # holds what the loop's column j holds in row r, q_r * (k_j * exp(gc_r - gc_j)), the same
+            # elementwise ops on the same values; one reduction over dk (same tile shape and layout, and
+            # a blocked layout reduces every row along the same tree) instead of n_real of them.
+            r_new = nr - 1
+            jm = r16 <= r_new
+            q_r = tl.load(q_base + r_new * sk + dks, mask=kmask, other=0.0).to(tl.float32) * scale
+            k_r = tl.load(k_base + r_new * sk + dks, mask=kmask, other=0.0).to(tl.float32)
+            gc_rr = tl.load(gc_base + r_new * DK + dks, mask=kmask, other=0.0)
+            k_js = tl.load(k_base + r16[:, None] * sk + dks[None, :], mask=jm[:, None] & kmask[None, :],
+                           other=0.0).to(tl.float32)
+            gc_js = tl.load(gc_base + r16[:, None] * DK + dks[None, :], mask=(r16 >= 0)[:, None] & kmask[None, :],
+                            other=0.0)
+            kj_dec = k_js * tl.exp(tl.where(jm[:, None], gc_rr[None, :] - gc_js, float("-inf")))
+            col_qk = tl.sum(q_r[None, :] * kj_dec, axis=1)  # [16]: column lo + jj of row r
+            col_kk = tl.sum(k_r[None, :] * kj_dec, axis=1)
+            # Spread over the row's columns exactly: one value per column, -0.0 elsewhere (x + -0.0 == x).
+            at_col = cols[None, :] == r16[:, None]
+            row_qk = tl.sum(tl.where(at_col, col_qk[:, None], -0.0), axis=0)
+            row_kk = tl.sum(tl.where(at_col, col_kk[:, None], -0.0), axis=0)
+            diag = (r16[:, None] == r_new) & (cols[None, :] >= lo) & (cols[None, :] <= r_new)
+            a_qk = tl.where(diag, row_qk[None, :], a_qk)
+            a_kk = tl.where(diag, row_kk[None, :], a_kk)
+        else:
+            m16 = (r16 < nr)[:, None] & kmask[None, :]
+            q_i = tl.load(q_base + r16[:, None] * sk + dks[None, :], mask=qrow[:, None] & kmask[None, :],
+                          other=0.0).to(tl.float32) * scale
+            k_i = tl.load(k_base + r16[:, None] * sk + dks[None, :], mask=m16, other=0.0).to(tl.float32)
+            gc_i = tl.load(gc_base + r16[:, None] * DK + dks[None, :], mask=(r16 >= 0)[:, None] & kmask[None, :],
+                           other=0.0)
+            for jj in range(0, n_real):
+                j = lo + jj
+                k_j = tl.load(k_base + j * sk + dks, mask=kmask, other=0.0).to(tl.float32)
+                gc_j = tl.load(gc_base + j * DK + dks, mask=kmask, other=0.0)
+                dec = tl.exp(tl.where(r16[:, None] >= j, gc_i - gc_j[None, :], float("-inf")))
+                kj_dec = k_j[None, :] * dec
+                col_qk = tl.sum(q_i * kj_dec, axis=1)
+                col_kk = tl.sum(k_i * kj_dec, axis=1)
+                a_qk = tl.where(cols[None, :] == j, col_qk[:, None], a_qk)
+                a_kk = tl.where(cols[None, :] == j, col_kk[:, None], a_kk)
         tl.store(aqk_base + r16[:, None] * C + cols[None, :], a_qk)
         b_i = tl.load(b_base + r16 * H, mask=r16 < nr, other=0.0).to(tl.float32)
         a_kk = tl.where(cols[None, :] < r16[:, None], a_kk, 0.0) * b_i[:, None]
@@ -204,6 +233,8 @@ def _kda_intra_kernel(
     # the v_e it kept), except kd (elementwise), which a complete chunk's state update needs for every row.
     tl.debug_barrier()  # the tt columns stored above are read back below by other threads
     kd_row0 = tl.where(nr == C, 0, row0)
+    if DECODE:
+        kd_row0 = tl.where(nr == C, 0, C)  # the decode recurrence reads kd only to close a complete chunk
     blk0 = row0 // BC
     blk1 = (nr + BC - 1) // BC
     b_all = tl.load(b_base + rows * H, mask=rmask, other=0.0).to(tl.float32)
@@ -650,7 +681,7 @@ def kda_decode_step_triton(
     _kda_intra_kernel[(n, h)](
         q, cache.k, cache.v, cache.g, cache.beta, info[0], qg, kd, a_qk, w, u, dec, cache.solved_t, scale, h,
         DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
-        DOT_PREC=kda_dot_precision(), num_warps=cfg["intra_warps"], num_stages=1,
+        DOT_PREC=kda_dot_precision(), DECODE=True, num_warps=cfg["intra_warps"], num_stages=1,
     )
     _kda_decode_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
         qg, kd, a_qk, w, u, dec, cache.v_e, cache.state, o, info[0], h,
