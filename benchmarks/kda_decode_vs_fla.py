@@ -61,8 +61,10 @@ def inputs(b: int, dev: torch.device, gen: torch.Generator):
     return q, k, v, g, beta
 
 
-SWEEP_KDA = ({"intra_warps": 4}, {"decode_inter_warps": 2}, {"decode_inter_warps": 8}, {"BV": 64},
-             {"BV": 64, "decode_inter_warps": 8}, {"intra_warps": 4, "decode_inter_warps": 8})
+SWEEP_KDA = ({"decode_inter_warps": 2}, {"decode_BV": 64}, {"decode_BV": 64, "decode_inter_warps": 2},
+             {"decode_BV": 16, "decode_inter_warps": 2}, {"decode_BV": 128, "decode_inter_warps": 4},
+             {"decode_BV": 128, "decode_inter_warps": 8}, {"decode_intra_maxnreg": 128}, {"decode_intra_maxnreg": 168},
+             {"decode_intra_maxnreg": 128, "decode_BV": 64, "decode_inter_warps": 2}, {"intra_warps": 4})
 
 
 def sweep_rows(b: int, dev: torch.device, gen: torch.Generator) -> list[dict[str, Any]]:

@@ -446,6 +446,11 @@ def _launch_config(dk: int, dv: int) -> dict[str, int]:
         "inter_warps": 8 if big else 4,
         # the decode step's new-row recurrence (16-row products, one [dk, BV] state tile per program)
         "decode_inter_warps": 4,
+        "decode_BV": min(dvp, 32),
+        # register cap of the decode step's intra kernel (None: the compiler's choice). Launch options like
+        # this one and the two above change no arithmetic: benchmarks/kda_decode_vs_fla.py --sweep times
+        # alternatives and checks their outputs are the default's bits.
+        "decode_intra_maxnreg": None,
     }
 
 
@@ -682,10 +687,11 @@ def kda_decode_step_triton(
         q, cache.k, cache.v, cache.g, cache.beta, info[0], qg, kd, a_qk, w, u, dec, cache.solved_t, scale, h,
         DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
         DOT_PREC=kda_dot_precision(), DECODE=True, num_warps=cfg["intra_warps"], num_stages=1,
+        **({} if cfg["decode_intra_maxnreg"] is None else {"maxnreg": cfg["decode_intra_maxnreg"]}),
     )
-    _kda_decode_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
+    _kda_decode_inter_kernel[(n, h, cdiv(dv, cfg["decode_BV"]))](
         qg, kd, a_qk, w, u, dec, cache.v_e, cache.state, o, info[0], h,
-        DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, BC=_SUB, DOT_PREC=kda_dot_precision(),
+        DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["decode_BV"], C=c, BC=_SUB, DOT_PREC=kda_dot_precision(),
         num_warps=cfg["decode_inter_warps"], num_stages=1,
     )
     return o
