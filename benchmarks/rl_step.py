@@ -2,7 +2,7 @@
 optimizer step, weight push to the engine.
 
     python benchmarks/rl_step.py [--prompts 64] [--n 8] [--prompt-len 512] [--max-new 1024]
-        [--min-new-frac 0.25] [--layers 16] [--micro-batch-tokens 16384] [--recompute none]
+        [--min-new-frac 0.25] [--layers 16] [--micro-batch-tokens 16384] [--max-num-seqs 256] [--recompute none]
         [--parity-pass separate,fused] [--rollout-only] [--out FILE.json] [--smoke]
 
 The batch is RL-shaped: ``--prompts`` random prompts of ``--prompt-len`` tokens, ``--n`` samples each
@@ -201,6 +201,8 @@ def main() -> int:
     ap.add_argument("--lora-r", type=int, default=32)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--max-batched-tokens", type=int, default=16384, help="engine prefill token budget per step")
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="engine cap on running sequences (continuous batching admits the rest as others finish)")
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES)
     ap.add_argument("--parity-pass", default="separate,fused",
                     help="one timed step per value: separate (no-grad parity forward, then training "
@@ -224,15 +226,20 @@ def main() -> int:
     cfg = model_config(a.layers, a.smoke)
     trainer = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
     apply_lora(trainer, LoraConfig(r=a.lora_r, alpha=float(a.lora_r), init_b_std=0.02, init_seed=a.seed))
-    engine_model = copy.deepcopy(trainer)
-    apply_recompute(trainer, a.recompute)
-    for p in lora_parameters(trainer):
-        p.requires_grad_(True)
-    optimizer = make_optimizer(trainer, lr=a.lr)
+    optimizer = None
+    if a.rollout_only:  # the engine's model alone: no trainer copy, no optimizer state on the device
+        engine_model, trainer = trainer, None
+    else:
+        engine_model = copy.deepcopy(trainer)
+        apply_recompute(trainer, a.recompute)
+        for p in lora_parameters(trainer):
+            p.requires_grad_(True)
+        optimizer = make_optimizer(trainer, lr=a.lr)
     n_seqs = a.prompts * a.n
     per_seq_blocks = -(-(a.prompt_len + a.max_new) // 64)
     engine = RolloutEngine(engine_model, EngineConfig(
-        num_blocks=n_seqs * per_seq_blocks + 16, max_num_seqs=n_seqs, max_num_batched_tokens=a.max_batched_tokens,
+        num_blocks=n_seqs * per_seq_blocks + 16, max_num_seqs=min(n_seqs, a.max_num_seqs),
+        max_num_batched_tokens=a.max_batched_tokens,
         enable_prefix_caching=True, kernel_mode="bitwise"))
     g = torch.Generator().manual_seed(a.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]

@@ -446,7 +446,7 @@ def _launch_config(dk: int, dv: int) -> dict[str, int]:
         "inter_warps": 8 if big else 4,
         # the decode step's new-row recurrence (16-row products, one [dk, BV] state tile per program)
         "decode_inter_warps": 4,
-        "decode_BV": min(dvp, 32),
+        "decode_BV": min(dvp, 64),  # fastest of 16 / 32 / 64 / 128 at batch 256: kda_decode_vs_fla.py --sweep
         # register cap of the decode step's intra kernel (None: the compiler's choice). Launch options like
         # this one and the two above change no arithmetic: benchmarks/kda_decode_vs_fla.py --sweep times
         # alternatives and checks their outputs are the default's bits.
