@@ -103,6 +103,14 @@ def train_flops(cfg: ModelConfig, seq_lens: Sequence[int], lora_r: int, logit_ro
                       indexer=indexer, kda=3.0 * kda_fwd)
 
 
+def forward_flops(cfg: ModelConfig, seq_lens: Sequence[int], lora_r: int, logit_rows: int | None = None) -> float:
+    """FLOPs of one forward (a prefill) of the packed sequences: ``train_flops``' base forward plus the
+    forward third of its attention, KDA and LoRA terms (those count forward + backward there) and the
+    indexer (forward only); ``lora_r`` 0 for a model without adapters."""
+    f = train_flops(cfg, seq_lens, lora_r, logit_rows=logit_rows)
+    return f.base_fwd + (f.attention + f.kda + f.lora) / 3 + f.indexer
+
+
 def measured_matmul_peak_tflops(device, n: int = 8192, iters: int = 10) -> float:
     """bf16 dense GEMM throughput (TFLOP/s) of torch.mm at n x n x n on ``device``: the roofline the MFU
     is relative to (DESIGN: FLOPs divided by the matmul peak measured in the same run)."""

@@ -8,7 +8,9 @@ with KDA chunk-boundary snapshots recorded, as the engine does with prefix cachi
 over every prompt token; the fp32 logits of each prompt's last token), CUDA events, median of
 ``--iters`` runs after ``--warmup``. ``--chunk N`` prefills in engine-style chunks of at most N
 tokens per step (chunked prefill) instead of one step per shape. A shape ``BxL`` is B prompts of
-L tokens; tokens/s counts every prompt token.
+L tokens; tokens/s counts every prompt token. On a GPU each mode's MFU is the forward FLOPs
+(``_train_flops.forward_flops``: matmuls, MLA attention over min(t + 1, top-k) keys, the indexer, KDA;
+the last token's logits) over the bf16 matmul peak measured in the same run.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 
 from _common import (OOM_ERRORS, build_on_device, cuda_time_ms, default_out, empty_cache, env, model_config,
                      pick_device, setup_logging, table, write_json)
+from _train_flops import forward_flops, measured_matmul_peak_tflops
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.model import ModelCache, SequenceState
 
@@ -88,6 +91,7 @@ def main() -> int:
     cfg = model_config(a.layers, a.smoke)
     model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
     gen = torch.Generator(device=dev).manual_seed(a.seed)
+    peak = measured_matmul_peak_tflops(dev) if dev.type == "cuda" else None
 
     results: list[dict[str, Any]] = []
     with torch.no_grad():
@@ -126,6 +130,10 @@ def main() -> int:
                         continue
                     row[f"{mode}_ms"] = t["median_ms"]
                     row[f"{mode}_tok_s"] = batch * length / (t["median_ms"] * 1e-3)
+                    if peak:
+                        flops = forward_flops(cfg, [length] * batch, 0, logit_rows=batch)
+                        row["tflop"] = flops / 1e12
+                        row[f"{mode}_mfu"] = flops / (t["median_ms"] * 1e-3) / (peak * 1e12)
                 if "bitwise_ms" in row and "fast_ms" in row:
                     # throughput ratio (bitwise tok/s / fast tok/s): the issue's targets are >= 0.95 decode, >= 0.90 training
                     row["bitwise_over_fast"] = row["fast_ms"] / row["bitwise_ms"]
@@ -143,15 +151,17 @@ def main() -> int:
 
     cols = [("shape", "shape", "s"), ("tokens", "tokens", "d")]
     for m in modes:
-        cols += [(f"{m}_ms", f"{m} ms", ".1f"), (f"{m}_tok_s", f"{m} tok/s", ".0f")]
+        cols += [(f"{m}_ms", f"{m} ms", ".1f"), (f"{m}_tok_s", f"{m} tok/s", ".0f"), (f"{m}_mfu", "MFU", ".1%")]
     cols += [("bitwise_over_fast", "bitwise/fast tok/s", ".2f"), ("skipped", "note", "s"), ("error", "error", "s")]
     print(f"\nPrefill, {'tiny (smoke)' if a.smoke else 'bench'} preset ({cfg.num_hidden_layers} layers) bf16"
-          + (f", chunks of {a.chunk} tokens" if a.chunk else ", one step per shape"))
+          + (f", chunks of {a.chunk} tokens" if a.chunk else ", one step per shape")
+          + (f"; MFU of the {peak:.0f} TFLOP/s bf16 matmul peak measured in this run" if peak else ""))
     print(table(results, cols))
     write_json(a.out or default_out("prefill_throughput" + ("_smoke" if a.smoke else "")),
                {"benchmark": "prefill_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
                 "layers": cfg.num_hidden_layers,
-                "dtype": "bfloat16", "warmup": a.warmup, "iters": a.iters, "results": results,
+                "dtype": "bfloat16", "warmup": a.warmup, "iters": a.iters, "matmul_peak_tflop_s": peak,
+                "flop_formula": "benchmarks/_train_flops.py forward_flops", "results": results,
                 "wall_s": time.perf_counter() - t_start})
     return 0 if any(f"{m}_ms" in r for r in results for m in modes) else 1
 

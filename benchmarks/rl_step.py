@@ -47,7 +47,7 @@ import torch
 
 from _common import (build_on_device, copy_bandwidth_tb_s, decode_weight_bytes, default_out, env, kv_state_bytes_per_seq,
                      model_config, pick_device, setup_logging, table, write_json)
-from _train_flops import measured_matmul_peak_tflops, train_flops
+from _train_flops import forward_flops, measured_matmul_peak_tflops, train_flops
 from zmrl.kernels_batch_invariant import set_mode
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
 from zmrl.model import RECOMPUTE_POLICIES, apply_recompute
@@ -90,9 +90,7 @@ def rollout_bound(model: torch.nn.Module, prompt_lens: list[int], lengths: list[
     over ``peak_tflops``, plus the bytes of every decode step of the (prompt, response) ``lengths``
     (the first response token comes from the prefill) over ``bw_tb_s``. See the module docstring."""
     cfg = model.config
-    f = train_flops(cfg, prompt_lens, lora_r, logit_rows=len(prompt_lens))
-    # forward only: attention, KDA and LoRA are counted as forward + backward (3x the forward) there
-    prefill_flops = f.base_fwd + (f.attention + f.kda + f.lora) / 3 + f.indexer
+    prefill_flops = forward_flops(cfg, prompt_lens, lora_r, logit_rows=len(prompt_lens))
     weights: dict[int, int] = {}
     state: dict[int, int] = {}
     decode_bytes = 0
