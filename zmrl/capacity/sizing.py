@@ -304,7 +304,8 @@ def kda_state_bytes_per_request(cfg: "ModelConfig") -> int:
                 + (W-1)·3·H·dk·dtype_bytes )      # short-conv tails of q, k, v (last W-1 inputs)
 
     with dv = dk (no GVA), W = short_conv_kernel_size, dtype_bytes from ``torch_dtype``.
-    Chunk-boundary snapshots for prefix caching are extra (one state per snapshot)."""
+    Chunk-boundary snapshots for prefix caching are extra (one state per cached block end), within the
+    engine's ``EngineConfig.prefix_cache_kda_gib``."""
     la = cfg.linear_attn_config
     n_kda = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
     H, dk = la.num_heads, la.head_dim

@@ -18,6 +18,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Most GiB of KDA state snapshots the prefix cache keeps (one per cached block end: 12.4 MiB per block
+    # for the bench preset); the least recently used are dropped past it. 0 keeps none (KDA models then
+    # get no prefix hits).
+    prefix_cache_kda_gib: float = 4.0
     latent_format: str = "native"  # "native" (model dtype) or "fp8"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Kernel mode of the engine's ops: "bitwise" (the batch-invariant kernels: rollout log-probs equal
@@ -38,6 +42,8 @@ class EngineConfig:
         for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.prefix_cache_kda_gib >= 0:
+            raise ValueError(f"EngineConfig.prefix_cache_kda_gib must be >= 0 (GiB), got {self.prefix_cache_kda_gib!r}")
         if self.latent_format not in ("native", "fp8"):
             raise ValueError(f"EngineConfig.latent_format must be 'native' or 'fp8', got {self.latent_format!r}")
         if self.kernel_mode is not None and self.kernel_mode not in KERNEL_MODES:

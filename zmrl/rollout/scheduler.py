@@ -41,7 +41,8 @@ class Scheduler:
         self.config, self.max_model_len, self.kda_layers, self.state = config, max_model_len, kda_layers, state
         self.block_size = config.block_size
         # The only allocator of the engine's page pool.
-        self.blocks = BlockManager(config.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(config.num_blocks, self.block_size, config.enable_prefix_caching,
+                                   snapshot_budget_bytes=int(config.prefix_cache_kda_gib * 2**30))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[RolloutOutput] = []
