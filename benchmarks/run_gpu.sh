@@ -3,21 +3,25 @@
 #
 #   benchmarks/run_gpu.sh [STEP|GROUP ...]
 #
-# Steps (in this order): gpu-tests  gpu-bench-parity  bitwise-cuda  parity-cli  gemm  kda  decode  prefill  trainer
+# Steps (in this order): gpu-tests  gpu-bench-parity  bitwise-cuda  parity-cli  gemm  kda  kda-decode  mla-dsa  decode
+#   prefill  trainer  rl-step  rollout
 #   and the launch-configuration sweeps (not in `all`): gemm-sweep  mla-sweep  kda-decode-sweep
-# Groups: tests = gpu-tests gpu-bench-parity bitwise-cuda parity-cli;  bench = gemm kda decode prefill trainer;
+# Groups: tests = gpu-tests gpu-bench-parity bitwise-cuda parity-cli;
+#   bench = gemm kda kda-decode mla-dsa decode prefill trainer rl-step rollout (more than one 10-minute call: run
+#   it a few steps at a time, e.g. `run_gpu.sh gemm kda kda-decode mla-dsa`, `run_gpu.sh decode prefill`, ...);
 #   sweeps = gemm-sweep mla-sweep kda-decode-sweep;  all (default: tests + bench).
 #
 # Every step runs under `timeout` (its own limit, cut to what is left of the overall budget
 # ZMRL_GPU_BUDGET_S, default 570 s, so one invocation fits a 10-minute command window) and a failing
 # or timed-out step does not stop the others. Output goes to "$OUT" (default
 # benchmarks/results/gpu_run_<date>): run_gpu.log (every step's output, with headers),
-# summary.txt (step, exit status, seconds) and one JSON per benchmark -- at most 7 files.
+# summary.txt (step, exit status, seconds) and one JSON per benchmark.
 #
 # Environment: PYTHON (default python), OUT, ZMRL_GPU_BUDGET_S, T_<STEP> per-step limits in
-# seconds (T_GPU_TESTS, T_GPU_BENCH_PARITY, T_BITWISE_CUDA, T_PARITY_CLI, T_GEMM, T_KDA, T_DECODE, T_PREFILL, T_TRAINER), plus the
-# ZMRL_GPU_BENCH_* sizes of tests/bitwise/test_parity_gpu_bench.py, and DECODE_ARGS / PREFILL_ARGS /
-# TRAINER_ARGS (extra flags, e.g. DECODE_ARGS="--layers 8 --batches 1,64").
+# seconds (T_GPU_TESTS, T_GPU_BENCH_PARITY, T_BITWISE_CUDA, T_PARITY_CLI, T_GEMM, T_KDA, T_KDA_DECODE, T_MLA_DSA,
+# T_DECODE, T_PREFILL, T_TRAINER, T_RL_STEP, T_ROLLOUT), plus the ZMRL_GPU_BENCH_* sizes of
+# tests/bitwise/test_parity_gpu_bench.py, and DECODE_ARGS / PREFILL_ARGS / TRAINER_ARGS / RL_STEP_ARGS /
+# ROLLOUT_ARGS (extra flags, e.g. DECODE_ARGS="--layers 8 --batches 1,64").
 set -u
 
 cd "$(dirname "$0")/.."
@@ -32,13 +36,15 @@ START=$(date +%s)
 steps=()
 for a in "${@:-all}"; do
   case "$a" in
-    all) steps+=(gpu-tests gpu-bench-parity bitwise-cuda parity-cli gemm kda decode prefill trainer) ;;
+    all) steps+=(gpu-tests gpu-bench-parity bitwise-cuda parity-cli gemm kda kda-decode mla-dsa decode prefill trainer
+                 rl-step rollout) ;;
     tests) steps+=(gpu-tests gpu-bench-parity bitwise-cuda parity-cli) ;;
-    bench) steps+=(gemm kda decode prefill trainer) ;;
+    bench) steps+=(gemm kda kda-decode mla-dsa decode prefill trainer rl-step rollout) ;;
     sweeps) steps+=(gemm-sweep mla-sweep kda-decode-sweep) ;;
-    gpu-tests|gpu-bench-parity|bitwise-cuda|parity-cli|gemm|kda|decode|prefill|trainer) steps+=("$a") ;;
+    gpu-tests|gpu-bench-parity|bitwise-cuda|parity-cli|gemm|kda|kda-decode|mla-dsa|decode|prefill|trainer) steps+=("$a") ;;
+    rl-step|rollout) steps+=("$a") ;;
     gemm-sweep|mla-sweep|kda-decode-sweep) steps+=("$a") ;;
-    *) echo "run_gpu.sh: unknown step '$a' (steps: gpu-tests gpu-bench-parity bitwise-cuda parity-cli gemm kda decode prefill trainer gemm-sweep mla-sweep kda-decode-sweep; groups: tests bench sweeps all)" >&2; exit 2 ;;
+    *) echo "run_gpu.sh: unknown step '$a' (steps: gpu-tests gpu-bench-parity bitwise-cuda parity-cli gemm kda kda-decode mla-dsa decode prefill trainer rl-step rollout gemm-sweep mla-sweep kda-decode-sweep; groups: tests bench sweeps all)" >&2; exit 2 ;;
   esac
 done
 
@@ -128,6 +134,11 @@ for s in "${steps[@]}"; do
       external_bench gemm_invariant_vs_cublas benchmarks/gemm_invariant_vs_cublas.py "${T_GEMM:-90}" ;;
     kda)
       external_bench kda_vs_fla benchmarks/kda_vs_fla.py "${T_KDA:-90}" ;;
+    kda-decode)  # the KDA decode step vs fla-core's fused_recurrent_kda at batch 1, 64, 256
+      run_step kda-decode "${T_KDA_DECODE:-60}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 \
+        --out "$OUT/kda_decode_vs_fla.json" ;;
+    mla-dsa)  # sparse MLA decode/prefill kernels; DSA top-k vs torch.topk at 8K-32K
+      run_step mla-dsa "${T_MLA_DSA:-80}" $PY benchmarks/mla_dsa_kernels.py --quick --out "$OUT/mla_dsa.json" ;;
     decode)
       t=${T_DECODE:-180}
       run_step decode "$t" $PY benchmarks/decode_throughput.py --out "$OUT/decode_throughput.json" \
@@ -147,6 +158,12 @@ for s in "${steps[@]}"; do
     trainer)
       run_step trainer "${T_TRAINER:-100}" $PY benchmarks/trainer_throughput.py --out "$OUT/trainer_throughput.json" \
         ${TRAINER_ARGS:-} ;;
+    rl-step)  # one RL step on one GPU, phase by phase (8 prompts x n=8 by default here; RL_STEP_ARGS to change)
+      run_step rl-step "${T_RL_STEP:-150}" $PY benchmarks/rl_step.py --out "$OUT/rl_step.json" \
+        ${RL_STEP_ARGS:---prompts 8 --n 8 --max-new 512} ;;
+    rollout)  # the RL-shaped rollout alone: 64 prompts x n=8, prompt 512, up to 1024 new tokens
+      run_step rollout "${T_ROLLOUT:-300}" $PY benchmarks/rl_step.py --rollout-only --out "$OUT/rollout.json" \
+        ${ROLLOUT_ARGS:-} ;;
   esac
 done
 
