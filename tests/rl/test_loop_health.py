@@ -92,6 +92,8 @@ def test_badge_is_green_only_when_every_step_compared_tokens():
 def test_max_error_frac_is_validated():
     with pytest.raises(RecipeError, match=r"rollout.max_error_frac.*\[0, 1\]"):
         load_recipe(str(RECIPE), ["rollout.max_error_frac=1.5"])
+    with pytest.raises(RecipeError, match=r"rollout.prefix_cache_kda_gib.*>= 0"):
+        load_recipe(str(RECIPE), ["rollout.prefix_cache_kda_gib=-2"])
 
 
 def test_nan_weights_stop_the_run_and_turn_the_badge_red(tmp_path):

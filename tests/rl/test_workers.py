@@ -48,6 +48,7 @@ def test_recipe_sections_build_their_components():
                                     "rollout.max_num_batched_tokens=999", "rollout.enable_prefix_caching=false",
                                     "rollout.latent_format=fp8", "rollout.decode_graphs=static", "rollout.n=3",
                                     "rollout.temperature=0.5", "rollout.top_p=0.8", "rollout.top_k=7",
+                                    "rollout.prefix_cache_kda_gib=1.5",
                                     "trainer.lr=0.5", "trainer.weight_decay=0.1", "trainer.micro_batch_tokens=33",
                                     "lora.r=4", "lora.alpha=2", "algorithm.ppo_epochs=2", "algorithm.kl_coef=0.1"])
     engine = cfg.rollout.engine_config("fast")

@@ -68,6 +68,7 @@ class RolloutSection:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     enable_prefix_caching: bool = True
+    prefix_cache_kda_gib: float = 4.0  # most GiB of KDA state snapshots the prefix cache keeps (LRU)
     latent_format: str = "native"
     # "auto": CUDA-graph decode when rolling out on a GPU, eager on CPU; "cuda" / "static" (the fixed-shape
     # path uncaptured) / "off" (eager) force one. Bitwise the same rollouts in every setting.
@@ -81,7 +82,8 @@ class RolloutSection:
 
         return EngineConfig(block_size=self.block_size, num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
-                            enable_prefix_caching=self.enable_prefix_caching, latent_format=self.latent_format,
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            prefix_cache_kda_gib=self.prefix_cache_kda_gib, latent_format=self.latent_format,
                             kernel_mode=kernel_mode, decode_graphs=self.decode_graphs)
 
     def sampling(self, seed: int, stop_token_ids: tuple[int, ...]) -> "SamplingParams":
@@ -386,6 +388,8 @@ def _validate(cfg: RecipeConfig) -> None:
     need(r.decode_graphs in ("auto", "off", "static", "cuda"), "rollout.decode_graphs",
          f"must be auto, off, static or cuda, got {r.decode_graphs!r}")
     need(0.0 <= r.max_error_frac <= 1.0, "rollout.max_error_frac", f"must be in [0, 1], got {r.max_error_frac}")
+    need(r.prefix_cache_kda_gib >= 0, "rollout.prefix_cache_kda_gib",
+         f"must be >= 0 (GiB of KDA snapshots; 0 = none), got {r.prefix_cache_kda_gib}")
 
     estimators = verl_advantage_estimators()
     need(a.adv_estimator in estimators, "algorithm.adv_estimator",
