@@ -294,3 +294,38 @@ def table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) 
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def profile_step(step: Callable[[], Any], cuda: bool, steps: int = 3, top: int = 15) -> list[dict[str, Any]]:
+    """Per-kernel device time of ``steps`` calls (self time, summed by kernel name); top ``top`` + total.
+    Without CUDA (``--smoke``) the CPU self time of each op instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            dev_us = getattr(e, "self_device_time_total", None)
+            if dev_us is None:
+                dev_us = getattr(e, "self_cuda_time_total", 0.0)
+        else:
+            dev_us = e.self_cpu_time_total
+        if dev_us > 0:
+            rows.append({"name": e.key[:80], "calls": e.count // steps, "ms_per_step": dev_us / 1e3 / steps})
+    total = sum(r["ms_per_step"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    for r in rows:
+        r["share"] = r["ms_per_step"] / total
+    return rows[:top] + [{"name": "(all kernels)", "calls": sum(r["calls"] for r in rows), "ms_per_step": total,
+                          "share": 1.0}]
+
+
+def print_profile(title: str, rows: list[dict[str, Any]]) -> None:
+    """``profile_step``'s rows as a table under ``title``."""
+    print(f"\n{title}")
+    print(table(rows, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"), ("share", "share", ".1%")]))

@@ -36,7 +36,7 @@ import torch
 
 from _common import (OOM_ERRORS, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
                      default_out, empty_cache, env, free_gib, kv_state_bytes_per_seq, model_config, pick_device,
-                     setup_logging, table, write_json)
+                     print_profile, profile_step, setup_logging, table, write_json)
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.lora import LoraConfig, apply_lora
 from zmrl.model import ModelCache, SequenceState, forward_incremental
@@ -104,35 +104,6 @@ def cache_bytes(cfg, pages: int) -> int:
     n_mla = sum(1 for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i))
     per_token = 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.index_head_dim + 4
     return pages * PAGE * per_token * n_mla
-
-
-def profile_step(step, cuda: bool, steps: int = 3, top: int = 15) -> list[dict[str, Any]]:
-    """Per-kernel device time of ``steps`` calls (self time, summed by kernel name); top ``top`` + total.
-    Without CUDA (``--smoke``) the CPU self time of each op instead."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        if cuda:
-            dev_us = getattr(e, "self_device_time_total", None)
-            if dev_us is None:
-                dev_us = getattr(e, "self_cuda_time_total", 0.0)
-        else:
-            dev_us = e.self_cpu_time_total
-        if dev_us > 0:
-            rows.append({"name": e.key[:80], "calls": e.count // steps, "ms_per_step": dev_us / 1e3 / steps})
-    total = sum(r["ms_per_step"] for r in rows) or 1.0
-    rows.sort(key=lambda r: -r["ms_per_step"])
-    for r in rows:
-        r["share"] = r["ms_per_step"] / total
-    return rows[:top] + [{"name": "(all kernels)", "calls": sum(r["calls"] for r in rows), "ms_per_step": total,
-                          "share": 1.0}]
 
 
 def main() -> int:
@@ -311,17 +282,13 @@ def main() -> int:
         step_ms = next((r.get(f"{modes[0]}_ms") for r in results if r["batch"] == 1 and r["context"] == a.profile_ctx),
                        None)
         busy = profile[-1]["ms_per_step"]
-        print(f"\nWhere the time goes: batch 1, context {a.profile_ctx}, {modes[0]} mode (device time per step; "
-              f"kernels busy {busy:.2f} ms" + (f" of a {step_ms:.2f} ms step: the rest is host time / launch gaps)"
-                                                if step_ms else ")"))
-        print(table(profile, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"),
-                              ("share", "share", ".1%")]))
+        print_profile(f"Where the time goes: batch 1, context {a.profile_ctx}, {modes[0]} mode (device time per step; "
+                      f"kernels busy {busy:.2f} ms" + (f" of a {step_ms:.2f} ms step: the rest is host time / launch "
+                                                        f"gaps)" if step_ms else ")"), profile)
     for b, prof in sorted(profile_graph.items()):
         step_ms = next((r.get("graph_ms") for r in results if r["batch"] == b and r["context"] == a.profile_ctx), None)
-        print(f"\nGraph-replayed step, batch {b}, context {a.profile_ctx} (kernels busy {prof[-1]['ms_per_step']:.2f} ms"
-              + (f" of a {step_ms:.2f} ms step)" if step_ms else ")"))
-        print(table(prof, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"),
-                           ("share", "share", ".1%")]))
+        print_profile(f"Graph-replayed step, batch {b}, context {a.profile_ctx} (kernels busy "
+                      f"{prof[-1]['ms_per_step']:.2f} ms" + (f" of a {step_ms:.2f} ms step)" if step_ms else ")"), prof)
     payload = {"benchmark": "decode_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
                "layers": cfg.num_hidden_layers,
                "dtype": "bfloat16", "copy_bandwidth_tb_s": bw, "weight_bytes_per_token_batch1": weight_bytes,

@@ -10,7 +10,8 @@ over every prompt token; the fp32 logits of each prompt's last token), CUDA even
 tokens per step (chunked prefill) instead of one step per shape. A shape ``BxL`` is B prompts of
 L tokens; tokens/s counts every prompt token. On a GPU each mode's MFU is the forward FLOPs
 (``_train_flops.forward_flops``: matmuls, MLA attention over min(t + 1, top-k) keys, the indexer, KDA;
-the last token's logits) over the bf16 matmul peak measured in the same run.
+the last token's logits) over the bf16 matmul peak measured in the same run. ``--profile`` adds the
+device time per kernel of one bitwise prefill of each shape (where the time goes).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from _common import (OOM_ERRORS, build_on_device, cuda_time_ms, default_out, empty_cache, env, model_config,
-                     pick_device, setup_logging, table, write_json)
+                     pick_device, print_profile, profile_step, setup_logging, table, write_json)
 from _train_flops import forward_flops, measured_matmul_peak_tflops
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.model import ModelCache, SequenceState
@@ -77,6 +78,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--time-budget-s", type=float, default=170.0, help="skip the remaining shapes after this")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device time of one bitwise prefill per shape")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None,
                     help="JSON result (default benchmarks/results/<date>_prefill_throughput_h200.json)")
@@ -129,6 +131,12 @@ def main() -> int:
                         reset()
                         continue
                     row[f"{mode}_ms"] = t["median_ms"]
+                    if a.profile and mode == "bitwise":
+                        with kernel_mode(mode):
+                            reset()
+                            row["profile"] = profile_step(lambda: prefill(model, cache, seqs, prompts, a.chunk),
+                                                          dev.type == "cuda", steps=1)
+                        reset()
                     row[f"{mode}_tok_s"] = batch * length / (t["median_ms"] * 1e-3)
                     if peak:
                         flops = forward_flops(cfg, [length] * batch, 0, logit_rows=batch)
@@ -157,6 +165,10 @@ def main() -> int:
           + (f", chunks of {a.chunk} tokens" if a.chunk else ", one step per shape")
           + (f"; MFU of the {peak:.0f} TFLOP/s bf16 matmul peak measured in this run" if peak else ""))
     print(table(results, cols))
+    for r in results:
+        if r.get("profile"):
+            print_profile(f"Where the time goes: prefill {r['shape']}, bitwise (kernels busy "
+                          f"{r['profile'][-1]['ms_per_step']:.1f} ms of a {r['bitwise_ms']:.1f} ms step)", r["profile"])
     write_json(a.out or default_out("prefill_throughput" + ("_smoke" if a.smoke else "")),
                {"benchmark": "prefill_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
                 "layers": cfg.num_hidden_layers,

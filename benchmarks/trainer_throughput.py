@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from _common import (OOM_ERRORS, build_on_device, cuda_time_ms, default_out, empty_cache, env, model_config,
-                     pick_device, setup_logging, table, write_json)
+                     pick_device, print_profile, profile_step, setup_logging, table, write_json)
 from _train_flops import expected_peak_memory, measured_matmul_peak_tflops, train_flops
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters
@@ -146,7 +146,12 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
     if a.profile and dev.type == "cuda":
         try:
             with kernel_mode("bitwise"):
-                extra.append({"profile": profile_kernels(forward_backward, zero, a.profile)})
+                zero()
+                prof = profile_step(forward_backward, cuda=True, steps=1, top=a.profile)
+                zero()
+            print_profile(f"GPU time by kernel, one forward+backward (bitwise, recompute none): "
+                          f"{prof[-1]['ms_per_step']:.0f} ms busy", prof)
+            extra.append({"profile": prof})
         except Exception as e:  # noqa: BLE001 (the profile is extra information)
             log.exception("profiling failed: %s", e)
     print(f"\nTrainer forward+backward, {'tiny (smoke)' if a.smoke else 'bench'} preset "
@@ -158,33 +163,6 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                        ("tflop_s", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
                        ("expected_peak_gib", "expected GiB", ".1f"), ("error", "error", "s")]))
     return rows + extra
-
-
-def profile_kernels(fn: Callable[[], None], setup: Callable[[], None], top: int) -> list[dict[str, Any]]:
-    """GPU time per kernel of one ``fn()`` (bitwise, recompute none) under torch.profiler: the ``top``
-    kernels by total device time, printed and returned (where the time goes)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    setup()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    setup()
-
-    def dev_us(e: Any) -> float:
-        for attr in ("self_device_time_total", "self_cuda_time_total"):
-            if hasattr(e, attr):
-                return float(getattr(e, attr))
-        return 0.0
-
-    events = [e for e in prof.key_averages() if dev_us(e) > 0]
-    total = sum(dev_us(e) for e in events) or 1.0
-    rows = sorted(({"kernel": e.key[:90], "calls": e.count, "ms": dev_us(e) / 1e3, "share": dev_us(e) / total}
-                   for e in events), key=lambda r: -r["ms"])[:top]
-    print(f"\nGPU time by kernel, one forward+backward (bitwise, recompute none): {total / 1e3:.0f} ms busy")
-    print(table(rows, [("kernel", "kernel", "s"), ("calls", "calls", "d"), ("ms", "ms", ".1f"), ("share", "share", ".1%")]))
-    return [{"busy_ms": total / 1e3}] + rows
 
 
 # ----------------------------------------------------------------------------- the KDA layer

@@ -43,6 +43,20 @@ def test_rl_step_smoke(tmp_path):
     assert set(steps[2]["seconds"]) == {"rollout", "train_forward_backward", "optimizer", "weight_push"}
 
 
+def test_rl_step_rollout_only_smoke(tmp_path):
+    """The rollout alone: no trainer pass, so no parity figure is claimed."""
+    res = _run("rl_step.py", "--rollout-only", out=tmp_path / "r.json")
+    steps = res["steps"]
+    assert len(steps) == 2 and all(s["logprob_equal_fraction"] is None for s in steps)
+    assert all(set(s["seconds"]) == {"rollout"} and s["rollout_tok_s"] > 0 for s in steps)
+
+
+def test_prefill_profile_smoke(tmp_path):
+    res = _run("prefill_throughput.py", "--modes", "bitwise", "--profile", out=tmp_path / "p.json")
+    for r in res["results"]:
+        assert r["bitwise_ms"] > 0 and r["profile"][-1]["name"] == "(all kernels)"
+
+
 def test_engine_host_overhead_smoke(tmp_path):
     res = _run("engine_host_overhead.py", out=tmp_path / "h.json")
     assert [(r["batch"], r["context"]) for r in res["results"]] == [(1, 192), (3, 192)]
