@@ -5,13 +5,15 @@ For expert-sorted rows (rows ``offsets[e]:offsets[e+1]`` went through expert e's
     dx[rows of e] = gy[rows of e] @ W_e          dW_e = gy[rows of e]^T @ x[rows of e]
 
 The experts are put into buckets by the size class of their row count (ceil(log2(count))), and each
-bucket is one batched GEMM over its experts, their rows gathered into a zero-padded [experts, P, .]
+bucket is one batched GEMM over its experts, their rows gathered into a padded [experts, P, .]
 block (P = the bucket's largest count): so the number of GEMM launches is the number of size classes
 (a handful; at most log2(M) + 1), not the number of experts, and padding costs less than 2x the rows.
-The padded rows are exact zeros: they add exact zeros to dW and their dx rows are dropped. The
-scatter back into dx writes each row once (no accumulation), and the GEMMs are stock batched GEMMs,
-which are deterministic run to run, so the whole backward is too. It is not batch-invariant (the
-backward need not be: docs/numerics.md).
+The padded slots of the output gradient are exact zeros, so they add exact zeros to dW (their x rows
+are real rows of x, finite, left unmasked); their dx rows land in one spare row that is dropped. The
+scatter back into dx writes each real row once (no accumulation, so dx needs no zero fill: rows
+``offsets[0]:offsets[E]`` cover all M rows), and the GEMMs are stock batched GEMMs, which are
+deterministic run to run, so the whole backward is too. It is not batch-invariant (the backward need
+not be: docs/numerics.md).
 
 Compute dtype: 16-bit GEMMs with fp32 accumulation when the output gradient's rows are multiplied with
 16-bit weights of the same dtype on CUDA (as the Triton ``linear`` backward does), fp64 for fp64,
@@ -73,16 +75,28 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
     dev = gy.device
     w_dtype = w_list[0].dtype
     any_w = any(need_w)
-    # One spare row: padded slots scatter their (exactly zero) dx rows there, so the scatter needs no
-    # boolean-mask copy of the batched result; the spare row is dropped at the end.
-    dx_spare = torch.zeros(m + 1, k, dtype=x_dtype, device=dev) if need_x else None
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    # One spare row: padded slots scatter their dx rows there, so the scatter needs no boolean-mask copy
+    # of the batched result; the spare row is dropped at the end. Every real row is written exactly once
+    # below (the experts' row ranges tile [0, M)), so the buffer is not zero-filled.
+    dx_spare = torch.empty(m + 1, k, dtype=x_dtype, device=dev) if need_x else None
     dx = None if dx_spare is None else dx_spare[:m]
     if stacked:
-        dws: list[torch.Tensor | None] = [torch.zeros_like(weights) if need_w[0] else None]
+        dws: list[torch.Tensor | None] = [None]
+        if need_w[0]:
+            # Experts with rows get their gradient copied in below; only the others need zeros.
+            idle = [e for e, c in enumerate(counts) if c == 0]
+            if m == 0 or len(idle) == len(counts):
+                dws[0] = torch.zeros_like(weights)
+            else:
+                dws[0] = torch.empty_like(weights)
+                if idle:
+                    dws[0][torch.tensor(idle, dtype=torch.int64, device=dev)] = 0
     else:
         dws = [None] * len(w_list)  # filled per expert below; an expert without rows gets None, as autograd
-    counts = [b - a for a, b in zip(offsets, offsets[1:])]
     if m == 0 or not (need_x or any_w):
+        if dx_spare is not None:
+            dx.zero_()  # (no rows: an empty tensor)
         return dx, dws
     starts_all = torch.tensor(list(offsets[:-1]), dtype=torch.int64, device=dev)
     counts_all = torch.tensor(counts, dtype=torch.int64, device=dev)
@@ -91,17 +105,22 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
         p = max(counts[e] for e in experts)
         sel = torch.tensor(experts, dtype=torch.int64, device=dev)
         col = torch.arange(p, device=dev)
-        valid = col[None, :] < counts_all[sel][:, None]  # [B, P]
-        rows = torch.where(valid, starts_all[sel][:, None] + col[None, :], 0)  # padded slots read row 0 ...
-        g = gy[rows].masked_fill(~valid[..., None], 0)  # ... and are zeroed: [B, P, N]
+        full = all(counts[e] == p for e in experts)  # no padded slot in this bucket (e.g. a single expert)
+        rows = starts_all[sel][:, None] + col[None, :]
+        if not full:
+            valid = col[None, :] < counts_all[sel][:, None]  # [B, P]
+            rows = torch.where(valid, rows, 0)  # padded slots read row 0 ...
+        g = gy[rows]  # [B, P, N]
+        if not full and any_w:
+            g = g.masked_fill(~valid[..., None], 0)  # ... and are zeroed where they would reach dW
         if need_x:
             w = _stack(weights, experts, dev)  # [B, N, K]
             cdt = _compute_dtype(x_dtype, w_dtype, cuda)
             out = torch.bmm(g.to(cdt), w.to(cdt)).to(x_dtype)  # [B, P, K]
-            dst = torch.where(valid, rows, m).reshape(-1)
+            dst = (rows if full else torch.where(valid, rows, m)).reshape(-1)
             dx_spare.index_copy_(0, dst, out.reshape(-1, k))  # real rows are written once each
         if any_w:
-            xs = x[rows].masked_fill(~valid[..., None], 0)  # [B, P, K]
+            xs = x[rows]  # [B, P, K]; padded slots hold row 0 against a zero output gradient
             cdt = _compute_dtype(x.dtype, w_dtype, cuda)
             dwb = torch.bmm(g.to(cdt).transpose(1, 2), xs.to(cdt)).to(w_dtype)  # [B, N, K]
             if stacked:
