@@ -157,9 +157,9 @@ def swiglu_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tens
         return {n: _zero_like_grad(args[n], needs[n]) for n in ("gate", "up")}
     cdt = _cdt(gate.dtype)
     g, u, gy = gate.to(cdt), up.to(cdt), gy.to(cdt)
-    s = _sigmoid(g)
-    return {"gate": (gy * u * (s * (1.0 + g * (1.0 - s)))).to(gate.dtype) if needs["gate"] else None,
-            "up": (gy * g * s).to(up.dtype) if needs["up"] else None}
+    # torch's fused SiLU derivative: gy u s (1 + g (1 - s)), s = sigmoid(g), in one kernel
+    return {"gate": torch.ops.aten.silu_backward(gy * u, g).to(gate.dtype) if needs["gate"] else None,
+            "up": (gy * torch.nn.functional.silu(g)).to(up.dtype) if needs["up"] else None}
 
 
 def situ_glu_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
@@ -190,9 +190,10 @@ def causal_short_conv_grads(grads: Grads, needs: Needs, args: Args) -> dict[str,
     """Gradient of ``causal_short_conv``: y_t = act(sum_i w_i * src[win[t, i]]), new_state = src[last].
 
     ``src`` = x followed by the previous conv state rows. For a fixed tap i, ``win[:, i]`` maps
-    distinct tokens to distinct source rows, so each tap's contribution to d(src) is an
-    ``index_copy`` into a zero buffer (no two writes to one row), and the taps are added in fixed
-    order: deterministic without atomics.
+    distinct tokens to distinct source rows, so each tap's contribution to d(src) is one
+    ``index_add_`` into the gradient buffer in which no two entries hit one row (each row gets at most
+    one add per call, whatever the order of the adds), and the taps are added in fixed order:
+    deterministic run to run. The SiLU's derivative is torch's fused ``silu_backward``.
     """
     x, weight, cu, state, act = args["x"], args["weight"], args["cu_seqlens"], args["conv_state"], args["activation"]
     gy, g_state = grads
@@ -204,24 +205,30 @@ def causal_short_conv_grads(grads: Grads, needs: Needs, args: Args) -> dict[str,
     src = torch.cat([x.to(cdt), st.to(cdt).reshape(n * (w - 1), c)], dim=0)
     win, last = _window_index(cu, t, w)
     wt = weight.to(cdt).reshape(c, w)
-    dsrc = torch.zeros_like(src)
+    dsrc = None
     dw = None
     if gy is not None:
         gy = gy.to(cdt)
         if act == "silu":
             pre = src[win[:, 0]] * wt[:, 0]
             for i in range(1, w):
-                pre = pre + src[win[:, i]] * wt[:, i]
-            s = torch.sigmoid(pre)
-            gy = gy * (s * (1.0 + pre * (1.0 - s)))
+                pre.addcmul_(src[win[:, i]], wt[:, i])
+            gy = torch.ops.aten.silu_backward(gy, pre)  # gy * s (1 + pre (1 - s)), s = sigmoid(pre)
+            del pre
         if needs["weight"]:
             dw = torch.stack([(gy * src[win[:, i]]).sum(0) for i in range(w)], dim=1)
             dw = dw.reshape(weight.shape).to(weight.dtype)
         if needs["x"] or (state is not None and needs["conv_state"]):
-            for i in range(w):
-                dsrc = dsrc + torch.zeros_like(src).index_copy_(0, win[:, i], gy * wt[:, i])
+            # The newest tap reads token t itself (win[:, W-1] = t): it initialises the token rows.
+            dsrc = torch.empty_like(src)
+            torch.mul(gy, wt[:, w - 1], out=dsrc[:t])
+            dsrc[t:].zero_()
+            for i in range(w - 1):
+                dsrc.index_add_(0, win[:, i], gy * wt[:, i])
+    if dsrc is None:
+        dsrc = torch.zeros_like(src)
     if g_state is not None and n:
-        dsrc = dsrc + torch.zeros_like(src).index_copy_(0, last.reshape(-1), g_state.to(cdt).reshape(-1, c))
+        dsrc.index_add_(0, last.reshape(-1), g_state.to(cdt).reshape(-1, c))
     return {"x": dsrc[:t].to(x.dtype) if needs["x"] else None,
             "weight": dw if needs["weight"] else None,
             "conv_state": (dsrc[t:].reshape(n, w - 1, c).to(state.dtype)
