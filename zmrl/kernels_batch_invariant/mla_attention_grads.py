@@ -25,8 +25,10 @@ import torch
 from .mla_attention import cache_slots
 from .numerics import backward_matmuls
 
-# Elements of one [G, H, U] fp32 buffer per chunk (the backward holds about five of them).
-CHUNK_ELEMS = 1 << 26
+# Elements of one [G, H, U] fp32 buffer per chunk. ``_chunk_grads`` holds at most three of them at a
+# time (scores/probabilities and their gradient, updated in place), so chunks are as large as memory
+# allows: each chunk costs a host sync (``unique``) and a fixed set of launches.
+CHUNK_ELEMS = 1 << 27
 
 
 def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
