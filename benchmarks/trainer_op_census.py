@@ -109,6 +109,8 @@ class OpCensus(TorchDispatchMode):
         view = bool(func.is_view) or name in ("view", "_unsafe_view", "alias", "detach", "as_strided", "t",
                                               "transpose", "permute", "expand", "slice", "select", "unsqueeze",
                                               "squeeze", "split", "split_with_sizes", "unbind", "chunk")
+        # Factory ops allocate (empty*) or fill (zeros/full: counted, they write) without reading.
+        view = view or name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
         elems = 0 if view else sum(o.numel() for o in outs)
         moved = 0 if view else sum(_nbytes(t) for t in _tensors((args, kwargs))) + sum(_nbytes(o) for o in outs)
         site = _site()
