@@ -51,14 +51,20 @@ def _rms_core(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, ep
     cdt = _cdt(x.dtype)
     d = x.shape[-1]
     xf = x.to(cdt)
-    r = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+    r = torch.rsqrt(_sq_sum(xf) / d + eps)
     xhat = xf * r
     dw = _col_sum(gy * xhat, d).to(weight.dtype) if (weight is not None and need_w) else None
     dx = None
     if need_x:
         dxhat = gy * weight.to(cdt) if weight is not None else gy
-        dx = (r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        proj = (dxhat * xhat).mean(-1, keepdim=True)
+        dx = torch.addcmul(dxhat, xhat, proj, value=-1.0).mul_(r).to(x.dtype)  # r (dxhat - xhat proj)
     return dx, dw
+
+
+def _sq_sum(xf: torch.Tensor) -> torch.Tensor:
+    """sum(x^2) over the last dim (keepdim) as one reduction, without an x * x temporary."""
+    return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_()
 
 
 def rms_norm_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
@@ -118,9 +124,10 @@ def l2_norm_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Ten
         return {"x": _zero_like_grad(x, needs["x"])}
     cdt = _cdt(x.dtype)
     xf, gy = x.to(cdt), gy.to(cdt)
-    n = torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)
+    n = torch.sqrt(_sq_sum(xf) + eps)
     y = xf / n
-    return {"x": ((gy - y * (gy * y).sum(-1, keepdim=True)) / n).to(x.dtype)}
+    dot = (gy * y).sum(-1, keepdim=True)
+    return {"x": torch.addcmul(gy, y, dot, value=-1.0).div_(n).to(x.dtype)}  # (gy - y <gy, y>) / n
 
 
 def kda_gate_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
