@@ -51,10 +51,20 @@ def _compute_dtype(a: torch.dtype, b: torch.dtype, cuda: bool) -> torch.dtype:
     return torch.float32
 
 
-def _stack(weights: Weights, experts: list[int], device: torch.device) -> torch.Tensor:
+def _stack(weights: Weights, experts: list[int], sel: torch.Tensor) -> torch.Tensor:
     if isinstance(weights, torch.Tensor):
-        return weights.index_select(0, torch.tensor(experts, device=device))
+        return weights.index_select(0, sel)
     return torch.stack([weights[e] for e in experts])
+
+
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor of ``values`` on ``device``. On CUDA it is copied from pinned memory without blocking
+    the host: ``torch.tensor(values, device="cuda")`` copies from pageable memory and then waits for
+    the stream to drain (a stall of the whole backward per call)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weights, offsets: Sequence[int],
@@ -76,6 +86,12 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
     w_dtype = w_list[0].dtype
     any_w = any(need_w)
     counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    n_e = len(counts)
+    buckets = size_buckets(counts)
+    idle = [e for e, c in enumerate(counts) if c == 0]
+    # Every index the loop needs, in one host-to-device copy: row starts, counts, each bucket's experts, idle experts.
+    packed = index_tensor([*offsets[:-1], *counts, *(e for b in buckets for e in b), *idle], dev)
+    starts_all, counts_all = packed[:n_e], packed[n_e:2 * n_e]
     # One spare row: padded slots scatter their dx rows there, so the scatter needs no boolean-mask copy
     # of the batched result; the spare row is dropped at the end. Every real row is written exactly once
     # below (the experts' row ranges tile [0, M)), so the buffer is not zero-filled.
@@ -85,25 +101,24 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
         dws: list[torch.Tensor | None] = [None]
         if need_w[0]:
             # Experts with rows get their gradient copied in below; only the others need zeros.
-            idle = [e for e, c in enumerate(counts) if c == 0]
             if m == 0 or len(idle) == len(counts):
                 dws[0] = torch.zeros_like(weights)
             else:
                 dws[0] = torch.empty_like(weights)
                 if idle:
-                    dws[0][torch.tensor(idle, dtype=torch.int64, device=dev)] = 0
+                    dws[0].index_fill_(0, packed[packed.numel() - len(idle):], 0)
     else:
         dws = [None] * len(w_list)  # filled per expert below; an expert without rows gets None, as autograd
     if m == 0 or not (need_x or any_w):
         if dx_spare is not None:
             dx.zero_()  # (no rows: an empty tensor)
         return dx, dws
-    starts_all = torch.tensor(list(offsets[:-1]), dtype=torch.int64, device=dev)
-    counts_all = torch.tensor(counts, dtype=torch.int64, device=dev)
     cuda = dev.type == "cuda"
-    for experts in size_buckets(counts):
+    at = 2 * n_e
+    for experts in buckets:
         p = max(counts[e] for e in experts)
-        sel = torch.tensor(experts, dtype=torch.int64, device=dev)
+        sel = packed[at:at + len(experts)]
+        at += len(experts)
         col = torch.arange(p, device=dev)
         full = all(counts[e] == p for e in experts)  # no padded slot in this bucket (e.g. a single expert)
         rows = starts_all[sel][:, None] + col[None, :]
@@ -114,7 +129,7 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
         if not full and any_w:
             g = g.masked_fill(~valid[..., None], 0)  # ... and are zeroed where they would reach dW
         if need_x:
-            w = _stack(weights, experts, dev)  # [B, N, K]
+            w = _stack(weights, experts, sel)  # [B, N, K]
             cdt = _compute_dtype(x_dtype, w_dtype, cuda)
             out = torch.bmm(g.to(cdt), w.to(cdt)).to(x_dtype)  # [B, P, K]
             dst = (rows if full else torch.where(valid, rows, m)).reshape(-1)

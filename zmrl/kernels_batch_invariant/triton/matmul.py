@@ -862,12 +862,39 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
     return y
 
 
+def _prefetch_offsets(offsets: torch.Tensor) -> tuple[int, torch.Tensor, torch.cuda.Event]:
+    """Start copying device offsets into pinned host memory, for the backward (which needs host row
+    ranges) to read without a stall: reading them back there (``.tolist()``) would wait for the whole
+    stream. One copy per offsets tensor (an MoE layer passes one to all of its expert_linear calls),
+    remembered on the tensor with its version (an in-place change would start a new copy)."""
+    hit = getattr(offsets, "_zmrl_host_offsets", None)
+    if hit is not None and hit[0] == offsets._version:
+        return hit
+    host = torch.empty(offsets.shape, dtype=offsets.dtype, pin_memory=True)
+    host.copy_(offsets, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    hit = (offsets._version, host, done)
+    offsets._zmrl_host_offsets = hit
+    return hit
+
+
+def _backward_offsets(ctx: Any) -> list[int]:
+    if ctx.host_offsets is None:
+        return _moe.as_offsets(ctx.offsets)
+    _, host, done = ctx.host_offsets
+    done.synchronize()  # the forward's copy: long finished by the time the backward runs
+    return [int(o) for o in host.tolist()]
+
+
 class _ExpertLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, offsets: list[int] | torch.Tensor, out_dtype: torch.dtype, stacked: bool,
                 *weights: torch.Tensor) -> torch.Tensor:
         ws: _moe.Weights = weights[0] if stacked else list(weights)
         ctx.offsets, ctx.stacked, ctx.x_dtype = offsets, stacked, x.dtype
+        ctx.host_offsets = (_prefetch_offsets(offsets) if isinstance(offsets, torch.Tensor) and offsets.is_cuda
+                            else None)
         # x only feeds dW: with frozen expert weights (LoRA training) it is not kept.
         ctx.save_for_backward(x if any(ctx.needs_input_grad[4:]) else None, *weights)
         return _expert_forward(x, ws, offsets, out_dtype)
@@ -877,9 +904,9 @@ class _ExpertLinearFn(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         ws = weights[0] if ctx.stacked else weights
-        # Device offsets are read back here (a sync; training steps are not captured in CUDA graphs); the
-        # backward is grouped over experts by size class (moe_gemm_grads.py), not a loop over experts.
-        dx, dws = expert_linear_grads(gy, x, ws, _moe.as_offsets(ctx.offsets), ctx.needs_input_grad[0],
+        # Device offsets come from the copy the forward started (no stall); the backward is grouped over
+        # experts by size class (moe_gemm_grads.py), not a loop over experts.
+        dx, dws = expert_linear_grads(gy, x, ws, _backward_offsets(ctx), ctx.needs_input_grad[0],
                                       list(ctx.needs_input_grad[4:]), ctx.x_dtype)
         return (dx, None, None, None, *dws)
 
