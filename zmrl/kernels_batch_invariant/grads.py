@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .short_conv import _window_index
+from .short_conv import _device_window_index, _window_index
 
 Grads = tuple[torch.Tensor | None, ...]
 Needs = dict[str, bool]
@@ -210,7 +210,9 @@ def causal_short_conv_grads(grads: Grads, needs: Needs, args: Args) -> dict[str,
     n = cu.numel() - 1
     st = state if state is not None else x.new_zeros(n, w - 1, c)
     src = torch.cat([x.to(cdt), st.to(cdt).reshape(n * (w - 1), c)], dim=0)
-    win, last = _window_index(cu, t, w)
+    # On the GPU the window indices are built there (no host round trip of cu_seqlens, no blocking copy).
+    win, last = (_device_window_index(cu.to(device=x.device, dtype=torch.int64), t, w) if x.is_cuda
+                 else _window_index(cu, t, w))
     wt = weight.to(cdt).reshape(c, w)
     dsrc = None
     dw = None

@@ -41,8 +41,6 @@ def _window_index(cu_seqlens: torch.Tensor, total: int, w: int) -> tuple[torch.T
     win = resolve(seq_of_tok[:, None], local[:, None] + offs[None, :])
     seqs = torch.arange(n)[:, None]
     last = resolve(seqs, lens[:, None] - 1 + offs[None, 1:])  # lens-(W-1) .. lens-1
-    if dev.type == "cuda":  # from pinned memory without blocking (a pageable copy waits for the stream)
-        return win.pin_memory().to(dev, non_blocking=True), last.pin_memory().to(dev, non_blocking=True)
     return win.to(dev), last.to(dev)
 
 
