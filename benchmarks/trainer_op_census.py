@@ -24,8 +24,10 @@ backwards' helpers).
 Which backend runs depends on the device: on CPU the torch backends (their forward compositions and
 autograd through them appear, tagged with the op name); on CUDA the Triton kernels (invisible here:
 they are not aten ops) with their hand-written backwards. The glue is the same torch code on both,
-which is what this census is for. Prints per phase a table by (op, dtype) and the top call sites by
-bytes, and writes everything to JSON (``--out``; default benchmarks/results/<date>_trainer_op_census_<dev>.json).
+which is what this census is for. On CUDA it also counts the host syncs per call site
+(``torch.cuda.set_sync_debug_mode``: ``.item()``, ``.tolist()``, blocking host-to-device copies,
+``unique``): each drains the launch queue and leaves the GPU idle while the host catches up. Prints per
+phase a table by (op, dtype), the top call sites by bytes (and the syncs), and writes everything to JSON (``--out``; default benchmarks/results/<date>_trainer_op_census_<dev>.json).
 
 ``--smoke``: the tiny preset and two 24-token sequences on CPU (checks the script end to end).
 """
@@ -33,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +168,34 @@ class OpCensus(TorchDispatchMode):
             todo.extend(nxt for nxt, _ in node.next_functions)
 
 
+@contextlib.contextmanager
+def _host_syncs(census: OpCensus, dev: torch.device):
+    """On CUDA: every operation that makes the host wait for the GPU (``torch.cuda.set_sync_debug_mode``:
+    ``.item()``, ``.tolist()``, blocking copies, ``unique``, ...), counted per phase and zmrl call site.
+    Each one drains the launch queue: the GPU then idles while the host catches up."""
+    counts: dict[str, collections.Counter] = {p: collections.Counter() for p in PHASES}
+    if dev.type != "cuda":
+        yield counts
+        return
+    previous_mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+            if "synchronizing" in str(message):
+                counts[census.phase][_site() or f"{filename}:{lineno}"] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counts
+        finally:
+            torch.cuda.set_sync_debug_mode(previous_mode)
+
+
 def summarize(census: OpCensus, top: int) -> dict[str, Any]:
     """Per phase: totals, rows by (op, dtype, scope), and the call sites by bytes."""
     out: dict[str, Any] = {}
@@ -205,6 +237,9 @@ def print_summary(summary: dict[str, Any], top: int) -> None:
                            ("count", "calls", "d"), ("mib", "MiB", ".1f"), ("site", "top site", "s")]))
         print(f"\n-- {phase}: top call sites by bytes")
         print(table(s["sites"][:top], [("site", "site", "s"), ("count", "calls", "d"), ("mib", "MiB", ".1f")]))
+        if s.get("host_syncs"):
+            print(f"\n-- {phase}: host syncs (the host waits for the GPU), {sum(r['count'] for r in s['host_syncs'])} in all")
+            print(table(s["host_syncs"][:top], [("site", "site", "s"), ("count", "syncs", "d")]))
 
 
 def run_census(a: argparse.Namespace) -> dict[str, Any]:
@@ -232,11 +267,13 @@ def run_census(a: argparse.Namespace) -> dict[str, Any]:
     census = OpCensus()
     census.wrap_invariant_ops()
     try:
-        with census:
+        with census, _host_syncs(census, dev) as syncs:
             step(census)
     finally:
         census.unwrap_invariant_ops()
     summary = summarize(census, a.top)
+    for phase in PHASES:
+        summary[phase]["host_syncs"] = [{"site": k, "count": v} for k, v in syncs[phase].most_common()]
     print(f"\nTrainer op census: {'tiny' if a.smoke else 'bench'} preset, {cfg.num_hidden_layers} layers, bf16, "
           f"LoRA r={a.lora_r}, packed {'+'.join(map(str, a.seq_lens))} tokens, device {dev.type}")
     print_summary(summary, a.top)
