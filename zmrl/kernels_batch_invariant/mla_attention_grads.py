@@ -58,12 +58,19 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
         while c0 < nq:
             c1 = min(nq, c0 + chunk)
             slots, valid = cache_slots(block_table, seq_idx[c0:c1], kp[c0:c1], page_size)
-            u, inv = torch.unique(slots[valid], sorted=True, return_inverse=True)
-            n_u = u.numel()
+            # Invalid entries get a sentinel slot past every real one (appended once more so it is always
+            # there, last): ``unique`` is then the chunk's only host sync (boolean-mask indexing would add
+            # two), and its inverse is each entry's key column with U for "no key".
+            sentinel = num_pages * page_size
+            keyed = torch.where(valid, slots, sentinel).reshape(-1)
+            u, inv = torch.unique(torch.cat([keyed, keyed.new_full((1,), sentinel)]), sorted=True,
+                                  return_inverse=True)
+            n_u = u.numel() - 1
             if c1 - c0 > 1 and (c1 - c0) * h * n_u > 2 * CHUNK_ELEMS:
                 chunk = max(1, chunk // 2)  # keys spread wider than expected: smaller chunks
                 continue
-            _chunk_grads(grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u, inv, valid, softmax_scale, dc, cdt,
+            loc = inv[:-1].view(valid.shape)
+            _chunk_grads(grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u[:n_u], loc, softmax_scale, dc, cdt,
                          None if g_ql is None else g_ql[c0:c1], None if g_qr is None else g_qr[c0:c1], g_kv)
             c0 = c1
     return (None if g_ql is None else g_ql.to(q_lat.dtype),
@@ -72,9 +79,10 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
 
 
 def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
-                 inv: torch.Tensor, valid: torch.Tensor, scale: float, dc: int, cdt: torch.dtype,
+                 loc: torch.Tensor, scale: float, dc: int, cdt: torch.dtype,
                  g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None) -> None:
-    """One chunk of G queries over its U unique key slots ``u``; writes into the gradient buffers.
+    """One chunk of G queries over its U unique key slots ``u`` (``loc`` [G, L]: each key-list entry's
+    column in ``u``, U for an entry without key); writes into the gradient buffers.
 
     The [G*H, U] buffers dominate the traffic, so each is made once and then updated in place: the
     softmax scale rides in the GEMMs' alpha (``addmm``), the latent and rope halves of q and k stay
@@ -87,9 +95,7 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
             if t is not None:
                 t.zero_()
         return
-    loc = torch.full(valid.shape, n_u, dtype=torch.int64, device=valid.device)
-    loc[valid] = inv
-    mask = torch.zeros(g, n_u + 1, dtype=torch.bool, device=valid.device).scatter_(1, loc, True)[:, :n_u]
+    mask = torch.zeros(g, n_u + 1, dtype=torch.bool, device=loc.device).scatter_(1, loc, True)[:, :n_u]
     k = flat.index_select(0, u).to(cdt)  # [U, D]
     c, kr = k[:, :dc], k[:, dc:]  # [U, Dc] latents (also the values), [U, Dr] rope keys
     ql = q_lat.detach().to(cdt).reshape(g * h, dc)
