@@ -61,7 +61,7 @@ class _DispatchRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         (order,) = ctx.saved_tensors
-        pairs = torch.empty_like(g).index_copy_(0, order, g)  # row t * top_k + j: token t's slot j
+        pairs = g.new_empty(g.shape).index_copy_(0, order, g)  # row t * top_k + j: token t's slot j
         return pairs.view(-1, ctx.top_k, g.shape[-1]).sum(1), None, None
 
 
@@ -75,7 +75,7 @@ def _unsort_rows(y_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``y_sorted[argsort(order)]`` (row ``order[i]`` of the result is row i of ``y_sorted``) as one
     ``index_copy_``: the same values without a second sort, and a gather (not an accumulating
     scatter) as its backward."""
-    return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+    return y_sorted.new_empty(y_sorted.shape).index_copy_(0, order, y_sorted)
 
 
 class Router(Weight):
