@@ -64,6 +64,19 @@ def test_engine_host_overhead_smoke(tmp_path):
         assert r["step_ms"] > 0 and r["decode_ctx_ms"] > 0 and r["eager_ctx_ms"] > 0
 
 
+def test_trainer_op_census_smoke(tmp_path):
+    """The op census counts both phases, attributes ops to zmrl lines (glue in the model, the LoRA
+    adapters) and to the invariant op whose backend issued them, and autograd's C++ nodes by name."""
+    res = _run("trainer_op_census.py", out=tmp_path / "c.json")
+    fwd, bwd = res["forward"], res["backward"]
+    assert fwd["totals"]["ops"] > 0 and bwd["totals"]["ops"] > 0
+    assert 0 < fwd["totals"]["glue_ops"] < fwd["totals"]["ops"]
+    fwd_sites = {s["site"] for s in fwd["sites"]}
+    assert any(s.startswith("zmrl/model/") for s in fwd_sites) and any("[linear]" in s for s in fwd_sites)
+    assert any(s["site"].startswith("autograd:") for s in bwd["sites"])
+    assert {r["scope"] for r in fwd["ops"]} >= {"glue", "linear"}
+
+
 def test_expected_peak_memory_model():
     """The analytic peak-memory model the trainer benchmark prints next to the measured peak: every part
     positive, and the policies ordered as their definitions imply (none keeps everything; attention

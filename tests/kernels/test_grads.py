@@ -110,3 +110,14 @@ def test_short_conv_state_gradient():
                      torch.float32)
     for k in ("x", "conv_state"):
         torch.testing.assert_close(got[k].double(), g64[k], rtol=0, atol=1e-6)
+
+
+def test_short_conv_device_window_index_matches_host():
+    """The short conv's backward builds its window indices on the GPU with ``_device_window_index``;
+    they must be ``_window_index``'s (ragged sequences, one shorter than the window)."""
+    from zmrl.kernels_batch_invariant.short_conv import _device_window_index, _window_index
+
+    cu = torch.tensor([0, 5, 7, 20, 21])
+    for w in (2, 4):
+        host, dev = _window_index(cu, 21, w), _device_window_index(cu, 21, w)
+        assert all(torch.equal(a, b) for a, b in zip(host, dev))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .short_conv import _window_index
+from .short_conv import _device_window_index, _window_index
 
 Grads = tuple[torch.Tensor | None, ...]
 Needs = dict[str, bool]
@@ -51,14 +51,20 @@ def _rms_core(gy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, ep
     cdt = _cdt(x.dtype)
     d = x.shape[-1]
     xf = x.to(cdt)
-    r = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+    r = torch.rsqrt(_sq_sum(xf) / d + eps)
     xhat = xf * r
     dw = _col_sum(gy * xhat, d).to(weight.dtype) if (weight is not None and need_w) else None
     dx = None
     if need_x:
         dxhat = gy * weight.to(cdt) if weight is not None else gy
-        dx = (r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        proj = (dxhat * xhat).mean(-1, keepdim=True)
+        dx = torch.addcmul(dxhat, xhat, proj, value=-1.0).mul_(r).to(x.dtype)  # r (dxhat - xhat proj)
     return dx, dw
+
+
+def _sq_sum(xf: torch.Tensor) -> torch.Tensor:
+    """sum(x^2) over the last dim (keepdim) as one reduction, without an x * x temporary."""
+    return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_()
 
 
 def rms_norm_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
@@ -118,9 +124,10 @@ def l2_norm_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Ten
         return {"x": _zero_like_grad(x, needs["x"])}
     cdt = _cdt(x.dtype)
     xf, gy = x.to(cdt), gy.to(cdt)
-    n = torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps)
+    n = torch.sqrt(_sq_sum(xf) + eps)
     y = xf / n
-    return {"x": ((gy - y * (gy * y).sum(-1, keepdim=True)) / n).to(x.dtype)}
+    dot = (gy * y).sum(-1, keepdim=True)
+    return {"x": torch.addcmul(gy, y, dot, value=-1.0).div_(n).to(x.dtype)}  # (gy - y <gy, y>) / n
 
 
 def kda_gate_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
@@ -157,9 +164,9 @@ def swiglu_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tens
         return {n: _zero_like_grad(args[n], needs[n]) for n in ("gate", "up")}
     cdt = _cdt(gate.dtype)
     g, u, gy = gate.to(cdt), up.to(cdt), gy.to(cdt)
-    s = _sigmoid(g)
-    return {"gate": (gy * u * (s * (1.0 + g * (1.0 - s)))).to(gate.dtype) if needs["gate"] else None,
-            "up": (gy * g * s).to(up.dtype) if needs["up"] else None}
+    # torch's fused SiLU derivative: gy u s (1 + g (1 - s)), s = sigmoid(g), in one kernel
+    return {"gate": torch.ops.aten.silu_backward(gy * u, g).to(gate.dtype) if needs["gate"] else None,
+            "up": (gy * torch.nn.functional.silu(g)).to(up.dtype) if needs["up"] else None}
 
 
 def situ_glu_grads(grads: Grads, needs: Needs, args: Args) -> dict[str, torch.Tensor | None]:
@@ -190,9 +197,10 @@ def causal_short_conv_grads(grads: Grads, needs: Needs, args: Args) -> dict[str,
     """Gradient of ``causal_short_conv``: y_t = act(sum_i w_i * src[win[t, i]]), new_state = src[last].
 
     ``src`` = x followed by the previous conv state rows. For a fixed tap i, ``win[:, i]`` maps
-    distinct tokens to distinct source rows, so each tap's contribution to d(src) is an
-    ``index_copy`` into a zero buffer (no two writes to one row), and the taps are added in fixed
-    order: deterministic without atomics.
+    distinct tokens to distinct source rows, so each tap's contribution to d(src) is one
+    ``index_add_`` into the gradient buffer in which no two entries hit one row (each row gets at most
+    one add per call, whatever the order of the adds), and the taps are added in fixed order:
+    deterministic run to run. The SiLU's derivative is torch's fused ``silu_backward``.
     """
     x, weight, cu, state, act = args["x"], args["weight"], args["cu_seqlens"], args["conv_state"], args["activation"]
     gy, g_state = grads
@@ -202,26 +210,34 @@ def causal_short_conv_grads(grads: Grads, needs: Needs, args: Args) -> dict[str,
     n = cu.numel() - 1
     st = state if state is not None else x.new_zeros(n, w - 1, c)
     src = torch.cat([x.to(cdt), st.to(cdt).reshape(n * (w - 1), c)], dim=0)
-    win, last = _window_index(cu, t, w)
+    # On the GPU the window indices are built there (no host round trip of cu_seqlens, no blocking copy).
+    win, last = (_device_window_index(cu.to(device=x.device, dtype=torch.int64), t, w) if x.is_cuda
+                 else _window_index(cu, t, w))
     wt = weight.to(cdt).reshape(c, w)
-    dsrc = torch.zeros_like(src)
+    dsrc = None
     dw = None
     if gy is not None:
         gy = gy.to(cdt)
         if act == "silu":
             pre = src[win[:, 0]] * wt[:, 0]
             for i in range(1, w):
-                pre = pre + src[win[:, i]] * wt[:, i]
-            s = torch.sigmoid(pre)
-            gy = gy * (s * (1.0 + pre * (1.0 - s)))
+                pre.addcmul_(src[win[:, i]], wt[:, i])
+            gy = torch.ops.aten.silu_backward(gy, pre)  # gy * s (1 + pre (1 - s)), s = sigmoid(pre)
+            del pre
         if needs["weight"]:
             dw = torch.stack([(gy * src[win[:, i]]).sum(0) for i in range(w)], dim=1)
             dw = dw.reshape(weight.shape).to(weight.dtype)
         if needs["x"] or (state is not None and needs["conv_state"]):
-            for i in range(w):
-                dsrc = dsrc + torch.zeros_like(src).index_copy_(0, win[:, i], gy * wt[:, i])
+            # The newest tap reads token t itself (win[:, W-1] = t): it initialises the token rows.
+            dsrc = torch.empty_like(src)
+            torch.mul(gy, wt[:, w - 1], out=dsrc[:t])
+            dsrc[t:].zero_()
+            for i in range(w - 1):
+                dsrc.index_add_(0, win[:, i], gy * wt[:, i])
+    if dsrc is None:
+        dsrc = torch.zeros_like(src)
     if g_state is not None and n:
-        dsrc = dsrc + torch.zeros_like(src).index_copy_(0, last.reshape(-1), g_state.to(cdt).reshape(-1, c))
+        dsrc.index_add_(0, last.reshape(-1), g_state.to(cdt).reshape(-1, c))
     return {"x": dsrc[:t].to(x.dtype) if needs["x"] else None,
             "weight": dw if needs["weight"] else None,
             "conv_state": (dsrc[t:].reshape(n, w - 1, c).to(state.dtype)

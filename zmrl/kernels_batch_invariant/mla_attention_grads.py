@@ -25,8 +25,10 @@ import torch
 from .mla_attention import cache_slots
 from .numerics import backward_matmuls
 
-# Elements of one [G, H, U] fp32 buffer per chunk (the backward holds about five of them).
-CHUNK_ELEMS = 1 << 26
+# Elements of one [G, H, U] fp32 buffer per chunk. ``_chunk_grads`` holds at most three of them at a
+# time (scores/probabilities and their gradient, updated in place), so chunks are as large as memory
+# allows: each chunk costs a host sync (``unique``) and a fixed set of launches.
+CHUNK_ELEMS = 1 << 27
 
 
 def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -44,8 +46,10 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
     flat = kv_cache.detach().reshape(num_pages * page_size, d)
     kp = key_positions.to(torch.int64)
     width = max(1, kp.shape[1])
-    g_ql = torch.zeros((nq, h, dc), dtype=cdt, device=dev) if need[0] else None
-    g_qr = torch.zeros((nq, h, d - dc), dtype=cdt, device=dev) if need[1] else None
+    # Every chunk writes its rows of the query gradients (a chunk without keys zeroes them), so they
+    # are not zero-filled here; the key gradient is accumulated into, so it is.
+    g_ql = torch.empty((nq, h, dc), dtype=cdt, device=dev) if need[0] else None
+    g_qr = torch.empty((nq, h, d - dc), dtype=cdt, device=dev) if need[1] else None
     g_kv = torch.zeros((num_pages * page_size, d), dtype=cdt, device=dev) if need[2] else None
     # U is typically <= 2 L for trainer batches (a chunk's keys come from one or two sequences).
     chunk = max(1, CHUNK_ELEMS // (h * 2 * width))
@@ -54,12 +58,19 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
         while c0 < nq:
             c1 = min(nq, c0 + chunk)
             slots, valid = cache_slots(block_table, seq_idx[c0:c1], kp[c0:c1], page_size)
-            u, inv = torch.unique(slots[valid], sorted=True, return_inverse=True)
-            n_u = u.numel()
+            # Invalid entries get a sentinel slot past every real one (appended once more so it is always
+            # there, last): ``unique`` is then the chunk's only host sync (boolean-mask indexing would add
+            # two), and its inverse is each entry's key column with U for "no key".
+            sentinel = num_pages * page_size
+            keyed = torch.where(valid, slots, sentinel).reshape(-1)
+            u, inv = torch.unique(torch.cat([keyed, keyed.new_full((1,), sentinel)]), sorted=True,
+                                  return_inverse=True)
+            n_u = u.numel() - 1
             if c1 - c0 > 1 and (c1 - c0) * h * n_u > 2 * CHUNK_ELEMS:
                 chunk = max(1, chunk // 2)  # keys spread wider than expected: smaller chunks
                 continue
-            _chunk_grads(grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u, inv, valid, softmax_scale, dc, cdt,
+            loc = inv[:-1].view(valid.shape)
+            _chunk_grads(grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u[:n_u], loc, softmax_scale, dc, cdt,
                          None if g_ql is None else g_ql[c0:c1], None if g_qr is None else g_qr[c0:c1], g_kv)
             c0 = c1
     return (None if g_ql is None else g_ql.to(q_lat.dtype),
@@ -68,38 +79,44 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
 
 
 def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
-                 inv: torch.Tensor, valid: torch.Tensor, scale: float, dc: int, cdt: torch.dtype,
+                 loc: torch.Tensor, scale: float, dc: int, cdt: torch.dtype,
                  g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None) -> None:
-    """One chunk of G queries over its U unique key slots ``u``; writes into the gradient buffers."""
+    """One chunk of G queries over its U unique key slots ``u`` (``loc`` [G, L]: each key-list entry's
+    column in ``u``, U for an entry without key); writes into the gradient buffers.
+
+    The [G*H, U] buffers dominate the traffic, so each is made once and then updated in place: the
+    softmax scale rides in the GEMMs' alpha (``addmm``), the latent and rope halves of q and k stay
+    separate operands (two accumulating GEMMs instead of a concatenated copy of q), and the query
+    gradients are written by their GEMMs straight into the output rows."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
-    d = flat.shape[-1]
     if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
+        for t in (g_ql, g_qr):
+            if t is not None:
+                t.zero_()
         return
-    loc = torch.full(valid.shape, n_u, dtype=torch.int64, device=valid.device)
-    loc[valid] = inv
-    mask = torch.zeros(g, n_u + 1, dtype=torch.bool, device=valid.device).scatter_(1, loc, True)[:, :n_u]
+    mask = torch.zeros(g, n_u + 1, dtype=torch.bool, device=loc.device).scatter_(1, loc, True)[:, :n_u]
     k = flat.index_select(0, u).to(cdt)  # [U, D]
-    q = torch.cat([q_lat.detach(), q_pe.detach()], dim=-1).to(cdt).reshape(g * h, d)  # [G*H, D]
-    s = (q @ k.t()).view(g, h, n_u) * scale
-    vm = mask.unsqueeze(1)
-    s = s.masked_fill(~vm, float("-inf"))
-    has = vm.any(dim=-1, keepdim=True)
-    p = torch.softmax(torch.where(has, s, torch.zeros_like(s)), dim=-1)
-    p = torch.where(vm, p, torch.zeros_like(p)).view(g * h, n_u)
-    c = k[:, :dc]  # [U, Dc]
+    c, kr = k[:, :dc], k[:, dc:]  # [U, Dc] latents (also the values), [U, Dr] rope keys
+    ql = q_lat.detach().to(cdt).reshape(g * h, dc)
+    qr = q_pe.detach().to(cdt).reshape(g * h, -1)
+    s = torch.mm(ql, c.t()).addmm_(qr, kr.t(), beta=scale, alpha=scale).view(g, h, n_u)  # scale * (q . k)
+    masked = ~mask.unsqueeze(1)  # [G, 1, U]
+    # Rows without any key become all -inf, their softmax NaN: the masked_fill below zeroes them (every
+    # entry of such a row is masked), and keeps the exact zeros softmax gives masked keys elsewhere.
+    p = torch.softmax(s.masked_fill_(masked, float("-inf")), dim=-1)
+    del s
+    p = p.masked_fill_(masked, 0.0).view(g * h, n_u)
     gof = go.to(cdt).reshape(g * h, dc)
-    o = p @ c
-    dp = gof @ c.t()
-    delta = (gof * o).sum(dim=-1, keepdim=True)
-    ds = p * (dp - delta) * scale  # [G*H, U]
-    if g_ql is not None or g_qr is not None:
-        dq = (ds @ k).view(g, h, d)
-        if g_ql is not None:
-            g_ql.copy_(dq[..., :dc])
-        if g_qr is not None:
-            g_qr.copy_(dq[..., dc:])
+    delta = (gof * (p @ c)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
+    ds = torch.mm(gof, c.t()).sub_(delta).mul_(p)  # dS / scale, [G*H, U]
+    # beta=0: the (unfilled) output rows are ignored, not read.
+    for buf, kpart in ((g_ql, c), (g_qr, kr)):
+        if buf is not None:
+            rows = buf.view(g * h, -1)
+            torch.addmm(rows, ds, kpart, beta=0, alpha=scale, out=rows)
     if g_kv is not None:
-        dk = ds.t() @ q  # [U, D]
-        dk[:, :dc] += p.t() @ gof
+        dk = torch.empty(n_u, k.shape[1], dtype=cdt, device=k.device)
+        torch.addmm(torch.mm(p.t(), gof), ds.t(), ql, alpha=scale, out=dk[:, :dc])  # dK_latent + dV
+        torch.addmm(dk[:, dc:], ds.t(), qr, beta=0, alpha=scale, out=dk[:, dc:])  # dK_rope
         g_kv.index_add_(0, u, dk)  # u is unique: one add per row

@@ -5,13 +5,15 @@ For expert-sorted rows (rows ``offsets[e]:offsets[e+1]`` went through expert e's
     dx[rows of e] = gy[rows of e] @ W_e          dW_e = gy[rows of e]^T @ x[rows of e]
 
 The experts are put into buckets by the size class of their row count (ceil(log2(count))), and each
-bucket is one batched GEMM over its experts, their rows gathered into a zero-padded [experts, P, .]
+bucket is one batched GEMM over its experts, their rows gathered into a padded [experts, P, .]
 block (P = the bucket's largest count): so the number of GEMM launches is the number of size classes
 (a handful; at most log2(M) + 1), not the number of experts, and padding costs less than 2x the rows.
-The padded rows are exact zeros: they add exact zeros to dW and their dx rows are dropped. The
-scatter back into dx writes each row once (no accumulation), and the GEMMs are stock batched GEMMs,
-which are deterministic run to run, so the whole backward is too. It is not batch-invariant (the
-backward need not be: docs/numerics.md).
+The padded slots of the output gradient are exact zeros, so they add exact zeros to dW (their x rows
+are real rows of x, finite, left unmasked); their dx rows land in one spare row that is dropped. The
+scatter back into dx writes each real row once (no accumulation, so dx needs no zero fill: rows
+``offsets[0]:offsets[E]`` cover all M rows), and the GEMMs are stock batched GEMMs, which are
+deterministic run to run, so the whole backward is too. It is not batch-invariant (the backward need
+not be: docs/numerics.md).
 
 Compute dtype: 16-bit GEMMs with fp32 accumulation when the output gradient's rows are multiplied with
 16-bit weights of the same dtype on CUDA (as the Triton ``linear`` backward does), fp64 for fp64,
@@ -49,10 +51,20 @@ def _compute_dtype(a: torch.dtype, b: torch.dtype, cuda: bool) -> torch.dtype:
     return torch.float32
 
 
-def _stack(weights: Weights, experts: list[int], device: torch.device) -> torch.Tensor:
+def _stack(weights: Weights, experts: list[int], sel: torch.Tensor) -> torch.Tensor:
     if isinstance(weights, torch.Tensor):
-        return weights.index_select(0, torch.tensor(experts, device=device))
+        return weights.index_select(0, sel)
     return torch.stack([weights[e] for e in experts])
+
+
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor of ``values`` on ``device``. On CUDA it is copied from pinned memory without blocking
+    the host: ``torch.tensor(values, device="cuda")`` copies from pageable memory and then waits for
+    the stream to drain (a stall of the whole backward per call)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weights, offsets: Sequence[int],
@@ -73,35 +85,57 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
     dev = gy.device
     w_dtype = w_list[0].dtype
     any_w = any(need_w)
-    # One spare row: padded slots scatter their (exactly zero) dx rows there, so the scatter needs no
-    # boolean-mask copy of the batched result; the spare row is dropped at the end.
-    dx_spare = torch.zeros(m + 1, k, dtype=x_dtype, device=dev) if need_x else None
+    counts = [b - a for a, b in zip(offsets, offsets[1:])]
+    n_e = len(counts)
+    buckets = size_buckets(counts)
+    idle = [e for e, c in enumerate(counts) if c == 0]
+    # Every index the loop needs, in one host-to-device copy: row starts, counts, each bucket's experts, idle experts.
+    packed = index_tensor([*offsets[:-1], *counts, *(e for b in buckets for e in b), *idle], dev)
+    starts_all, counts_all = packed[:n_e], packed[n_e:2 * n_e]
+    # One spare row: padded slots scatter their dx rows there, so the scatter needs no boolean-mask copy
+    # of the batched result; the spare row is dropped at the end. Every real row is written exactly once
+    # below (the experts' row ranges tile [0, M)), so the buffer is not zero-filled.
+    dx_spare = torch.empty(m + 1, k, dtype=x_dtype, device=dev) if need_x else None
     dx = None if dx_spare is None else dx_spare[:m]
     if stacked:
-        dws: list[torch.Tensor | None] = [torch.zeros_like(weights) if need_w[0] else None]
+        dws: list[torch.Tensor | None] = [None]
+        if need_w[0]:
+            # Experts with rows get their gradient copied in below; only the others need zeros.
+            if m == 0 or len(idle) == len(counts):
+                dws[0] = torch.zeros_like(weights)
+            else:
+                dws[0] = torch.empty_like(weights)
+                if idle:
+                    dws[0].index_fill_(0, packed[packed.numel() - len(idle):], 0)
     else:
         dws = [None] * len(w_list)  # filled per expert below; an expert without rows gets None, as autograd
-    counts = [b - a for a, b in zip(offsets, offsets[1:])]
     if m == 0 or not (need_x or any_w):
+        if dx_spare is not None:
+            dx.zero_()  # (no rows: an empty tensor)
         return dx, dws
-    starts_all = torch.tensor(list(offsets[:-1]), dtype=torch.int64, device=dev)
-    counts_all = torch.tensor(counts, dtype=torch.int64, device=dev)
     cuda = dev.type == "cuda"
-    for experts in size_buckets(counts):
+    at = 2 * n_e
+    for experts in buckets:
         p = max(counts[e] for e in experts)
-        sel = torch.tensor(experts, dtype=torch.int64, device=dev)
+        sel = packed[at:at + len(experts)]
+        at += len(experts)
         col = torch.arange(p, device=dev)
-        valid = col[None, :] < counts_all[sel][:, None]  # [B, P]
-        rows = torch.where(valid, starts_all[sel][:, None] + col[None, :], 0)  # padded slots read row 0 ...
-        g = gy[rows].masked_fill(~valid[..., None], 0)  # ... and are zeroed: [B, P, N]
+        full = all(counts[e] == p for e in experts)  # no padded slot in this bucket (e.g. a single expert)
+        rows = starts_all[sel][:, None] + col[None, :]
+        if not full:
+            valid = col[None, :] < counts_all[sel][:, None]  # [B, P]
+            rows = torch.where(valid, rows, 0)  # padded slots read row 0 ...
+        g = gy[rows]  # [B, P, N]
+        if not full and any_w:
+            g = g.masked_fill(~valid[..., None], 0)  # ... and are zeroed where they would reach dW
         if need_x:
-            w = _stack(weights, experts, dev)  # [B, N, K]
+            w = _stack(weights, experts, sel)  # [B, N, K]
             cdt = _compute_dtype(x_dtype, w_dtype, cuda)
             out = torch.bmm(g.to(cdt), w.to(cdt)).to(x_dtype)  # [B, P, K]
-            dst = torch.where(valid, rows, m).reshape(-1)
+            dst = (rows if full else torch.where(valid, rows, m)).reshape(-1)
             dx_spare.index_copy_(0, dst, out.reshape(-1, k))  # real rows are written once each
         if any_w:
-            xs = x[rows].masked_fill(~valid[..., None], 0)  # [B, P, K]
+            xs = x[rows]  # [B, P, K]; padded slots hold row 0 against a zero output gradient
             cdt = _compute_dtype(x.dtype, w_dtype, cuda)
             dwb = torch.bmm(g.to(cdt).transpose(1, 2), xs.to(cdt)).to(w_dtype)  # [B, N, K]
             if stacked:

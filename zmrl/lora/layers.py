@@ -10,6 +10,7 @@ from torch import nn
 
 from zmrl.kernels_batch_invariant import linear
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
+from zmrl.model.layers import scaled
 
 
 class LoraAdapter(nn.Module):
@@ -27,7 +28,7 @@ class LoraAdapter(nn.Module):
     def up(self, t: torch.Tensor) -> torch.Tensor:
         """The delta from ``t = x @ lora_A^T`` (fp32): ``model.layers.project`` computes the A products
         of several adapters of one input in one GEMM and finishes each delta here."""
-        return self.scale * linear(t, self.lora_B, out_dtype=torch.float32)
+        return scaled(self.scale, linear(t, self.lora_B, out_dtype=torch.float32))
 
 
 class ExpertLoRA(nn.Module):
@@ -49,7 +50,7 @@ class ExpertLoRA(nn.Module):
             return None
         a = getattr(self, f"{proj}_lora_A")[expert]
         b = getattr(self, f"{proj}_lora_B")[expert]
-        return self.scale * linear(linear(x, a, out_dtype=torch.float32), b, out_dtype=torch.float32)
+        return scaled(self.scale, linear(linear(x, a, out_dtype=torch.float32), b, out_dtype=torch.float32))
 
     def grouped_delta(self, proj: str, x: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor | None:
         """``delta`` of every expert at once for expert-sorted rows (rows ``offsets[e]:offsets[e+1]``
@@ -62,4 +63,4 @@ class ExpertLoRA(nn.Module):
         a = getattr(self, f"{proj}_lora_A")
         b = getattr(self, f"{proj}_lora_B")
         t = expert_linear(x, a, offsets, out_dtype=torch.float32)
-        return self.scale * expert_linear(t, b, offsets, out_dtype=torch.float32)
+        return scaled(self.scale, expert_linear(t, b, offsets, out_dtype=torch.float32))

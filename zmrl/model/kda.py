@@ -159,11 +159,11 @@ class KimiDeltaAttention(nn.Module):
         A sequence with rows pending in its current chunk gets them prepended (with q = 0: their
         outputs were already returned) so every token is computed by the full-chunk formula.
         """
-        cu = ctx.cu_seqlens.tolist()
         H, K = self.num_heads, self.head_dim
         if all(s.num_pending == 0 for s in states):
             seg_q, seg_k, seg_v, seg_g, seg_b, seg_cu, offsets = q, k, v, g, beta, ctx.cu_seqlens, [0] * len(states)
         else:
+            cu = ctx.cu_seqlens.tolist()  # (a host read: only where pending rows are spliced in)
             parts: list[list[torch.Tensor]] = [[], [], [], [], []]
             offsets, lens = [], []
             for i, s in enumerate(states):

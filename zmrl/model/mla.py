@@ -13,7 +13,7 @@ from zmrl.kernels_batch_invariant.pointwise import sigmoid
 
 from .config import ModelConfig
 from .context import ForwardContext
-from .layers import LayerNorm, Linear, RMSNorm, project
+from .layers import LayerNorm, Linear, RMSNorm, project, scaled
 from .rope import RotaryTable
 
 
@@ -140,8 +140,8 @@ class MLAAttention(nn.Module):
             # kv_b's LoRA in the absorbed form, unfused: + scale * (q_nope[h] @ B_UK[h]) @ A
             b_uk, _ = self._lora_b_halves(lora)
             t = grouped_linear(q_nope.transpose(0, 1), b_uk.transpose(1, 2), out_dtype=torch.float32)  # [H, T, r]
-            q_lat = q_lat + lora.scale * grouped_linear(t, lora.lora_A.t().unsqueeze(0).expand(
-                self.num_heads, -1, -1).contiguous(), out_dtype=torch.float32).transpose(0, 1)
+            q_lat = q_lat + scaled(lora.scale, grouped_linear(t, lora.lora_A.t().unsqueeze(0).expand(
+                self.num_heads, -1, -1).contiguous(), out_dtype=torch.float32)).transpose(0, 1)
         if self.indexer is not None:
             if computes_selection:
                 positions = ctx.index_selection[self.layer_idx] = self.indexer.select(
@@ -162,7 +162,7 @@ class MLAAttention(nn.Module):
             o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=torch.float32)
             a = linear(o_lat.reshape(-1, self.kv_lora_rank), lora.lora_A, out_dtype=torch.float32)
             a = a.view(T, H, -1).transpose(0, 1)  # [H, T, r]
-            o = (o + lora.scale * grouped_linear(a, b_uv, out_dtype=torch.float32)).to(x.dtype).transpose(0, 1)
+            o = (o + scaled(lora.scale, grouped_linear(a, b_uv, out_dtype=torch.float32))).to(x.dtype).transpose(0, 1)
         o = o.reshape(T, H * self.v_dim)
         if hasattr(self, "g_proj"):
             o = (o.float() * sigmoid(self.g_proj(x, out_dtype=torch.float32))).to(x.dtype)

@@ -43,6 +43,41 @@ class MLP(nn.Module):
         return self.down_proj(h, extra=lora.delta("down_proj", expert, h))
 
 
+class _DispatchRows(torch.autograd.Function):
+    """``h[order // top_k]``: each token's row once per routed slot, in expert-sorted order.
+
+    The forward is that gather (the same values). The backward adds each token's ``top_k`` slot
+    gradients: autograd's gather backward is an accumulating ``index_put_`` (a zero fill, a sort of the
+    T * top_k indices, a scatter-add); here the slot gradients go back to (token, slot) order with one
+    ``index_copy_`` (``order`` is a permutation: each row written once) and are summed over the slots
+    with one reduction in a fixed order (fp32 accumulation): deterministic run to run."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+        return h.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (order,) = ctx.saved_tensors
+        pairs = g.new_empty(g.shape).index_copy_(0, order, g)  # row t * top_k + j: token t's slot j
+        return pairs.view(-1, ctx.top_k, g.shape[-1]).sum(1), None, None
+
+
+def _dispatch_rows(h: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    if torch.is_grad_enabled() and h.requires_grad:
+        return _DispatchRows.apply(h, order, top_k)
+    return h[order // top_k]
+
+
+def _unsort_rows(y_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``y_sorted[argsort(order)]`` (row ``order[i]`` of the result is row i of ``y_sorted``) as one
+    ``index_copy_``: the same values without a second sort, and a gather (not an accumulating
+    scatter) as its backward."""
+    return y_sorted.new_empty(y_sorted.shape).index_copy_(0, order, y_sorted)
+
+
 class Router(Weight):
     """``mlp.gate``: router weight [E, D] plus the selection-only correction bias [E] (fp32)."""
 
@@ -91,13 +126,12 @@ class MoE(nn.Module):
             sorted_ids, order = torch.sort(flat_ids, stable=True)
             bounds = torch.arange(len(self.experts) + 1, device=flat_ids.device, dtype=flat_ids.dtype)
             offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
-            y_sorted = self._grouped_experts(h[order // self.top_k], offsets)
+            y_sorted = self._grouped_experts(_dispatch_rows(h, order, self.top_k), offsets)
         else:
             order = torch.argsort(flat_ids, stable=True)
-            token_of = order // self.top_k
             counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
-            y_sorted = self._routed_experts(h[token_of], counts)
-        y = y_sorted[torch.argsort(order)].view(T, self.top_k, -1)
+            y_sorted = self._routed_experts(_dispatch_rows(h, order, self.top_k), counts)
+        y = _unsort_rows(y_sorted, order).view(T, self.top_k, -1)
         routed = moe_combine(y, route.weights, out_dtype=torch.float32)
         if self.latent:
             # fp32 combine -> (norm ->) one rounding to the model dtype -> up-projection

@@ -106,24 +106,31 @@ def test_linear_concat_is_the_concatenation_of_linears(device, interpret, dtype)
         _assert_rows_invariant(lambda r: cat(r, ws), pool, [1, 2, 17] if interpret else GPU_MS, seed=k)
 
 
-def test_linear_concat_lora_factors_and_gradients(device, interpret):
+@pytest.mark.parametrize("m", [9, 48])  # dX by an addmm chain per weight (M < sum N) / one GEMM over all weights
+@pytest.mark.parametrize("frozen", [None, 1])  # every weight gets a gradient (one GEMM) / weight 1 is frozen
+def test_linear_concat_lora_factors_and_gradients(device, interpret, m, frozen):
     """fp32 weights (LoRA A factors) against bf16/fp32 x; gradients equal those of separate linears
     (up to the backward's own rounding: both are fp32 GEMMs of the same operands, compared with a
     bound), and repeated backward passes are bitwise equal."""
     g = torch.Generator().manual_seed(8)
     cat = triton_impl(linear_concat)
     k = 48
-    ws = [torch.randn(n, k, generator=g).to(device).requires_grad_() for n in (8, 8, 24)]
-    x = torch.randn(9, k, generator=g).to(device).requires_grad_()
-    gy = torch.randn(9, 40, generator=g).to(device)
+    ws = [torch.randn(n, k, generator=g).to(device).requires_grad_(i != frozen) for i, n in enumerate((8, 8, 24))]
+    x = torch.randn(m, k, generator=g).to(device).requires_grad_()
+    gy = torch.randn(m, 40, generator=g).to(device)
+    wanted = [x, *(w for w in ws if w.requires_grad)]
     y = cat(x, ws, out_dtype=torch.float32)
     assert torch.equal(y, torch.cat([_lin(x, w, out_dtype=torch.float32) for w in ws], dim=-1))
-    grads = torch.autograd.grad(y, [x, *ws], gy)
-    again = torch.autograd.grad(cat(x, ws, out_dtype=torch.float32), [x, *ws], gy)
+    grads = torch.autograd.grad(y, wanted, gy)
+    again = torch.autograd.grad(cat(x, ws, out_dtype=torch.float32), wanted, gy)
     assert all(torch.equal(a, b) for a, b in zip(grads, again)), "the backward is deterministic"
-    ref = torch.autograd.grad(torch.cat([x.double() @ w.double().t() for w in ws], dim=-1), [x, *ws], gy.double())
+    wd = [w.detach().double().requires_grad_(w.requires_grad) for w in ws]
+    xd = x.detach().double().requires_grad_()
+    ref = torch.autograd.grad(torch.cat([xd @ w.t() for w in wd], dim=-1), [xd, *(w for w in wd if w.requires_grad)],
+                              gy.double())
     for got, want in zip(grads, ref):
-        # fp32 GEMMs of K <= 40 terms: a few ulps of sum |terms|; 1e-5 of the largest value is ample
+        assert got.shape == want.shape
+        # fp32 GEMMs of K <= 48 terms: a few ulps of sum |terms|; 1e-5 of the largest value is ample
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
 
 

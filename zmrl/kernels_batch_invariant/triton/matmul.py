@@ -567,25 +567,44 @@ class _LinearConcatFn(torch.autograd.Function):
     @staticmethod
     @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # The backward need not be invariant (docs/numerics.md): stock GEMMs per segment, dX summed
-        # over segments in segment order (deterministic).
+        # The backward need not be invariant (docs/numerics.md), only correct and deterministic: stock
+        # GEMMs. x is cast to the compute dtype once (not once per weight); the weight gradients of all
+        # weights that want one come out of one GEMM over the whole output gradient when every weight
+        # wants one (the per-weight gradients are row blocks of it); dX is one GEMM against the
+        # weights side by side when copying them costs less than the [M, K] result (the usual trainer
+        # case: a K-loop over all segments with one fp32 accumulator, one rounding), else a chain of
+        # addmm's into one buffer (no separate add kernels), segment by segment in order.
         x, *weights = ctx.saved_tensors
         x_shape, x_dtype = ctx.x_meta
         cdt = _dot_dtype(x_dtype, weights[0].dtype)
         k = x_shape[-1]
+        widths = [w.shape[0] for w in weights]
         g2 = gy.reshape(-1, gy.shape[-1]).to(cdt)
+        m = g2.shape[0]
+        need_w = list(ctx.needs_input_grad[2:])
         dx = None
-        dws: list[torch.Tensor | None] = []
-        c0 = 0
-        for w, need in zip(weights, ctx.needs_input_grad[2:]):
-            gs = g2[:, c0:c0 + w.shape[0]]
-            c0 += w.shape[0]
-            if ctx.needs_input_grad[0]:
-                part = gs @ w.to(cdt)
-                dx = part if dx is None else dx + part
-            dws.append((gs.t() @ x.reshape(-1, k).to(cdt)).to(w.dtype) if need else None)
-        if dx is not None:
+        if ctx.needs_input_grad[0]:
+            if sum(widths) <= m or len(weights) == 1:
+                w_all = weights[0].to(cdt) if len(weights) == 1 else torch.cat([w.to(cdt) for w in weights])
+                dx = g2 @ w_all
+            else:
+                c0 = 0
+                for w in weights:
+                    gs = g2[:, c0:c0 + w.shape[0]]
+                    dx = gs @ w.to(cdt) if dx is None else torch.addmm(dx, gs, w.to(cdt))
+                    c0 += w.shape[0]
             dx = dx.reshape(x_shape).to(x_dtype)
+        dws: list[torch.Tensor | None] = [None] * len(weights)
+        if any(need_w):
+            xc = x.reshape(-1, k).to(cdt)
+            if all(need_w):
+                dws = [d.to(w.dtype) for d, w in zip((g2.t() @ xc).split(widths), weights)]
+            else:
+                c0 = 0
+                for i, (w, need) in enumerate(zip(weights, need_w)):
+                    if need:
+                        dws[i] = (g2[:, c0:c0 + w.shape[0]].t() @ xc).to(w.dtype)
+                    c0 += w.shape[0]
         return (dx, None, *dws)
 
 
@@ -843,12 +862,39 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
     return y
 
 
+def _prefetch_offsets(offsets: torch.Tensor) -> tuple[int, torch.Tensor, torch.cuda.Event]:
+    """Start copying device offsets into pinned host memory, for the backward (which needs host row
+    ranges) to read without a stall: reading them back there (``.tolist()``) would wait for the whole
+    stream. One copy per offsets tensor (an MoE layer passes one to all of its expert_linear calls),
+    remembered on the tensor with its version (an in-place change would start a new copy)."""
+    hit = getattr(offsets, "_zmrl_host_offsets", None)
+    if hit is not None and hit[0] == offsets._version:
+        return hit
+    host = torch.empty(offsets.shape, dtype=offsets.dtype, pin_memory=True)
+    host.copy_(offsets, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    hit = (offsets._version, host, done)
+    offsets._zmrl_host_offsets = hit
+    return hit
+
+
+def _backward_offsets(ctx: Any) -> list[int]:
+    if ctx.host_offsets is None:
+        return _moe.as_offsets(ctx.offsets)
+    _, host, done = ctx.host_offsets
+    done.synchronize()  # the forward's copy: long finished by the time the backward runs
+    return [int(o) for o in host.tolist()]
+
+
 class _ExpertLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, offsets: list[int] | torch.Tensor, out_dtype: torch.dtype, stacked: bool,
                 *weights: torch.Tensor) -> torch.Tensor:
         ws: _moe.Weights = weights[0] if stacked else list(weights)
         ctx.offsets, ctx.stacked, ctx.x_dtype = offsets, stacked, x.dtype
+        ctx.host_offsets = (_prefetch_offsets(offsets) if isinstance(offsets, torch.Tensor) and offsets.is_cuda
+                            else None)
         # x only feeds dW: with frozen expert weights (LoRA training) it is not kept.
         ctx.save_for_backward(x if any(ctx.needs_input_grad[4:]) else None, *weights)
         return _expert_forward(x, ws, offsets, out_dtype)
@@ -858,9 +904,9 @@ class _ExpertLinearFn(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         ws = weights[0] if ctx.stacked else weights
-        # Device offsets are read back here (a sync; training steps are not captured in CUDA graphs); the
-        # backward is grouped over experts by size class (moe_gemm_grads.py), not a loop over experts.
-        dx, dws = expert_linear_grads(gy, x, ws, _moe.as_offsets(ctx.offsets), ctx.needs_input_grad[0],
+        # Device offsets come from the copy the forward started (no stall); the backward is grouped over
+        # experts by size class (moe_gemm_grads.py), not a loop over experts.
+        dx, dws = expert_linear_grads(gy, x, ws, _backward_offsets(ctx), ctx.needs_input_grad[0],
                                       list(ctx.needs_input_grad[4:]), ctx.x_dtype)
         return (dx, None, None, None, *dws)
 

@@ -189,7 +189,9 @@ class _Combine(torch.autograd.Function):
         gf = g.to(torch.float32)
         g_eo = g_w = None
         if ctx.needs_input_grad[0]:
-            g_eo = (w.to(torch.float32)[:, :, None] * gf[:, None, :]).to(eo.dtype)
+            # fp32 products rounded straight into eo's dtype (one pass; the same values as a product
+            # tensor in fp32 cast afterwards)
+            g_eo = torch.mul(w.to(torch.float32)[:, :, None], gf[:, None, :], out=torch.empty_like(eo))
         if ctx.needs_input_grad[1]:
             g_w = torch.einsum("td,tkd->tk", gf, eo.to(torch.float32)).to(w.dtype)
         return g_eo, g_w, None
