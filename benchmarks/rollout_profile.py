@@ -95,6 +95,7 @@ class StepRecorder:
                                  (sch, "with_forks", "forks"), (sch, "apply", "apply")):
             self._patch(obj, name, self._timed(phase, getattr(obj, name)))
         self._patch(engine_module, "draw", self._timed("sample", engine_module.draw))
+        self._patch(engine_module, "fetch", self._timed("sample", engine_module.fetch))
         graphs = runner.graphs
         if graphs is not None:
             self._patch(graphs, "run", self._timed("decode_inputs", self._graph_step(graphs.run)))
@@ -105,10 +106,11 @@ class StepRecorder:
         self._patch(e, "step", self._step(e.step))
 
     def _graph_step(self, fn: Callable) -> Callable:
-        def run(reqs):
+        def run(reqs, *args):
             if self.current is not None:
                 self.current["graph_rows"] = len(reqs)
-            return fn(reqs)
+                self.current["graph_sampled"] = bool(args) and args[0] is not None
+            return fn(reqs, *args)
         return run
 
     def _patch_replay(self) -> None:
