@@ -3,7 +3,8 @@ phase, the GPU time of the CUDA-graph replays, the GPU busy time and the synchro
 
     python benchmarks/rollout_profile.py [--prompts 8] [--n 8] [--prompt-len 512] [--max-new 512]
         [--min-new-frac 0.25] [--layers 16] [--max-num-seqs 256] [--max-batched-tokens 16384]
-        [--profile-start 16] [--profile-steps 8] [--decode-graphs auto] [--out FILE.json] [--smoke]
+        [--profile-start 16] [--profile-steps 8] [--decode-graphs auto] [--eager-sampling] [--out FILE.json]
+        [--smoke]
 
 The rollout is the one ``benchmarks/rl_step.py --rollout-only`` times: ``--prompts`` random prompts of
 ``--prompt-len`` tokens, ``--n`` samples each (temperature 1, per-request seeds), each prompt's response length
@@ -17,8 +18,10 @@ followed by the timed one, whose every step is recorded:
   ``ModelRunner.run``) with, inside it, ``decode_inputs`` (``DecodeGraphRunner.run``: static inputs, one
   host->device copy, the replay launch), ``kda_load`` (a sequence's KDA state moved into its pool slot),
   ``kda_snapshot`` (prefix-cache snapshots at 64-token boundaries) and ``eager_forward`` (prefill and mixed
-  steps); ``register_blocks``; ``forks``; ``sample`` (``sampler.draw``: the draw, its log-probs and the fetch of
-  both, so it includes waiting for the forward on the GPU); ``apply`` (appending the draws, finishing);
+  steps); ``register_blocks``; ``forks``; ``sample`` (``sampler.fetch`` when the decode graph drew the tokens,
+  else ``sampler.draw``: the eager draw and its log-probs; both end in the one read-back of the step, so this
+  phase includes waiting for the GPU); ``apply`` (appending the draws, finishing); ``graph_sampled`` says
+  whether the step's graph drew the tokens (``EngineConfig.sample_in_graph``);
 * ``graph_gpu_ms``: GPU time of the step's graph replay (CUDA events around ``CUDAGraph.replay``); the
   ``graph_share`` of decode steps is its sum over their wall time: the rest of a step is host work, eager GPU
   work around the graph (sampling, log-probs, snapshots) and the GPU idling at synchronisations.
@@ -135,7 +138,7 @@ class StepRecorder:
             if hook is not None:
                 hook(i)
             batch_before = len(self.engine.running) + len(self.engine.waiting)
-            self.current = {"step": i, "phases": {}, "graph_rows": 0, "live": batch_before}
+            self.current = {"step": i, "phases": {}, "graph_rows": 0, "graph_sampled": False, "live": batch_before}
             t0 = time.perf_counter()
             try:
                 return fn()
@@ -268,6 +271,7 @@ def summarise_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
             row[f"{p}_ms"] = _mean([s["phases"].get(p, 0.0) for s in ss])
         rows.append(row)
     out["decode_by_batch"] = rows
+    out["decode_steps_sampled_in_graph"] = sum(1 for s in decode if s["graph_sampled"])
     return out
 
 
@@ -284,6 +288,8 @@ def main() -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=16384, help="engine prefill token budget per step")
     ap.add_argument("--decode-graphs", default=None, choices=["auto", "off", "static", "cuda"],
                     help="EngineConfig.decode_graphs (default: auto; static with --smoke)")
+    ap.add_argument("--eager-sampling", action="store_true",
+                    help="EngineConfig.sample_in_graph=False: sample eagerly after the graph (the comparison)")
     ap.add_argument("--profile-start", type=int, default=16, help="first profiled step of the timed run")
     ap.add_argument("--profile-steps", type=int, default=8, help="steps under torch.profiler (0: none)")
     ap.add_argument("--top", type=int, default=15, help="kernels / host ops listed")
@@ -314,7 +320,7 @@ def main() -> int:
     engine = RolloutEngine(model, EngineConfig(
         num_blocks=n_seqs * per_seq_blocks + 16, max_num_seqs=min(n_seqs, a.max_num_seqs),
         max_num_batched_tokens=a.max_batched_tokens, enable_prefix_caching=True, kernel_mode="bitwise",
-        decode_graphs=decode_graphs))
+        decode_graphs=decode_graphs, sample_in_graph=not a.eager_sampling))
     g = torch.Generator().manual_seed(a.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     lo = max(1, int(a.min_new_frac * a.max_new))
@@ -395,7 +401,8 @@ def main() -> int:
                      "layers": cfg.num_hidden_layers, "dtype": "bfloat16", "decode_graphs": decode_graphs,
                      "args": vars(a), "result": result, "steps": rec.steps, "wall_s": time.perf_counter() - t_start})
     print(f"\nrollout: {len(outs)} sequences, {n_resp} response tokens in {rollout_s:.2f} s ({n_resp / rollout_s:.0f} tok/s); "
-          f"{result['decode_steps']} decode steps ({result['decode_wall_s']:.2f} s), {result['other_steps']} other "
+          f"{result['decode_steps']} decode steps ({result['decode_wall_s']:.2f} s; "
+          f"{result['decode_steps_sampled_in_graph']} drew inside the graph), {result['other_steps']} other "
           f"({result['other_wall_s']:.2f} s)")
     if result.get("decode_wall_ms_per_step") is not None:
         share = result.get("graph_share")

@@ -104,5 +104,7 @@ def test_rollout_profile_smoke(tmp_path):
     # every decode step went through the fixed-shape runner, whose host part is inside the runner phase
     assert all(s["phases"]["decode_inputs"] <= s["phases"]["runner"] <= s["wall_ms"] for s in decode)
     assert set(r["decode_phase_ms_per_step"]) >= {"schedule", "runner", "sample", "apply"}
+    # plain temperature-1 requests: the decode graph draws every decode step's tokens
+    assert r["decode_steps_sampled_in_graph"] == r["decode_steps"]
     p = r["profile"]
     assert p["steps"] == 2 and p["aten_ops_per_step"] > 0 and p["top_host_ops"]
