@@ -254,7 +254,7 @@ def test_static_inputs_equal_a_rebuild_from_the_requests():
             want[:, i] = torch.tensor([r.token_at(pos), pos, r.seq.pages[pos // ps] * ps + pos % ps,
                                        runner.slot_of[r.request_id]])
             want_bt[i, : len(r.seq.pages)] = torch.tensor(r.seq.pages)
-        assert torch.equal(runner._inputs[:4, :bs], want), f"step {step}: static inputs differ"
+        assert torch.equal(runner._static_inputs(bs)[:4], want), f"step {step}: static inputs differ"
         assert torch.equal(runner._block_tables[(bs, pages)][0], want_bt), f"step {step}: block table differs"
         for r in batch:  # the step's token is computed; the sampled one is appended, pages grow when full
             r.seq.num_tokens += 1

@@ -92,12 +92,12 @@ class DecodeGraphRunner:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.slot_of: dict[str, int] = {}  # request id -> pool slot holding its KDA state
         mb = self.batch_sizes[-1]
-        # ids, positions, cache slots, pool slots, sampler row states: one [5, max_bs] tensor, filled by one copy
-        # per step.
+        # ids, positions, cache slots, pool slots, sampler row states: one contiguous [5, bs] device tensor per
+        # batch bucket (``_static_inputs``), filled by one copy per step from the first 5 * bs entries of a pinned
+        # host buffer (contiguous on both sides: a strided copy would go through a pageable temporary).
         pin = self.device.type == "cuda"
-        self._host = torch.zeros(5, mb, dtype=torch.int64, pin_memory=pin)
-        self._inputs = torch.zeros(5, mb, dtype=torch.int64, device=self.device)
-        self.ids, self.positions, self.slot_mapping, self.kda_slots, self.row_states = self._inputs.unbind(0)
+        self._host = torch.zeros(5 * mb, dtype=torch.int64, pin_memory=pin)
+        self._inputs: dict[int, torch.Tensor] = {}
         self.cu_seqlens = torch.arange(mb + 1, dtype=torch.int64, device=self.device)
         self.seq_idx = torch.arange(mb, dtype=torch.int64, device=self.device)
         # Block tables: one persistent host row per pool slot (the scratch slot's row is all scratch page, what
@@ -174,15 +174,15 @@ class DecodeGraphRunner:
                 self._write_slot_row(slot, seq, held)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are still being read by the last step's copy
-        host = self._host
+        host = self._host[: 5 * bs].view(5, bs)
         host[:4, :n] = int64_tensor(ids + positions + cache_slots + pool_slots).view(4, n)
         if sample_temperature is not None:
             host[4, :n] = row_states
-        host[:, n:bs] = self._pad_row
+        host[:, n:] = self._pad_row
         bt_dev, bt_host = self._block_table(bs, pages)
         # padding rows gather the scratch slot's row: every entry the scratch page
-        torch.index_select(self._slot_pages[:, :pages], 0, host[3, :bs], out=bt_host)
-        self._inputs[:, :bs].copy_(host[:, :bs], non_blocking=True)
+        torch.index_select(self._slot_pages[:, :pages], 0, host[3], out=bt_host)
+        self._static_inputs(bs).copy_(host, non_blocking=True)
         bt_dev.copy_(bt_host, non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
@@ -209,6 +209,13 @@ class DecodeGraphRunner:
                 row[:n] = int64_tensor(pages)
         self._slot_rows[slot] = (pages, n)
 
+    def _static_inputs(self, bs: int) -> torch.Tensor:
+        """The bucket's [5, bs] device inputs: ids, positions, cache slots, pool slots, sampler row states."""
+        inputs = self._inputs.get(bs)
+        if inputs is None:
+            inputs = self._inputs[bs] = torch.zeros(5, bs, dtype=torch.int64, device=self.device)
+        return inputs
+
     def _block_table(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(device table, pinned host table) of one bucket."""
         key = (bs, pages)
@@ -222,25 +229,27 @@ class DecodeGraphRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-shape step over the static buffers (what a graph captures): logits, and the draw
         (``sample_plain``) when ``sample_temperature`` is set."""
+        ids, positions, slot_mapping, kda_slots, row_states = self._static_inputs(bs)
         ctx = ForwardContext(
-            cu_seqlens=self.cu_seqlens[: bs + 1], positions=self.positions[:bs], seq_idx=self.seq_idx[:bs],
-            block_table=self._block_tables[(bs, pages)][0], slot_mapping=self.slot_mapping[:bs], store=self.store,
+            cu_seqlens=self.cu_seqlens[: bs + 1], positions=positions, seq_idx=self.seq_idx[:bs],
+            block_table=self._block_tables[(bs, pages)][0], slot_mapping=slot_mapping, store=self.store,
             kda_states=None, latent_format=self.latent_format,  # type: ignore[arg-type]
-            static_kv_len=pages * self.page_size, kda_pool=self.pool, kda_slots=self.kda_slots[:bs],
+            static_kv_len=pages * self.page_size, kda_pool=self.pool, kda_slots=kda_slots,
             validate_ids=False,
         )
-        logits = self.model.compute_logits(self.model(self.ids[:bs], ctx))
+        logits = self.model.compute_logits(self.model(ids, ctx))
         if sample_temperature is None:
             return logits, None
-        return logits, sample_plain(logits, sample_temperature, self.row_states[:bs])
+        return logits, sample_plain(logits, sample_temperature, row_states)
 
     def _capture(self, bs: int, pages: int, sample_temperature: float | None) -> _Captured:
         """Capture the step for one bucket. Warm-up and capture run on padding only (scratch page, scratch
         slot): the real rows' inputs are copied in afterwards, so their state is touched once, by the replay."""
-        saved = self._inputs[:, :bs].clone()
+        inputs = self._static_inputs(bs)
+        saved = inputs.clone()
         bt_dev = self._block_table(bs, pages)[0]
         saved_bt = bt_dev.clone()
-        self._inputs[:, :bs] = self._pad_row.to(self.device)
+        inputs.copy_(self._pad_row.to(self.device).expand(5, bs))
         bt_dev.fill_(self.scratch_page)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -252,7 +261,7 @@ class DecodeGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits, sampled = self._forward(bs, pages, sample_temperature)
-        self._inputs[:, :bs].copy_(saved)
+        inputs.copy_(saved)
         bt_dev.copy_(saved_bt)
         captured = _Captured(graph, logits, sampled)
         self._graphs[(get_mode(), bs, pages, sample_temperature)] = captured
