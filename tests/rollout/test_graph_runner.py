@@ -276,7 +276,7 @@ def test_in_graph_draw_equals_eager(model, prompts, temperature):
     engine = RolloutEngine(model, EngineConfig(num_blocks=48, decode_graphs=GRAPHS))
     drawn = []
     run = engine.graphs.run
-    engine.graphs.run = lambda reqs, t=None, s=None: drawn.append(t) or run(reqs, t, s)
+    engine.graphs.run = lambda reqs, t=None: drawn.append(t) or run(reqs, t)
     outs = engine.generate(chosen, params)
     _assert_same(ref, {o.request_id: (o.token_ids, o.logprobs, o.finish_reason) for o in outs})
     assert drawn and all(t == temperature for t in drawn), drawn

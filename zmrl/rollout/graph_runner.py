@@ -14,8 +14,9 @@ and replayed:
 * every op takes its shapes from the bucket (``ForwardContext.static_kv_len``), never from device
   values, so nothing synchronises inside the step;
 * when every row samples the same way (one temperature, no top-k / top-p: an RL rollout's steps) the
-  graph also draws the tokens and their log-probs (``sampling.sample_plain``, from the rows' counter
-  states copied in with the other inputs), so the step's only eager work is the fetch of the result.
+  graph also draws the tokens and their log-probs (``sampling.sample_plain``; each row's counter state is
+  its request's seed part, kept per pool slot and copied in with the other inputs, mixed with the position
+  on the device), so the step's only eager work is the fetch of the result.
 
 The step runs the same modules and ops as every other forward and is bitwise equal to the eager
 path (batch invariance: a row's bits depend on neither the batch size nor the padding); tests
@@ -34,7 +35,7 @@ from zmrl.kernels_batch_invariant import get_mode
 from zmrl.model.context import ForwardContext, PagedLatentStore, int64_tensor
 from zmrl.model.kda_pool import KDAStatePool
 
-from .sampling import sample_plain
+from .sampling import mix_positions, sample_plain, seed_key_state
 
 if TYPE_CHECKING:
     from zmrl.model.context import SequenceState
@@ -92,12 +93,15 @@ class DecodeGraphRunner:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.slot_of: dict[str, int] = {}  # request id -> pool slot holding its KDA state
         mb = self.batch_sizes[-1]
-        # ids, positions, cache slots, pool slots, sampler row states: one contiguous [5, bs] device tensor per
+        # ids, positions, cache slots, pool slots, sampler seed states: one contiguous [5, bs] device tensor per
         # batch bucket (``_static_inputs``), filled by one copy per step from the first 5 * bs entries of a pinned
         # host buffer (contiguous on both sides: a strided copy would go through a pageable temporary).
         pin = self.device.type == "cuda"
         self._host = torch.zeros(5 * mb, dtype=torch.int64, pin_memory=pin)
         self._inputs: dict[int, torch.Tensor] = {}
+        # per pool slot, the sampler's per-request state (sampling.seed_key_state) of the request holding it,
+        # written when the slot is taken; a step gathers its rows' entries like the block-table rows
+        self._slot_seed_keys = torch.zeros(max_num_seqs + 1, dtype=torch.int64)
         self.cu_seqlens = torch.arange(mb + 1, dtype=torch.int64, device=self.device)
         self.seq_idx = torch.arange(mb, dtype=torch.int64, device=self.device)
         # Block tables: one persistent host row per pool slot (the scratch slot's row is all scratch page, what
@@ -144,11 +148,10 @@ class DecodeGraphRunner:
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def run(self, reqs: list["Request"], sample_temperature: float | None = None,
-            row_states: torch.Tensor | None = None) -> DecodeResult:
+    def run(self, reqs: list["Request"], sample_temperature: float | None = None) -> DecodeResult:
         """Logits [len(reqs), V] (fp32) of one decode step: each request's next token at ``num_computed``; with
-        ``sample_temperature`` also the draw of every row at that temperature without top-k / top-p
-        (``row_states``: the rows' sampler states, ``sampling.row_states``)."""
+        ``sample_temperature`` also the draw of every row at that temperature without top-k / top-p (the
+        caller's promise: the graph reads no request's parameters but its seed state)."""
         n = len(reqs)
         bs = bucket_of(n, self.batch_sizes)
         pages = bucket_of(max(len(r.seq.pages) for r in reqs), self.page_counts)
@@ -163,6 +166,7 @@ class DecodeGraphRunner:
                 slot = self.free_slots.pop()
                 self.pool.load(r.seq, slot)
                 slot_of[r.request_id] = slot
+                self._slot_seed_keys[slot] = seed_key_state(r.params, r.sample_key)
             seq = r.seq
             pos, seq_pages = seq.num_tokens, seq.pages
             ids.append(r.token_at(pos))
@@ -176,9 +180,9 @@ class DecodeGraphRunner:
             self._copied.synchronize()  # the pinned buffers are still being read by the last step's copy
         host = self._host[: 5 * bs].view(5, bs)
         host[:4, :n] = int64_tensor(ids + positions + cache_slots + pool_slots).view(4, n)
-        if sample_temperature is not None:
-            host[4, :n] = row_states
         host[:, n:] = self._pad_row
+        if sample_temperature is not None:
+            torch.index_select(self._slot_seed_keys, 0, host[3], out=host[4])
         bt_dev, bt_host = self._block_table(bs, pages)
         # padding rows gather the scratch slot's row: every entry the scratch page
         torch.index_select(self._slot_pages[:, :pages], 0, host[3], out=bt_host)
@@ -210,7 +214,7 @@ class DecodeGraphRunner:
         self._slot_rows[slot] = (pages, n)
 
     def _static_inputs(self, bs: int) -> torch.Tensor:
-        """The bucket's [5, bs] device inputs: ids, positions, cache slots, pool slots, sampler row states."""
+        """The bucket's [5, bs] device inputs: ids, positions, cache slots, pool slots, sampler seed states."""
         inputs = self._inputs.get(bs)
         if inputs is None:
             inputs = self._inputs[bs] = torch.zeros(5, bs, dtype=torch.int64, device=self.device)
@@ -229,7 +233,7 @@ class DecodeGraphRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-shape step over the static buffers (what a graph captures): logits, and the draw
         (``sample_plain``) when ``sample_temperature`` is set."""
-        ids, positions, slot_mapping, kda_slots, row_states = self._static_inputs(bs)
+        ids, positions, slot_mapping, kda_slots, seed_keys = self._static_inputs(bs)
         ctx = ForwardContext(
             cu_seqlens=self.cu_seqlens[: bs + 1], positions=positions, seq_idx=self.seq_idx[:bs],
             block_table=self._block_tables[(bs, pages)][0], slot_mapping=slot_mapping, store=self.store,
@@ -240,7 +244,8 @@ class DecodeGraphRunner:
         logits = self.model.compute_logits(self.model(ids, ctx))
         if sample_temperature is None:
             return logits, None
-        return logits, sample_plain(logits, sample_temperature, row_states)
+        # the token drawn now sits at position + 1
+        return logits, sample_plain(logits, sample_temperature, mix_positions(seed_keys, positions + 1))
 
     def _capture(self, bs: int, pages: int, sample_temperature: float | None) -> _Captured:
         """Capture the step for one bucket. Warm-up and capture run on padding only (scratch page, scratch

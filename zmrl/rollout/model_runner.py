@@ -16,16 +16,17 @@ from zmrl.model.kda import KimiDeltaAttention
 from .config import EngineConfig
 from .graph_runner import DecodeGraphRunner
 from .request import Request
-from .sampling import is_plain, row_states
+from .sampling import is_plain
 
 
 def plain_temperature(reqs: list[Request]) -> float | None:
     """The temperature every request samples at when all draw from the whole vocabulary (no top-k / top-p) and
-    none has siblings to fork now (they sample from its row with their own keys); else None."""
+    none has siblings to fork now (they sample from its row with their own keys); else None. (A sampled request
+    without a seed, which the engine never runs, is left to the eager sampler's error.)"""
     temperature = reqs[0].params.temperature
     for r in reqs:
         p = r.params
-        if r.fork_ids or p.temperature != temperature or not is_plain(p):
+        if r.fork_ids or p.temperature != temperature or not is_plain(p) or (p.seed is None and not p.greedy):
             return None
     return temperature
 
@@ -105,9 +106,7 @@ class ModelRunner:
             parts.append(logits)
         if decode:
             temperature = None if eager or not self.config.sample_in_graph else plain_temperature(decode)
-            states = None if temperature is None else row_states(
-                [r.params for r in decode], [r.sample_key for r in decode], [r.num_tokens for r in decode])
-            result = self.graphs.run(decode, temperature, states)
+            result = self.graphs.run(decode, temperature)
             for r in decode:
                 r.seq.num_tokens += 1
                 if self.config.enable_prefix_caching and r.num_computed % self.block_size == 0:

@@ -48,8 +48,8 @@ from zmrl.kernels_batch_invariant.logprob import _scaled_logits, token_logprobs
 from zmrl.kernels_batch_invariant.reduce import tree_sum
 from zmrl.model.context import int64_tensor
 
-__all__ = ["SamplingParams", "derive_seed", "is_plain", "rollout_seed", "row_states", "sample", "sample_async",
-           "sample_plain", "sample_scaled"]
+__all__ = ["SamplingParams", "derive_seed", "is_plain", "mix_positions", "rollout_seed", "row_states", "sample",
+           "sample_async", "sample_plain", "sample_scaled", "seed_key_state"]
 
 _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64 Weyl increment (odd, ~2^64 / golden ratio)
@@ -209,10 +209,23 @@ def _seed_key_state(seed: int, key: int) -> int:
 def _row_states(seed_key_states: list[int], positions: list[int]) -> torch.Tensor:
     """``row_state`` of many rows at once, as int64 bit patterns [R] on the host: the position is mixed in by
     tensor ops (the same 64-bit wrapping arithmetic) instead of one Python ``_mix64`` per row."""
-    x = int64_tensor([_signed(h) for h in seed_key_states])
-    x.bitwise_xor_(int64_tensor(positions))  # positions < 2^63
+    return mix_positions(int64_tensor([_signed(h) for h in seed_key_states]), int64_tensor(positions))
+
+
+def mix_positions(seed_key_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``row_state`` from the rows' ``seed_key_state`` (int64 bit patterns [R]) and the positions being sampled
+    [R] (< 2^63), by int64 tensor ops on any device (exact integer arithmetic: the same bits everywhere); the
+    decode graph runs it on the device from the positions it already holds."""
+    x = seed_key_states ^ positions
     x.add_(_signed(_GAMMA))
     return _mix64_t(x)
+
+
+def seed_key_state(params: "SamplingParams", key: int) -> int:
+    """The int64 bit pattern of the row state's per-request part (``mix_positions`` adds the position); 0 for
+    a greedy request, which draws no noise, and for one without a seed yet (it cannot be drawn: ``sample``
+    refuses it; the engine gives every request a seed)."""
+    return 0 if params.greedy or params.seed is None else _signed(_seed_key_state(params.seed, key))
 
 
 def _uniform_bits(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -438,7 +451,7 @@ def _finite_rows(z: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 def sample_plain(logits: torch.Tensor, temperature: float, states: torch.Tensor) -> torch.Tensor:
     """The whole-batch draw of ``sample_async`` for rows that share one temperature and filter nothing (no top-k,
     no top-p), from device inputs only, so a CUDA graph can capture it: ``logits`` [B, V] (contiguous),
-    ``states`` [B] int64 (``row_states``; ignored when greedy). Returns [3, B] float64: token ids, log-probs and
+    ``states`` [B] int64 (``row_states`` / ``mix_positions``; ignored when greedy). Returns [3, B] float64: token ids, log-probs and
     finite flags (1.0 / 0.0), each exact in float64, what the engine fetches in one copy. The same ops as
     ``sample_async``, so the same bits."""
     x = logits
