@@ -11,12 +11,13 @@ fixed logits table, so every millisecond measured is host work the engine does p
 * ``decode ctx``: ``DecodeGraphRunner.run`` without the forward: pool slots, token ids, positions,
   cache slots, KDA slots and the block table written into the static input buffers (on a GPU this is
   followed by one host->device copy and a graph replay);
-* ``runner``: the rest of ``ModelRunner.run`` (picking the decode rows, advancing the sequences, and the
-  prefix-cache snapshot of the KDA state of each sequence that completes a 64-token block: tensor copies,
-  kernels on a GPU);
-* ``sample``: the sampler driver (``sampler.draw``: argument checks, the per-row noise states, the draw
-  and its log-probs over a 32-token vocabulary: on the CPU this includes the draw's arithmetic, which a
-  GPU runs as kernels);
+* ``runner``: the rest of ``ModelRunner.run`` (picking the decode rows, the sampler's per-row counter states
+  when the graph draws, advancing the sequences, and the prefix-cache snapshot of the KDA state of each
+  sequence that completes a 64-token block: tensor copies, kernels on a GPU);
+* ``sample``: the sampler driver: with the draw inside the decode graph (``EngineConfig.sample_in_graph``, the
+  default, taken by these plain temperature-1 requests) ``sampler.fetch`` (the draws read back, stubbed here
+  as token 0), else ``sampler.draw`` (argument checks, the per-row noise states, the draw and its log-probs
+  over a 32-token vocabulary: on the CPU this includes the draw's arithmetic, which a GPU runs as kernels);
 * ``bookkeep``: prefix-cache registration, forks, appending the draws, finishing;
 * ``step``: all of ``RolloutEngine.step``;
 * ``eager ctx``: ``paged_context`` for the same decode batch (the eager builder that prefill and mixed
@@ -90,7 +91,8 @@ class Timers:
         return timed
 
 
-def build_engine(batch: int, context: int, steps: int, seed: int) -> tuple[RolloutEngine, Timers, torch.Tensor]:
+def build_engine(batch: int, context: int, steps: int, seed: int, sample_in_graph: bool = True
+                 ) -> tuple[RolloutEngine, Timers, torch.Tensor]:
     """An engine over the tiny preset whose forward is a fixed logits table, with ``batch`` requests prefilled
     to about ``context`` tokens each (the prefill runs through the eager path, forward stubbed)."""
     cfg = dataclasses.replace(ModelConfig.preset("tiny"), max_position_embeddings=context + steps + 2 * PAGE)
@@ -108,11 +110,14 @@ def build_engine(batch: int, context: int, steps: int, seed: int) -> tuple[Rollo
         engine = RolloutEngine(model, EngineConfig(
             block_size=PAGE, num_blocks=num_blocks, max_num_seqs=batch,
             max_num_batched_tokens=sum(lens),  # the whole prefill in one step
-            decode_graphs="static", max_model_len=cfg.max_position_embeddings))
+            decode_graphs="static", max_model_len=cfg.max_position_embeddings, sample_in_graph=sample_in_graph))
     finally:
         model_runner_module.latent_store = saved
     graphs = engine.runner.graphs
-    graphs._forward = lambda bs, pages: logits[:bs]  # the replay's stand-in
+    # the replay's stand-in; with an in-graph draw (EngineConfig.sample_in_graph), token 0 with log-prob 0 per row
+    drawn = torch.zeros(3, batch, dtype=torch.float64)
+    drawn[2] = 1.0  # finite
+    graphs._forward = lambda bs, pages, temperature: (logits[:bs], None if temperature is None else drawn[:, :bs])
     # a copy once per request, not per step (and the stubbed prefill leaves no KDA state to load); the pool's
     # prefix-cache snapshots at 64-token boundaries do run (small tensor copies of the tiny preset's KDA state)
     graphs.pool.load = lambda seq, slot: None
@@ -127,26 +132,27 @@ def build_engine(batch: int, context: int, steps: int, seed: int) -> tuple[Rollo
     sch.schedule = timers.wrap("schedule", sch.schedule)
     run_decode = timers.wrap("decode_ctx", graphs.run)
 
-    def run_decode_and_eager_context(reqs):
+    def run_decode_and_eager_context(reqs, *sampling):
         # the eager builder over the same batch, pages already grown by schedule(); not part of the step
         seqs = [r.seq for r in reqs]
         with timers.part("eager_ctx"):
             pages = [s.page_array() if hasattr(s, "page_array") else s.pages for s in seqs]  # older commits: lists
             paged_context(pages, [s.num_tokens for s in seqs], [1] * len(seqs),
                           engine.runner.store, kda_states=seqs)
-        return run_decode(reqs)
+        return run_decode(reqs, *sampling)
 
     graphs.run = run_decode_and_eager_context
     runner.run = timers.wrap("runner", runner.run)
     engine_module.draw = timers.wrap("sample", engine_module.draw)
+    engine_module.fetch = timers.wrap("sample", engine_module.fetch)
     return engine, timers, logits
 
 
-def measure(batch: int, context: int, warmup: int, iters: int, seed: int) -> dict[str, Any]:
-    original_draw = engine_module.draw  # build_engine wraps it with a timer
+def measure(batch: int, context: int, warmup: int, iters: int, seed: int, sample_in_graph: bool = True) -> dict[str, Any]:
+    original_draw, original_fetch = engine_module.draw, engine_module.fetch  # build_engine wraps them with timers
     per: dict[str, list[float]] = {k: [] for k in (*PARTS, "step", "eager_ctx")}
     try:
-        engine, timers, _ = build_engine(batch, context, warmup + iters, seed)
+        engine, timers, _ = build_engine(batch, context, warmup + iters, seed, sample_in_graph)
         for it in range(warmup + iters):
             reqs = list(engine.running)
             timers.ms.clear()
@@ -165,7 +171,7 @@ def measure(batch: int, context: int, warmup: int, iters: int, seed: int) -> dic
             per["step"].append(step_ms)
             per["eager_ctx"].append(ms["eager_ctx"])
     finally:
-        engine_module.draw = original_draw
+        engine_module.draw, engine_module.fetch = original_draw, original_fetch
     return {"batch": batch, "context": context, **{f"{k}_ms": statistics.median(v) for k, v in per.items()}}
 
 
@@ -180,6 +186,8 @@ def main() -> int:
     ap.add_argument("--baseline", default=None, help="an earlier JSON of this script: its step figures as 'before'")
     ap.add_argument("--out", default=None, help="JSON result (default: print only)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script runs")
+    ap.add_argument("--eager-sampling", action="store_true",
+                    help="EngineConfig.sample_in_graph=False: the eager sampler after the decode graph")
     a = ap.parse_args()
     if a.smoke:
         a.batches, a.contexts, a.warmup, a.iters, a.rounds = [1, 3], [192], 1, 2, 1
@@ -189,7 +197,7 @@ def main() -> int:
     for ctx in a.contexts:
         for batch in a.batches:
             # the host is shared: keep the round with the lowest median step (each round a fresh engine)
-            row = min((measure(batch, ctx, a.warmup, a.iters, a.seed) for _ in range(a.rounds)),
+            row = min((measure(batch, ctx, a.warmup, a.iters, a.seed, not a.eager_sampling) for _ in range(a.rounds)),
                       key=lambda r: r["step_ms"])
             results.append(row)
             print(f"batch {batch:4d} context {ctx:6d}: step {row['step_ms']:.3f} ms, decode ctx "
@@ -216,7 +224,7 @@ def main() -> int:
     if a.out:
         write_json(a.out, {"benchmark": "engine_host_overhead", **env(), "device": "cpu (host work only)",
                            "page_size": PAGE, "vocab": VOCAB, "warmup": a.warmup, "iters": a.iters,
-                           "rounds": a.rounds,
+                           "rounds": a.rounds, "sample_in_graph": not a.eager_sampling,
                            "torch_threads": torch.get_num_threads(), "results": results,
                            "baseline_commit": baseline.get("commit") if a.baseline else None,
                            "wall_s": time.perf_counter() - t_start})

@@ -120,3 +120,18 @@ def test_rollout_bound_counts_every_decode_step():
     assert b["decode_gb"] * 1e9 == pytest.approx(want) and b["decode_s"] == pytest.approx(want / 1e12)
     assert b["prefill_tflop"] > 0 and b["total_s"] == pytest.approx(b["prefill_s"] + b["decode_s"])
     assert rollout_bound(model, [10], [(10, 1)], 0, 1.0, 1.0)["decode_gb"] == 0  # no decode step at all
+
+
+def test_rollout_profile_smoke(tmp_path):
+    res = _run("rollout_profile.py", out=tmp_path / "p.json")
+    r = res["result"]
+    assert r["sequences"] == 4 and r["response_tokens"] > 0 and r["decode_steps"] > 0
+    assert r["decode_steps"] + r["other_steps"] == len(res["steps"])
+    decode = [s for s in res["steps"] if s["graph_rows"] and not s["eager"]]
+    # every decode step went through the fixed-shape runner, whose host part is inside the runner phase
+    assert all(s["phases"]["decode_inputs"] <= s["phases"]["runner"] <= s["wall_ms"] for s in decode)
+    assert set(r["decode_phase_ms_per_step"]) >= {"schedule", "runner", "sample", "apply"}
+    # plain temperature-1 requests: the decode graph draws every decode step's tokens
+    assert r["decode_steps_sampled_in_graph"] == r["decode_steps"]
+    p = r["profile"]
+    assert p["steps"] == 2 and p["aten_ops_per_step"] > 0 and p["top_host_ops"]

@@ -158,3 +158,28 @@ def test_request_that_never_fits_errors_alone(model, prompts):
     outs = engine.generate([prompts[0], prompts[2]], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=100)])
     assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 2
     assert outs[1].finish_reason == "error" and "num_blocks=3" in outs[1].error
+
+
+def test_nonfinite_logits_finish_that_request_only(model, prompts, alone, monkeypatch):
+    """A request whose logits row turns non-finite finishes with an error at that step; the others' tokens and
+    log-probs are what they are alone (the step's draw is fetched in one transfer, the flags with it)."""
+    engine = RolloutEngine(model, EngineConfig(num_blocks=32, enable_prefix_caching=False, decode_graphs="off"))
+    real = model.compute_logits
+    calls = {"n": 0}
+
+    def poisoned(hidden):
+        logits = real(hidden)
+        calls["n"] += 1
+        if calls["n"] == 4:  # a decode step with every request running: request "1" is row 1 (arrival order)
+            logits = logits.clone()
+            logits[1, 7] = float("nan")
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", poisoned)
+    outs = {o.request_id: o for o in engine.generate(prompts, SAMPLING)}
+    bad = outs["1"]
+    assert bad.finish_reason == "error" and "non-finite logits for request '1'" in bad.error
+    assert bad.token_ids == alone["1"][0][: len(bad.token_ids)] and len(bad.token_ids) < MAX_TOKENS
+    for rid in ("0", "2", "3"):
+        assert outs[rid].finish_reason == "length"
+        assert outs[rid].token_ids == alone[rid][0] and torch.equal(outs[rid].logprobs, alone[rid][1])

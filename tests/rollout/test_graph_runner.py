@@ -192,6 +192,8 @@ def test_static_step_has_no_host_sync(prompts, latent_format):
     try:
         with torch.no_grad():
             runner._forward(bs, pages)
+            runner._forward(bs, pages, 1.0)  # with the in-graph draw and its log-probs
+            runner._forward(bs, pages, 0.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -213,7 +215,7 @@ def test_static_inputs_equal_a_rebuild_from_the_requests():
                                mode="static")
     runner.pool.load = lambda seq, slot: None  # pool contents are not what this test is about
     seen = {}
-    runner._forward = lambda bs, pages: seen.update(bs=bs, pages=pages) or torch.zeros(bs, 4)
+    runner._forward = lambda bs, pages, temperature: seen.update(bs=bs, pages=pages) or (torch.zeros(bs, 4), None)
     rng = random.Random(0)
     free_pages = list(range(scratch))
     rng.shuffle(free_pages)
@@ -252,10 +254,29 @@ def test_static_inputs_equal_a_rebuild_from_the_requests():
             want[:, i] = torch.tensor([r.token_at(pos), pos, r.seq.pages[pos // ps] * ps + pos % ps,
                                        runner.slot_of[r.request_id]])
             want_bt[i, : len(r.seq.pages)] = torch.tensor(r.seq.pages)
-        assert torch.equal(runner._inputs[:, :bs], want), f"step {step}: static inputs differ"
+        assert torch.equal(runner._static_inputs(bs)[:4], want), f"step {step}: static inputs differ"
         assert torch.equal(runner._block_tables[(bs, pages)][0], want_bt), f"step {step}: block table differs"
         for r in batch:  # the step's token is computed; the sampled one is appended, pages grow when full
             r.seq.num_tokens += 1
             r.output.append(rng.randrange(2048))
             if r.num_tokens > len(r.seq.pages) * ps:
                 r.seq.pages.append(free_pages.pop())
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_in_graph_draw_equals_eager(model, prompts, temperature):
+    """RL-shaped requests (one temperature, no top-k / top-p, n = 2 forks, prefix caching) draw inside the decode
+    graph (EngineConfig.sample_in_graph): the same tokens and log-probs as the eager engine, and the graph did
+    draw them. (Temperature 1 takes the same path without the division; the other tests here run the graph
+    with the eager sampler, their mixed requests not sharing one plain temperature.)"""
+    # prompts of 37 and 100 tokens: both cross a 64-token chunk boundary while decoding
+    params = [SamplingParams(max_tokens=36, seed=20 + i, temperature=temperature, n=2) for i in range(2)]
+    chosen = prompts[2:4]
+    ref, _ = _run(model, chosen, params, decode_graphs="off")
+    engine = RolloutEngine(model, EngineConfig(num_blocks=48, decode_graphs=GRAPHS))
+    drawn = []
+    run = engine.graphs.run
+    engine.graphs.run = lambda reqs, t=None: drawn.append(t) or run(reqs, t)
+    outs = engine.generate(chosen, params)
+    _assert_same(ref, {o.request_id: (o.token_ids, o.logprobs, o.finish_reason) for o in outs})
+    assert drawn and all(t == temperature for t in drawn), drawn

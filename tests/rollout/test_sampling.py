@@ -145,9 +145,14 @@ def test_batched_row_states_equal_row_state() -> None:
     rows = [(0, 0, 0), (1 << 70, M64, (1 << 63) - 1), (M64, 1, 1 << 62), ((1 << 63) - 1, 2, 12345)]
     rows += [(int(s) & M64, int(k) & M64, int(p) & ((1 << 63) - 1))
              for s, k, p in torch.randint(-(1 << 63), (1 << 63) - 1, (300, 3), generator=g).tolist()]
-    got = S._row_states([S._seed_key_state(s, k) for s, k, _ in rows], [p for _, _, p in rows], "cpu")
+    got = S._row_states([S._seed_key_state(s, k) for s, k, _ in rows], [p for _, _, p in rows])
     assert got.dtype == torch.int64
     assert [v & M64 for v in got.tolist()] == [S.row_state(s, k, p) for s, k, p in rows]
+    # the decode graph's way: the per-request part kept per slot, the position mixed in by mix_positions
+    seeds = [P(seed=s) for s, _, _ in rows]
+    parts = torch.tensor([S.seed_key_state(sp, k) for sp, (_, k, _) in zip(seeds, rows)], dtype=torch.int64)
+    assert torch.equal(S.mix_positions(parts, torch.tensor([p for _, _, p in rows])), got)
+    assert S.seed_key_state(P(temperature=0), 5) == 0
 
 
 def test_uniform_bits_match_python_reference() -> None:
@@ -424,6 +429,35 @@ def test_nonfinite_logits_name_the_row() -> None:
     x[1, 0] = 3e38  # finite, but overflows at temperature 0.5
     with pytest.raises(ValueError, match=r"logits row 1 .*overflows .*temperature 0.5"):
         sample(x, [P(temperature=0.5)] * 5, [1, 2, 3, 4, 5], [0, 0, 0, 0, 0])
+
+
+def test_sample_async_equals_sample_and_flags_nonfinite_rows() -> None:
+    """The engine's sync-free draw: every finite row's token and log-prob equal ``sample``'s bit for bit, over
+    mixed temperatures (greedy, 1, 0.7), top-k / top-p rows, a strided (vocab_size) view and fp32 and bf16
+    logits; rows with NaN/Inf logits, or logits that overflow when divided by their temperature, are flagged
+    instead of raising, and do not change the other rows."""
+    g = torch.Generator().manual_seed(5)
+    ps = [P(), P(temperature=0.7, seed=3), P(temperature=0), P(top_k=4), P(top_p=0.8, seed=9), P(), P(temperature=0.5)]
+    keys, positions = [1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15, 16]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(7, 40, generator=g) * 3).to(dtype)
+        for vocab in (None, 33):
+            tok, lp = sample(x, ps, keys, positions, vocab_size=vocab)
+            tok_a, lp_a, finite = S.sample_async(x, ps, keys, positions, vocab_size=vocab)
+            assert finite.all() and torch.equal(tok_a, tok) and torch.equal(lp_a, lp)
+        # every row sampled with the same plain params: the whole-batch path
+        same = [P(seed=4)] * 7
+        assert all(torch.equal(a, b) for a, b in zip(S.sample_async(x, same, keys, positions)[:2],
+                                                     sample(x, same, keys, positions)))
+        bad = x.float().clone()
+        bad[1, 3] = float("nan")  # T = 0.7
+        bad[2, 0] = float("-inf")  # greedy
+        bad[6, 5] = 3e38  # finite, but overflows at T = 0.5
+        tok_a, lp_a, finite = S.sample_async(bad, ps, keys, positions)
+        assert finite.tolist() == [True, False, False, True, True, True, False]
+        rows = [0, 3, 4, 5]
+        tok, lp = sample(bad[rows], [ps[i] for i in rows], [keys[i] for i in rows], [positions[i] for i in rows])
+        assert torch.equal(tok_a[rows], tok) and torch.equal(lp_a[rows], lp)
 
 
 def test_argument_errors_and_empty_batch() -> None:

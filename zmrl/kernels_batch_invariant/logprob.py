@@ -32,13 +32,14 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be finite and >= 0 (0 means greedy), got {temperature}")
 
 
-def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Upcast, divide by the temperature, and reject non-finite values (naming the first bad row)."""
+def _scaled_logits(logits: torch.Tensor, temperature: float, check: bool = True) -> torch.Tensor:
+    """Upcast, divide by the temperature, and reject non-finite values (naming the first bad row; ``check=False``
+    skips that test, which reads a device value on the host)."""
     _check_temperature(temperature)
     z = logits.to(_cdt(logits.dtype))
     if temperature > 0 and temperature != 1.0:
         z = z / temperature
-    if not bool(torch.isfinite(z).all()):
+    if check and not bool(torch.isfinite(z).all()):
         flat = int((~torch.isfinite(z)).reshape(-1, z.shape[-1]).any(-1).nonzero()[0, 0])
         row: object = flat
         if z.dim() > 2:
@@ -55,15 +56,19 @@ def _lse(z: torch.Tensor) -> torch.Tensor:
 
 
 @invariant_op
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, *,
+                   check: bool = True) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature).
 
     logits: [T, V] (or [..., V]), any float dtype; token_ids: [T] (or [...]) integer.
     Returns [T] fp32 (fp64 for fp64 logits). Raises ValueError for ids outside [0, V), NaN/Inf
-    logits, or a negative temperature.
+    logits, or a negative temperature. ``check=False`` skips the id-range and finiteness tests (each reads
+    a device value on the host, a synchronisation): for a caller that guarantees both, the rollout
+    sampler, whose ids come from an argmax over the same finite rows. Same arithmetic either way.
     """
-    _check_token_ids(logits, token_ids)
-    z = _scaled_logits(logits, temperature)
+    if check:
+        _check_token_ids(logits, token_ids)
+    z = _scaled_logits(logits, temperature, check)
     picked = z.gather(-1, token_ids.long().unsqueeze(-1))
     return (picked - _lse(z)).squeeze(-1)
 
@@ -108,9 +113,11 @@ def _fast_scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 @token_logprobs.register("fast")
-def token_logprobs_fast(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs_fast(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, *,
+                        check: bool = True) -> torch.Tensor:
     """Stock ``torch.log_softmax`` + gather (no finiteness check: fast mode skips the host sync)."""
-    _check_token_ids(logits, token_ids)
+    if check:
+        _check_token_ids(logits, token_ids)
     ls = torch.log_softmax(_fast_scaled(logits, temperature), dim=-1)
     return ls.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 

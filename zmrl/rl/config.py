@@ -73,6 +73,10 @@ class RolloutSection:
     # "auto": CUDA-graph decode when rolling out on a GPU, eager on CPU; "cuda" / "static" (the fixed-shape
     # path uncaptured) / "off" (eager) force one. Bitwise the same rollouts in every setting.
     decode_graphs: str = "auto"
+    # With the fixed-shape decode: steps whose rows share one temperature and no top-k / top-p draw their tokens
+    # inside the decode graph (EngineConfig.sample_in_graph, off by default until run on a GPU); false samples
+    # eagerly. Same bits either way.
+    sample_in_graph: bool = False
     # A step where more than this fraction of the rollouts ended in an error (non-finite logits, a
     # request that cannot fit the cache) stops the run with the first error; 1.0 never stops.
     max_error_frac: float = 0.5
@@ -84,7 +88,8 @@ class RolloutSection:
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             enable_prefix_caching=self.enable_prefix_caching,
                             prefix_cache_kda_gib=self.prefix_cache_kda_gib, latent_format=self.latent_format,
-                            kernel_mode=kernel_mode, decode_graphs=self.decode_graphs)
+                            kernel_mode=kernel_mode, decode_graphs=self.decode_graphs,
+                            sample_in_graph=self.sample_in_graph)
 
     def sampling(self, seed: int, stop_token_ids: tuple[int, ...]) -> "SamplingParams":
         from zmrl.rollout import SamplingParams

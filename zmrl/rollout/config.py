@@ -37,6 +37,11 @@ class EngineConfig:
     # decode like prefill; "auto" (default) is "cuda" for a model on a GPU, else "off". Bitwise the same
     # tokens and log-probs in every setting.
     decode_graphs: str = "auto"
+    # With the fixed-shape decode path: a step whose rows all sample at one temperature without top-k / top-p
+    # draws its tokens and log-probs inside the decode graph (no eager sampling ops, one copy back). False
+    # samples eagerly from the graph's logits. The same tokens and log-probs either way (CPU tests of the
+    # uncaptured path); off by default until tests/rollout/test_graph_runner.py has run it captured on a GPU.
+    sample_in_graph: bool = False
 
     def validate(self) -> "EngineConfig":
         for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"):

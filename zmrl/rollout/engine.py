@@ -23,7 +23,7 @@ from zmrl.kernels_batch_invariant import Numerics, apply_numerics, current_numer
 from .config import KERNEL_MODES, EngineConfig
 from .model_runner import ModelRunner
 from .request import Request, RolloutOutput, as_token_list
-from .sampler import draw
+from .sampler import draw, fetch
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 
@@ -141,7 +141,9 @@ class RolloutEngine:
             with self._numerics():
                 fwd = self.runner.run(batch)
                 self.scheduler.register_blocks(fwd.computed)
-                if fwd.ready:
+                if fwd.sampled is not None:  # drawn by the decode graph
+                    self.scheduler.apply(*fetch(fwd.ready, fwd.sampled))
+                elif fwd.ready:
                     self.scheduler.apply(*draw(self.scheduler.with_forks(fwd.ready), fwd.logits))
             self.num_steps += 1
         return self.scheduler.take_finished()

@@ -12,7 +12,11 @@ and replayed:
   sequence is loaded into a slot when it starts decoding here and written back to its
   ``KDASeqState`` only when an eager path needs it (a fork);
 * every op takes its shapes from the bucket (``ForwardContext.static_kv_len``), never from device
-  values, so nothing synchronises inside the step.
+  values, so nothing synchronises inside the step;
+* when every row samples the same way (one temperature, no top-k / top-p: an RL rollout's steps) the
+  graph also draws the tokens and their log-probs (``sampling.sample_plain``; each row's counter state is
+  its request's seed part, kept per pool slot and copied in with the other inputs, mixed with the position
+  on the device), so the step's only eager work is the fetch of the result.
 
 The step runs the same modules and ops as every other forward and is bitwise equal to the eager
 path (batch invariance: a row's bits depend on neither the batch size nor the padding); tests
@@ -30,6 +34,8 @@ import torch
 from zmrl.kernels_batch_invariant import get_mode
 from zmrl.model.context import ForwardContext, PagedLatentStore, int64_tensor
 from zmrl.model.kda_pool import KDAStatePool
+
+from .sampling import mix_positions, sample_plain, seed_key_state
 
 if TYPE_CHECKING:
     from zmrl.model.context import SequenceState
@@ -59,6 +65,13 @@ def bucket_of(n: int, sizes: list[int]) -> int:
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
     logits: torch.Tensor  # [bs, V] fp32, written by every replay
+    sampled: torch.Tensor | None  # [3, bs] float64 (sampling.sample_plain) when the graph samples
+
+
+@dataclass
+class DecodeResult:
+    logits: torch.Tensor  # [n, V] fp32
+    sampled: torch.Tensor | None  # [3, n] float64: token ids, log-probs, finite flags (``sample_temperature`` set)
 
 
 class DecodeGraphRunner:
@@ -80,11 +93,15 @@ class DecodeGraphRunner:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.slot_of: dict[str, int] = {}  # request id -> pool slot holding its KDA state
         mb = self.batch_sizes[-1]
-        # ids, positions, cache slots, pool slots: one [4, max_bs] tensor, filled by one copy per step.
+        # ids, positions, cache slots, pool slots, sampler seed states: one contiguous [5, bs] device tensor per
+        # batch bucket (``_static_inputs``), filled by one copy per step from the first 5 * bs entries of a pinned
+        # host buffer (contiguous on both sides: a strided copy would go through a pageable temporary).
         pin = self.device.type == "cuda"
-        self._host = torch.zeros(4, mb, dtype=torch.int64, pin_memory=pin)
-        self._inputs = torch.zeros(4, mb, dtype=torch.int64, device=self.device)
-        self.ids, self.positions, self.slot_mapping, self.kda_slots = self._inputs.unbind(0)
+        self._host = torch.zeros(5 * mb, dtype=torch.int64, pin_memory=pin)
+        self._inputs: dict[int, torch.Tensor] = {}
+        # per pool slot, the sampler's per-request state (sampling.seed_key_state) of the request holding it,
+        # written when the slot is taken; a step gathers its rows' entries like the block-table rows
+        self._slot_seed_keys = torch.zeros(max_num_seqs + 1, dtype=torch.int64)
         self.cu_seqlens = torch.arange(mb + 1, dtype=torch.int64, device=self.device)
         self.seq_idx = torch.arange(mb, dtype=torch.int64, device=self.device)
         # Block tables: one persistent host row per pool slot (the scratch slot's row is all scratch page, what
@@ -93,11 +110,11 @@ class DecodeGraphRunner:
         self._slot_pages = torch.full((max_num_seqs + 1, self.page_counts[-1]), scratch_page, dtype=torch.int64)
         self._slot_rows: list[tuple[list[int], int] | None] = [None] * (max_num_seqs + 1)
         self._block_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._graphs: dict[tuple[str, int, int], _Captured] = {}
+        self._graphs: dict[tuple[str, int, int, float | None], _Captured] = {}
         self._graph_pool = None
         self._copied: "torch.cuda.Event | None" = None
         # what a padding row feeds: token 0 at position 0, written to the scratch page and the scratch slot
-        self._pad_row = torch.tensor([[0], [0], [scratch_page * self.page_size], [self.pool.scratch_slot]])
+        self._pad_row = torch.tensor([[0], [0], [scratch_page * self.page_size], [self.pool.scratch_slot], [0]])
 
     # ------------------------------------------------------------------ admission
     def accepts(self, reqs: list["Request"]) -> bool:
@@ -131,8 +148,10 @@ class DecodeGraphRunner:
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def run(self, reqs: list["Request"]) -> torch.Tensor:
-        """Logits [len(reqs), V] (fp32) of one decode step: each request's next token at ``num_computed``."""
+    def run(self, reqs: list["Request"], sample_temperature: float | None = None) -> DecodeResult:
+        """Logits [len(reqs), V] (fp32) of one decode step: each request's next token at ``num_computed``; with
+        ``sample_temperature`` also the draw of every row at that temperature without top-k / top-p (the
+        caller's promise: the graph reads no request's parameters but its seed state)."""
         n = len(reqs)
         bs = bucket_of(n, self.batch_sizes)
         pages = bucket_of(max(len(r.seq.pages) for r in reqs), self.page_counts)
@@ -147,6 +166,7 @@ class DecodeGraphRunner:
                 slot = self.free_slots.pop()
                 self.pool.load(r.seq, slot)
                 slot_of[r.request_id] = slot
+                self._slot_seed_keys[slot] = seed_key_state(r.params, r.sample_key)
             seq = r.seq
             pos, seq_pages = seq.num_tokens, seq.pages
             ids.append(r.token_at(pos))
@@ -158,24 +178,28 @@ class DecodeGraphRunner:
                 self._write_slot_row(slot, seq, held)
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are still being read by the last step's copy
-        host = self._host
-        host[:, :n] = int64_tensor(ids + positions + cache_slots + pool_slots).view(4, n)
-        host[:, n:bs] = self._pad_row
+        host = self._host[: 5 * bs].view(5, bs)
+        host[:4, :n] = int64_tensor(ids + positions + cache_slots + pool_slots).view(4, n)
+        host[:, n:] = self._pad_row
+        if sample_temperature is not None:
+            torch.index_select(self._slot_seed_keys, 0, host[3], out=host[4])
         bt_dev, bt_host = self._block_table(bs, pages)
         # padding rows gather the scratch slot's row: every entry the scratch page
-        torch.index_select(self._slot_pages[:, :pages], 0, host[3, :bs], out=bt_host)
-        self._inputs[:, :bs].copy_(host[:, :bs], non_blocking=True)
+        torch.index_select(self._slot_pages[:, :pages], 0, host[3], out=bt_host)
+        self._static_inputs(bs).copy_(host, non_blocking=True)
         bt_dev.copy_(bt_host, non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
         if self.mode == "static":
-            return self._forward(bs, pages)[:n]
-        captured = self._graphs.get((get_mode(), bs, pages))
-        if captured is None:
-            captured = self._capture(bs, pages)
-        captured.graph.replay()
-        return captured.logits[:n]
+            logits, sampled = self._forward(bs, pages, sample_temperature)
+        else:
+            captured = self._graphs.get((get_mode(), bs, pages, sample_temperature))
+            if captured is None:
+                captured = self._capture(bs, pages, sample_temperature)
+            captured.graph.replay()
+            logits, sampled = captured.logits, captured.sampled
+        return DecodeResult(logits[:n], None if sampled is None else sampled[:, :n])
 
     def _write_slot_row(self, slot: int, seq: "SequenceState", held: tuple[list[int], int] | None) -> None:
         """Bring a slot's block-table row to the sequence's pages. A page list only ever grows in place or is
@@ -189,6 +213,13 @@ class DecodeGraphRunner:
                 row[:n] = int64_tensor(pages)
         self._slot_rows[slot] = (pages, n)
 
+    def _static_inputs(self, bs: int) -> torch.Tensor:
+        """The bucket's [5, bs] device inputs: ids, positions, cache slots, pool slots, sampler seed states."""
+        inputs = self._inputs.get(bs)
+        if inputs is None:
+            inputs = self._inputs[bs] = torch.zeros(5, bs, dtype=torch.int64, device=self.device)
+        return inputs
+
     def _block_table(self, bs: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(device table, pinned host table) of one bucket."""
         key = (bs, pages)
@@ -198,38 +229,47 @@ class DecodeGraphRunner:
             self._block_tables[key] = (torch.zeros(bs, pages, dtype=torch.int64, device=self.device), host)
         return self._block_tables[key]
 
-    def _forward(self, bs: int, pages: int) -> torch.Tensor:
-        """The fixed-shape step over the static buffers (what a graph captures)."""
+    def _forward(self, bs: int, pages: int, sample_temperature: float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fixed-shape step over the static buffers (what a graph captures): logits, and the draw
+        (``sample_plain``) when ``sample_temperature`` is set."""
+        ids, positions, slot_mapping, kda_slots, seed_keys = self._static_inputs(bs)
         ctx = ForwardContext(
-            cu_seqlens=self.cu_seqlens[: bs + 1], positions=self.positions[:bs], seq_idx=self.seq_idx[:bs],
-            block_table=self._block_tables[(bs, pages)][0], slot_mapping=self.slot_mapping[:bs], store=self.store,
+            cu_seqlens=self.cu_seqlens[: bs + 1], positions=positions, seq_idx=self.seq_idx[:bs],
+            block_table=self._block_tables[(bs, pages)][0], slot_mapping=slot_mapping, store=self.store,
             kda_states=None, latent_format=self.latent_format,  # type: ignore[arg-type]
-            static_kv_len=pages * self.page_size, kda_pool=self.pool, kda_slots=self.kda_slots[:bs],
+            static_kv_len=pages * self.page_size, kda_pool=self.pool, kda_slots=kda_slots,
             validate_ids=False,
         )
-        return self.model.compute_logits(self.model(self.ids[:bs], ctx))
+        logits = self.model.compute_logits(self.model(ids, ctx))
+        if sample_temperature is None:
+            return logits, None
+        # the token drawn now sits at position + 1
+        return logits, sample_plain(logits, sample_temperature, mix_positions(seed_keys, positions + 1))
 
-    def _capture(self, bs: int, pages: int) -> _Captured:
+    def _capture(self, bs: int, pages: int, sample_temperature: float | None) -> _Captured:
         """Capture the step for one bucket. Warm-up and capture run on padding only (scratch page, scratch
         slot): the real rows' inputs are copied in afterwards, so their state is touched once, by the replay."""
-        saved = self._inputs[:, :bs].clone()
+        inputs = self._static_inputs(bs)
+        saved = inputs.clone()
         bt_dev = self._block_table(bs, pages)[0]
         saved_bt = bt_dev.clone()
-        self._inputs[:, :bs] = self._pad_row.to(self.device)
+        inputs.copy_(self._pad_row.to(self.device).expand(5, bs))
         bt_dev.fill_(self.scratch_page)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(bs, pages)  # compiles kernels and warms allocators outside the capture
+            self._forward(bs, pages, sample_temperature)  # compiles kernels and warms allocators outside the capture
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._forward(bs, pages)
-        self._inputs[:, :bs].copy_(saved)
+            logits, sampled = self._forward(bs, pages, sample_temperature)
+        inputs.copy_(saved)
         bt_dev.copy_(saved_bt)
-        captured = _Captured(graph, logits)
-        self._graphs[(get_mode(), bs, pages)] = captured
-        log.info("captured decode graph: batch %d, %d pages (%d graphs)", bs, pages, len(self._graphs))
+        captured = _Captured(graph, logits, sampled)
+        self._graphs[(get_mode(), bs, pages, sample_temperature)] = captured
+        log.info("captured decode graph: batch %d, %d pages, sampling %s (%d graphs)", bs, pages,
+                 "off" if sample_temperature is None else f"at temperature {sample_temperature}", len(self._graphs))
         return captured

@@ -16,6 +16,19 @@ from zmrl.model.kda import KimiDeltaAttention
 from .config import EngineConfig
 from .graph_runner import DecodeGraphRunner
 from .request import Request
+from .sampling import is_plain
+
+
+def plain_temperature(reqs: list[Request]) -> float | None:
+    """The temperature every request samples at when all draw from the whole vocabulary (no top-k / top-p) and
+    none has siblings to fork now (they sample from its row with their own keys); else None. (A sampled request
+    without a seed, which the engine never runs, is left to the eager sampler's error.)"""
+    temperature = reqs[0].params.temperature
+    for r in reqs:
+        p = r.params
+        if r.fork_ids or p.temperature != temperature or not is_plain(p) or (p.seed is None and not p.greedy):
+            return None
+    return temperature
 
 
 def resolve_decode_graphs(setting: str, model) -> str:
@@ -38,6 +51,9 @@ class StepForward:
     computed: list[Request]  # every request of the batch, in the order its tokens were computed
     ready: list[Request]  # those whose next token is due (all their tokens are computed) ...
     logits: torch.Tensor | None  # ... and their logits rows [len(ready), V] fp32
+    # ... or, when the decode graph drew them already (every row a plain draw at one temperature, no fork due),
+    # their token ids, log-probs and finite flags [3, len(ready)] float64 (sampler.fetch reads them)
+    sampled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -89,13 +105,16 @@ class ModelRunner:
             ready += reqs
             parts.append(logits)
         if decode:
-            logits = self.graphs.run(decode)
+            temperature = None if eager or not self.config.sample_in_graph else plain_temperature(decode)
+            result = self.graphs.run(decode, temperature)
             for r in decode:
                 r.seq.num_tokens += 1
                 if self.config.enable_prefix_caching and r.num_computed % self.block_size == 0:
                     self.graphs.snapshot(r)
             ready += decode
-            parts.append(logits)
+            if result.sampled is not None:
+                return StepForward(decode, ready, None, result.sampled)
+            parts.append(result.logits)
         computed = [r for r, _ in eager] + decode
         if not parts:
             return StepForward(computed, [], None)

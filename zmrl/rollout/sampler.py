@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
-from .sampling import sample
+from .sampling import sample_async
 
 
 @dataclass
@@ -20,19 +20,34 @@ class Draw:
 def draw(rows: list[tuple[Request, int]], logits: torch.Tensor) -> tuple[list[tuple[Request, str]], list[Draw]]:
     """Sample each request's next token from its row of ``logits`` (several requests may share a row: forked
     siblings). Returns (request, error) for rows with non-finite logits, and the draws of the others."""
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
-    errors = [(r, f"non-finite logits for request {r.request_id!r} at position {len(r.tokens)}")
-              for r, row in rows if not finite[row]]
-    ok = [(r, row) for r, row in rows if finite[row]] if errors else rows
-    if not ok:
-        return errors, []
-    picked = [row for _, row in ok]
+    if not rows:
+        return [], []
+    picked = [row for _, row in rows]
     # the usual step samples every row once, in order: no gathered copy of the logits (rows are independent,
     # a row's bits are the same in either tensor)
     x = logits if logits.is_contiguous() and picked == list(range(logits.shape[0])) else logits[picked]
-    reqs = [r for r, _ in ok]
-    tokens, lps = sample(x, [r.params for r in reqs], [r.sample_key for r in reqs], [r.num_tokens for r in reqs])
+    reqs = [r for r, _ in rows]
+    tokens, lps, finite = sample_async(x, [r.params for r in reqs], [r.sample_key for r in reqs],
+                                       [r.num_tokens for r in reqs])
     if lps.dtype != torch.float32:
         raise TypeError(f"draw: the engine's logits must be float32 (compute_logits), got {logits.dtype}")
-    # Python floats (fp32 -> float64 -> fp32 is exact), fetched with the tokens: no tensor view per row per step
-    return errors, list(map(Draw, reqs, tokens.tolist(), lps.tolist()))
+    return fetch(reqs, torch.stack([tokens.to(torch.float64), lps.to(torch.float64), finite.to(torch.float64)]))
+
+
+def fetch(reqs: list[Request], sampled: torch.Tensor) -> tuple[list[tuple[Request, str]], list[Draw]]:
+    """The step's one device->host transfer: ``sampled`` [3, len(reqs)] float64 holds each request's token id,
+    float32 log-prob and finite flag (all exact in float64: ids < 2^53), queued behind the forward and the draw
+    (nothing before this reads the device). Returns (request, error) for rows with non-finite logits, and the
+    draws of the others."""
+    host_tokens, host_lps, host_finite = sampled.tolist()
+    if all(host_finite):
+        return [], list(map(Draw, reqs, map(int, host_tokens), host_lps))
+    errors: list[tuple[Request, str]] = []
+    draws: list[Draw] = []
+    for r, token, lp, ok in zip(reqs, host_tokens, host_lps, host_finite):
+        if ok:
+            draws.append(Draw(r, int(token), lp))
+        else:
+            errors.append((r, f"non-finite logits for request {r.request_id!r} at position {r.num_tokens} "
+                              f"(NaN/Inf, or an overflow when divided by temperature {r.params.temperature})"))
+    return errors, draws

@@ -48,7 +48,8 @@ from zmrl.kernels_batch_invariant.logprob import _scaled_logits, token_logprobs
 from zmrl.kernels_batch_invariant.reduce import tree_sum
 from zmrl.model.context import int64_tensor
 
-__all__ = ["SamplingParams", "derive_seed", "rollout_seed", "sample", "sample_scaled"]
+__all__ = ["SamplingParams", "derive_seed", "is_plain", "mix_positions", "rollout_seed", "row_states", "sample",
+           "sample_async", "sample_plain", "sample_scaled", "seed_key_state"]
 
 _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64 Weyl increment (odd, ~2^64 / golden ratio)
@@ -205,13 +206,26 @@ def _seed_key_state(seed: int, key: int) -> int:
     return _mix64((h ^ key) + _GAMMA & _M64)
 
 
-def _row_states(seed_key_states: list[int], positions: list[int], device: torch.device | str) -> torch.Tensor:
-    """``row_state`` of many rows at once, as int64 bit patterns [R]: the position is mixed in by tensor ops
-    (the same 64-bit wrapping arithmetic) instead of one Python ``_mix64`` per row."""
-    x = int64_tensor([_signed(h) for h in seed_key_states])
-    x.bitwise_xor_(int64_tensor(positions))  # positions < 2^63
+def _row_states(seed_key_states: list[int], positions: list[int]) -> torch.Tensor:
+    """``row_state`` of many rows at once, as int64 bit patterns [R] on the host: the position is mixed in by
+    tensor ops (the same 64-bit wrapping arithmetic) instead of one Python ``_mix64`` per row."""
+    return mix_positions(int64_tensor([_signed(h) for h in seed_key_states]), int64_tensor(positions))
+
+
+def mix_positions(seed_key_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``row_state`` from the rows' ``seed_key_state`` (int64 bit patterns [R]) and the positions being sampled
+    [R] (< 2^63), by int64 tensor ops on any device (exact integer arithmetic: the same bits everywhere); the
+    decode graph runs it on the device from the positions it already holds."""
+    x = seed_key_states ^ positions
     x.add_(_signed(_GAMMA))
-    return _mix64_t(x).to(device)
+    return _mix64_t(x)
+
+
+def seed_key_state(params: "SamplingParams", key: int) -> int:
+    """The int64 bit pattern of the row state's per-request part (``mix_positions`` adds the position); 0 for
+    a greedy request, which draws no noise, and for one without a seed yet (it cannot be drawn: ``sample``
+    refuses it; the engine gives every request a seed)."""
+    return 0 if params.greedy or params.seed is None else _signed(_seed_key_state(params.seed, key))
 
 
 def _uniform_bits(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -317,6 +331,14 @@ def _candidate_counts(zf: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return count, order
 
 
+def _draw_unfiltered(z: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max over the whole vocabulary: the lowest-index argmax of ``z + G`` per row (z [R, V])."""
+    r, v = z.shape
+    idx = torch.arange(v, device=z.device).expand(r, v)
+    score = _gumbel(states, idx).add_(z)  # float64
+    return _first_index(score == score.amax(dim=-1, keepdim=True), idx, v)
+
+
 @invariant_op
 def sample_scaled(z: torch.Tensor, states: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Gumbel-max draw from temperature-scaled logits, row-invariant.
@@ -336,9 +358,7 @@ def sample_scaled(z: torch.Tensor, states: torch.Tensor, top_k: torch.Tensor, to
 
     plain = (~filtered).nonzero().squeeze(-1)
     if plain.numel():
-        idx = torch.arange(v, device=z.device).expand(plain.numel(), v)
-        score = _gumbel(states.index_select(0, plain), idx).add_(z.index_select(0, plain))  # float64
-        out[plain] = _first_index(score == score.amax(dim=-1, keepdim=True), idx, v)
+        out[plain] = _draw_unfiltered(z.index_select(0, plain), states.index_select(0, plain))
 
     rows = filtered.nonzero().squeeze(-1)
     if rows.numel():
@@ -411,6 +431,136 @@ def _check_args(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Se
         raise ValueError("sample: logits have an empty vocabulary dimension")
 
 
+def _greedy(z: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum."""
+    v = z.shape[-1]
+    col = torch.arange(v, device=z.device).expand_as(z)
+    return _first_index(z == z.amax(dim=-1, keepdim=True), col, v)
+
+
+def _finite_rows(z: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(z, x, finite [R] bool) with the rows whose scaled logits ``z`` are not all finite replaced by zeros in
+    both (``x``: the unscaled logits the log-prob op reads): no NaN reaches the argmax or the log-prob's gather,
+    and no host test is needed. A finite row keeps its values exactly."""
+    ok = torch.isfinite(z).all(dim=-1)
+    keep, same = ok[:, None], z is x
+    z = torch.where(keep, z, 0.0)
+    return z, (z if same else torch.where(keep, x, 0.0)), ok
+
+
+def sample_plain(logits: torch.Tensor, temperature: float, states: torch.Tensor) -> torch.Tensor:
+    """The whole-batch draw of ``sample_async`` for rows that share one temperature and filter nothing (no top-k,
+    no top-p), from device inputs only, so a CUDA graph can capture it: ``logits`` [B, V] (contiguous),
+    ``states`` [B] int64 (``row_states`` / ``mix_positions``; ignored when greedy). Returns [3, B] float64: token ids, log-probs and
+    finite flags (1.0 / 0.0), each exact in float64, what the engine fetches in one copy. The same ops as
+    ``sample_async``, so the same bits."""
+    x = logits
+    z = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32) if temperature == 0.0 else \
+        _scaled_logits(x, temperature, check=False)
+    z, x, ok = _finite_rows(z, x)
+    tok = _greedy(z) if temperature == 0.0 else _draw_unfiltered(z, states)
+    lp = token_logprobs(x, tok, temperature, check=False)
+    return torch.stack([tok.to(torch.float64), lp.to(torch.float64), ok.to(torch.float64)])
+
+
+def is_plain(params: SamplingParams) -> bool:
+    """Greedy, or samples from the whole vocabulary (no top-k, no top-p): ``sample_plain`` can draw it."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0)
+
+
+def row_states(params: Sequence[SamplingParams], keys: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """The rows' counter states [B] int64 on the host (0 for a greedy row, which draws no noise)."""
+    return _row_states([0 if p.greedy else _seed_key_state(p.seed, k) for p, k in zip(params, keys)], list(positions))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor built this step on ``device`` without a blocking copy (pinned memory, asynchronous: the
+    caching host allocator keeps the pinned block until the copy has run)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _sample_groups(x: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[int], positions: Sequence[int],
+                   checked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The draw and the log-probs of every row of ``x`` [B, V] (arguments already checked). ``checked``: raise a
+    ValueError naming the first row with non-finite scaled logits (host reads of device values). Otherwise no
+    host synchronisation on the usual path (no top-k / top-p): rows whose scaled logits are not all finite are
+    flagged in the returned mask [B] bool and draw from zeros instead (their token and log-prob mean nothing);
+    a finite row's values are the same either way."""
+    bsz, v = x.shape
+    dev = x.device
+    tokens = torch.empty(bsz, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(bsz, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=dev)
+    finite = None if checked else torch.empty(bsz, dtype=torch.bool, device=dev)
+    if bsz == 0:
+        return tokens, logprobs, finite
+
+    # Rows that share a temperature are scaled together with a Python-scalar division: exactly the
+    # op token_logprobs applies (an elementwise op, so grouping does not change any row's bits).
+    groups: dict[float, list[int]] = {}
+    for b, p in enumerate(params):
+        groups.setdefault(p.temperature, []).append(b)
+    for temp, rows in groups.items():
+        # one temperature for the whole (contiguous) batch, the usual rollout step: no gather, no scatter back
+        whole = len(rows) == bsz and x.is_contiguous()
+        idx = None if whole else _to_device(int64_tensor(rows), dev)
+        xg = x if whole else x.index_select(0, idx)
+        if temp == 0.0:
+            z = xg.to(torch.float64 if xg.dtype == torch.float64 else torch.float32)
+            if checked and not bool(torch.isfinite(z).all()):
+                _raise_nonfinite(z, rows, keys, positions, None)
+        elif checked:
+            try:
+                z = _scaled_logits(xg, temp)
+            except ValueError:  # name the batch row (and say whether the division overflowed)
+                _raise_nonfinite(xg, rows, keys, positions, None)
+                _raise_nonfinite(xg.to(torch.float32) / temp, rows, keys, positions, temp)
+                raise
+        else:
+            z = _scaled_logits(xg, temp, check=False)
+        if not checked:
+            z, xg, ok = _finite_rows(z, xg)
+            if whole:
+                finite.copy_(ok)
+            else:
+                finite[idx] = ok
+        if temp == 0.0:
+            tok = _greedy(z)
+        else:
+            ps = [params[b] for b in rows]
+            states = _to_device(row_states(ps, [keys[b] for b in rows], [positions[b] for b in rows]), dev)
+            if all(map(is_plain, ps)):  # no filter: what sample_scaled does for such rows
+                tok = _draw_unfiltered(z, states)
+            else:
+                top_k = _to_device(int64_tensor([p.top_k if p.top_k > 0 else v for p in ps]), dev)
+                top_p = _to_device(torch.tensor([p.top_p for p in ps], dtype=torch.float64), dev)
+                tok = sample_scaled(z, states, top_k, top_p)
+        lp = token_logprobs(xg, tok, temp, check=checked)
+        if whole:
+            tokens.copy_(tok)
+            logprobs.copy_(lp)
+        else:
+            tokens[idx] = tok
+            logprobs[idx] = lp.to(logprobs.dtype)
+    return tokens, logprobs, finite
+
+
+@torch.no_grad()
+def sample_async(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], positions: list[int],
+                 vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sample`` without reading anything back to the host (on the usual path: rows without top-k / top-p, whose
+    candidate widths depend on the logits): (token_ids [B], logprobs [B], finite [B] bool). A row whose
+    temperature-scaled logits are not all finite is flagged False instead of raising, and its token and log-prob
+    are meaningless; every other row's are ``sample``'s, bit for bit. The rollout engine fetches all three in
+    one transfer."""
+    _check_args(logits, params, keys, positions, vocab_size)
+    x = logits if vocab_size is None else logits[:, :vocab_size]
+    tokens, logprobs, finite = _sample_groups(x, params, keys, positions, checked=False)
+    assert finite is not None
+    return tokens, logprobs, finite
+
+
 @torch.no_grad()
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], positions: list[int],
            vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,46 +579,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], 
     """
     _check_args(logits, params, keys, positions, vocab_size)
     x = logits if vocab_size is None else logits[:, :vocab_size]
-    bsz, v = x.shape
-    dev = x.device
-    tokens = torch.empty(bsz, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(bsz, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=dev)
-    if bsz == 0:
-        return tokens, logprobs
-
-    # Rows that share a temperature are scaled together with a Python-scalar division: exactly the
-    # op token_logprobs applies (an elementwise op, so grouping does not change any row's bits).
-    groups: dict[float, list[int]] = {}
-    for b, p in enumerate(params):
-        groups.setdefault(p.temperature, []).append(b)
-    for temp, rows in groups.items():
-        # one temperature for the whole (contiguous) batch, the usual rollout step: no gather, no scatter back
-        whole = len(rows) == bsz and x.is_contiguous()
-        idx = None if whole else torch.tensor(rows, dtype=torch.int64, device=dev)
-        xg = x if whole else x.index_select(0, idx)
-        if temp == 0.0:
-            z = xg.to(torch.float64 if xg.dtype == torch.float64 else torch.float32)
-            if not bool(torch.isfinite(z).all()):
-                _raise_nonfinite(z, rows, keys, positions, None)
-            col = torch.arange(v, device=dev).expand_as(z)
-            tok = _first_index(z == z.amax(dim=-1, keepdim=True), col, v)
-        else:
-            try:
-                z = _scaled_logits(xg, temp)
-            except ValueError:  # name the batch row (and say whether the division overflowed)
-                _raise_nonfinite(xg, rows, keys, positions, None)
-                _raise_nonfinite(xg.to(torch.float32) / temp, rows, keys, positions, temp)
-                raise
-            ps = [params[b] for b in rows]
-            states = _row_states([_seed_key_state(p.seed, keys[b]) for b, p in zip(rows, ps)],
-                                 [positions[b] for b in rows], dev)
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in ps], dtype=torch.int64, device=dev)
-            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float64, device=dev)
-            tok = sample_scaled(z, states, top_k, top_p)
-        if whole:
-            tokens.copy_(tok)
-            logprobs.copy_(token_logprobs(xg, tok, temp))
-        else:
-            tokens[idx] = tok
-            logprobs[idx] = token_logprobs(xg, tok, temp).to(logprobs.dtype)
+    tokens, logprobs, _ = _sample_groups(x, params, keys, positions, checked=True)
     return tokens, logprobs

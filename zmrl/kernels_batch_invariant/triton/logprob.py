@@ -89,8 +89,9 @@ def _raise_if_nonfinite(bad: torch.Tensor, lead_shape: torch.Size, temperature: 
 
 
 def _launch(logits: torch.Tensor, token_ids: torch.Tensor | None, temperature: float,
-            write_all: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (token log-probs [R] or empty, log-softmax [R, V] or empty, lse [R]); raises on non-finite."""
+            write_all: bool, check: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (token log-probs [R] or empty, log-softmax [R, V] or empty, lse [R]); raises on non-finite
+    (``check=False``: does not look, no host synchronisation)."""
     _ops._check_temperature(temperature)
     v = logits.shape[-1]
     # Rows may be strided (e.g. a column slice logits[:, :vocab]); columns must be unit-stride.
@@ -109,7 +110,8 @@ def _launch(logits: torch.Tensor, token_ids: torch.Tensor | None, temperature: f
         _logprob_kernel[(r,)](x, tok, lp, ls, lse, bad, v, x.stride(0), float(temperature),
                               SCALE=_scales(temperature), PICK=token_ids is not None, WRITE_ALL=write_all,
                               BLOCK=block, num_warps=row_warps(block))
-    _raise_if_nonfinite(bad, logits.shape[:-1], temperature)
+    if check:
+        _raise_if_nonfinite(bad, logits.shape[:-1], temperature)
     return lp, ls, lse
 
 
@@ -158,13 +160,15 @@ class _LogSoftmax(torch.autograd.Function):
 
 
 @token_logprobs.register("triton")
-def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    _check_token_ids(logits, token_ids)
+def token_logprobs_triton(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, *,
+                          check: bool = True) -> torch.Tensor:
+    if check:
+        _check_token_ids(logits, token_ids)
     if logits.dtype == torch.float64:  # gradchecks only: the torch backend computes in fp64
-        return token_logprobs.impls["torch"](logits, token_ids, temperature)
+        return token_logprobs.impls["torch"](logits, token_ids, temperature, check=check)
     if torch.is_grad_enabled() and logits.requires_grad:
         return _TokenLogprobs.apply(logits, token_ids, temperature)
-    lp, _, _ = _launch(logits, token_ids, temperature, write_all=False)
+    lp, _, _ = _launch(logits, token_ids, temperature, write_all=False, check=check)
     return lp.reshape(logits.shape[:-1])
 
 
