@@ -273,7 +273,7 @@ def test_in_graph_draw_equals_eager(model, prompts, temperature):
     params = [SamplingParams(max_tokens=36, seed=20 + i, temperature=temperature, n=2) for i in range(2)]
     chosen = prompts[2:4]
     ref, _ = _run(model, chosen, params, decode_graphs="off")
-    engine = RolloutEngine(model, EngineConfig(num_blocks=48, decode_graphs=GRAPHS))
+    engine = RolloutEngine(model, EngineConfig(num_blocks=48, decode_graphs=GRAPHS, sample_in_graph=True))
     drawn = []
     run = engine.graphs.run
     engine.graphs.run = lambda reqs, t=None: drawn.append(t) or run(reqs, t)
