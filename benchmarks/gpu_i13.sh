@@ -83,7 +83,7 @@ has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logpr
 
 has kda_bwd && step gpu_tests_kda_bwd "${T_KDA_BWD:-220}" $PYTEST -k "H16 or deterministic or path_is_taken" tests/kernels/triton/test_kda_chunk_bwd_gpu.py
 
-has kimi && step kimi_linear_gpu "${T_KIMI:-90}" $PYTEST tests/model/test_kimi_linear_checkpoint.py
+has kimi && step kimi_linear_gpu "${T_KIMI:-300}" $PYTEST tests/model/test_kimi_linear_checkpoint.py
 
 has trainer && step trainer_throughput "${T_TRAINER:-200}" $PY benchmarks/trainer_throughput.py --layers 16 --seq-lens 4096,4096,4096,4096 \
   --modes bitwise --recompute "${RECOMPUTE:-none,layer,selective,attention}" --warmup 1 --iters 1 --profile 30 \
