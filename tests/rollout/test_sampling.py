@@ -145,11 +145,11 @@ def test_batched_row_states_equal_row_state() -> None:
     rows = [(0, 0, 0), (1 << 70, M64, (1 << 63) - 1), (M64, 1, 1 << 62), ((1 << 63) - 1, 2, 12345)]
     rows += [(int(s) & M64, int(k) & M64, int(p) & ((1 << 63) - 1))
              for s, k, p in torch.randint(-(1 << 63), (1 << 63) - 1, (300, 3), generator=g).tolist()]
-    got = S._row_states([S._seed_key_state(s, k) for s, k, _ in rows], [p for _, _, p in rows])
+    seeds = [P(seed=s) for s, _, _ in rows]
+    got = S.row_states(seeds, [k for _, k, _ in rows], [p for _, _, p in rows])
     assert got.dtype == torch.int64
     assert [v & M64 for v in got.tolist()] == [S.row_state(s, k, p) for s, k, p in rows]
     # the decode graph's way: the per-request part kept per slot, the position mixed in by mix_positions
-    seeds = [P(seed=s) for s, _, _ in rows]
     parts = torch.tensor([S.seed_key_state(sp, k) for sp, (_, k, _) in zip(seeds, rows)], dtype=torch.int64)
     assert torch.equal(S.mix_positions(parts, torch.tensor([p for _, _, p in rows])), got)
     assert S.seed_key_state(P(temperature=0), 5) == 0

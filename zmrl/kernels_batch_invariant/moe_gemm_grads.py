@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from .host import to_device_async
 from .numerics import with_backward_matmuls
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
@@ -57,16 +58,6 @@ def _stack(weights: Weights, experts: list[int], sel: torch.Tensor) -> torch.Ten
     return torch.stack([weights[e] for e in experts])
 
 
-def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 tensor of ``values`` on ``device``. On CUDA it is copied from pinned memory without blocking
-    the host: ``torch.tensor(values, device="cuda")`` copies from pageable memory and then waits for
-    the stream to drain (a stall of the whole backward per call)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weights, offsets: Sequence[int],
                         need_x: bool, need_w: Sequence[bool], x_dtype: torch.dtype
                         ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
@@ -90,7 +81,8 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
     buckets = size_buckets(counts)
     idle = [e for e, c in enumerate(counts) if c == 0]
     # Every index the loop needs, in one host-to-device copy: row starts, counts, each bucket's experts, idle experts.
-    packed = index_tensor([*offsets[:-1], *counts, *(e for b in buckets for e in b), *idle], dev)
+    packed = to_device_async(torch.tensor([*offsets[:-1], *counts, *(e for b in buckets for e in b), *idle],
+                                          dtype=torch.int64), dev)
     starts_all, counts_all = packed[:n_e], packed[n_e:2 * n_e]
     # One spare row: padded slots scatter their dx rows there, so the scatter needs no boolean-mask copy
     # of the batched result; the spare row is dropped at the end. Every real row is written exactly once

@@ -74,13 +74,13 @@ class KDAStatePool:
     def load(self, seq: SequenceState, slot: int) -> None:
         """Copy a sequence's eager KDA state into ``slot`` (empty layers load as zeros: a fresh sequence)."""
         r = seq.num_tokens % CHUNK_SIZE
+        if not self.layers:
+            return
         # the prime's index tensors, made on the device by a fill (a host tensor copied in would synchronise)
-        slot_t = row_t = None
+        dev = next(iter(self.layers.values())).state.device
+        slot_t = torch.full((1,), slot, dtype=torch.int64, device=dev)
+        row_t = torch.full((1,), r, dtype=torch.int64, device=dev)
         for key, pool in self.layers.items():
-            if slot_t is None:
-                dev = pool.state.device
-                slot_t = torch.full((1,), slot, dtype=torch.int64, device=dev)
-                row_t = torch.full((1,), r, dtype=torch.int64, device=dev)
             st = seq.kda.get(key) or KDASeqState()
             if st.num_pending != r:
                 raise RuntimeError(f"KDA layer {key}: {st.num_pending} pending rows but the sequence is at token "

@@ -56,7 +56,7 @@ class _DispatchRows(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(order)
         ctx.top_k = top_k
-        return h.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+        return h[order // top_k]
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]

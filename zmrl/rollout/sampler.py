@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
-from .sampling import sample_async
+from .sampling import pack_sampled, sample_async
 
 
 @dataclass
@@ -31,12 +31,12 @@ def draw(rows: list[tuple[Request, int]], logits: torch.Tensor) -> tuple[list[tu
                                        [r.num_tokens for r in reqs])
     if lps.dtype != torch.float32:
         raise TypeError(f"draw: the engine's logits must be float32 (compute_logits), got {logits.dtype}")
-    return fetch(reqs, torch.stack([tokens.to(torch.float64), lps.to(torch.float64), finite.to(torch.float64)]))
+    return fetch(reqs, pack_sampled(tokens, lps, finite))
 
 
 def fetch(reqs: list[Request], sampled: torch.Tensor) -> tuple[list[tuple[Request, str]], list[Draw]]:
-    """The step's one device->host transfer: ``sampled`` [3, len(reqs)] float64 holds each request's token id,
-    float32 log-prob and finite flag (all exact in float64: ids < 2^53), queued behind the forward and the draw
+    """The step's one device->host transfer: ``sampled`` [3, len(reqs)] (``sampling.pack_sampled``) holds each
+    request's token id, float32 log-prob and finite flag, queued behind the forward and the draw
     (nothing before this reads the device). Returns (request, error) for rows with non-finite logits, and the
     draws of the others."""
     host_tokens, host_lps, host_finite = sampled.tolist()

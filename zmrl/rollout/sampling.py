@@ -44,12 +44,13 @@ from typing import Any, Sequence
 import torch
 
 from zmrl.kernels_batch_invariant._dispatch import invariant_op
+from zmrl.kernels_batch_invariant.host import to_device_async
 from zmrl.kernels_batch_invariant.logprob import _scaled_logits, token_logprobs
 from zmrl.kernels_batch_invariant.reduce import tree_sum
 from zmrl.model.context import int64_tensor
 
 __all__ = ["SamplingParams", "derive_seed", "is_plain", "mix_positions", "rollout_seed", "row_states", "sample",
-           "sample_async", "sample_plain", "sample_scaled", "seed_key_state"]
+           "pack_sampled", "sample_async", "sample_plain", "sample_scaled", "seed_key_state"]
 
 _M64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64 Weyl increment (odd, ~2^64 / golden ratio)
@@ -204,12 +205,6 @@ def _seed_key_state(seed: int, key: int) -> int:
         h = _mix64((h ^ (rest & _M64)) + _GAMMA & _M64)
         rest >>= 64
     return _mix64((h ^ key) + _GAMMA & _M64)
-
-
-def _row_states(seed_key_states: list[int], positions: list[int]) -> torch.Tensor:
-    """``row_state`` of many rows at once, as int64 bit patterns [R] on the host: the position is mixed in by
-    tensor ops (the same 64-bit wrapping arithmetic) instead of one Python ``_mix64`` per row."""
-    return mix_positions(int64_tensor([_signed(h) for h in seed_key_states]), int64_tensor(positions))
 
 
 def mix_positions(seed_key_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -431,6 +426,17 @@ def _check_args(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Se
         raise ValueError("sample: logits have an empty vocabulary dimension")
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """The logits' compute dtype at temperature 0 (what ``_scaled_logits`` upcasts to): fp64 stays, else fp32."""
+    return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+def pack_sampled(tokens: torch.Tensor, logprobs: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """[3, B] float64: token ids, log-probs, finite flags (1.0 / 0.0), each exact in float64 (ids < 2^53): what the
+    engine fetches in its one device->host copy per step (``sampler.fetch``)."""
+    return torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64), finite.to(torch.float64)])
+
+
 def _greedy(z: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum."""
     v = z.shape[-1]
@@ -451,16 +457,12 @@ def _finite_rows(z: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 def sample_plain(logits: torch.Tensor, temperature: float, states: torch.Tensor) -> torch.Tensor:
     """The whole-batch draw of ``sample_async`` for rows that share one temperature and filter nothing (no top-k,
     no top-p), from device inputs only, so a CUDA graph can capture it: ``logits`` [B, V] (contiguous),
-    ``states`` [B] int64 (``row_states`` / ``mix_positions``; ignored when greedy). Returns [3, B] float64: token ids, log-probs and
-    finite flags (1.0 / 0.0), each exact in float64, what the engine fetches in one copy. The same ops as
-    ``sample_async``, so the same bits."""
-    x = logits
-    z = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32) if temperature == 0.0 else \
-        _scaled_logits(x, temperature, check=False)
-    z, x, ok = _finite_rows(z, x)
+    ``states`` [B] int64 (``row_states`` / ``mix_positions``; ignored when greedy). Returns ``pack_sampled``'s
+    [3, B]. The same ops as ``sample_async``, so the same bits."""
+    z = _upcast(logits) if temperature == 0.0 else _scaled_logits(logits, temperature, check=False)
+    z, x, ok = _finite_rows(z, logits)
     tok = _greedy(z) if temperature == 0.0 else _draw_unfiltered(z, states)
-    lp = token_logprobs(x, tok, temperature, check=False)
-    return torch.stack([tok.to(torch.float64), lp.to(torch.float64), ok.to(torch.float64)])
+    return pack_sampled(tok, token_logprobs(x, tok, temperature, check=False), ok)
 
 
 def is_plain(params: SamplingParams) -> bool:
@@ -469,16 +471,10 @@ def is_plain(params: SamplingParams) -> bool:
 
 
 def row_states(params: Sequence[SamplingParams], keys: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """The rows' counter states [B] int64 on the host (0 for a greedy row, which draws no noise)."""
-    return _row_states([0 if p.greedy else _seed_key_state(p.seed, k) for p, k in zip(params, keys)], list(positions))
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor built this step on ``device`` without a blocking copy (pinned memory, asynchronous: the
-    caching host allocator keeps the pinned block until the copy has run)."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    """``row_state`` of many rows at once, as int64 bit patterns [B] on the host (0 for a greedy row, which draws
+    no noise): the positions are mixed in by tensor ops (``mix_positions``) instead of one Python ``_mix64`` per
+    row."""
+    return mix_positions(int64_tensor([seed_key_state(p, k) for p, k in zip(params, keys)]), int64_tensor(positions))
 
 
 def _sample_groups(x: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[int], positions: Sequence[int],
@@ -504,10 +500,10 @@ def _sample_groups(x: torch.Tensor, params: Sequence[SamplingParams], keys: Sequ
     for temp, rows in groups.items():
         # one temperature for the whole (contiguous) batch, the usual rollout step: no gather, no scatter back
         whole = len(rows) == bsz and x.is_contiguous()
-        idx = None if whole else _to_device(int64_tensor(rows), dev)
+        idx = None if whole else to_device_async(int64_tensor(rows), dev)
         xg = x if whole else x.index_select(0, idx)
         if temp == 0.0:
-            z = xg.to(torch.float64 if xg.dtype == torch.float64 else torch.float32)
+            z = _upcast(xg)
             if checked and not bool(torch.isfinite(z).all()):
                 _raise_nonfinite(z, rows, keys, positions, None)
         elif checked:
@@ -529,12 +525,12 @@ def _sample_groups(x: torch.Tensor, params: Sequence[SamplingParams], keys: Sequ
             tok = _greedy(z)
         else:
             ps = [params[b] for b in rows]
-            states = _to_device(row_states(ps, [keys[b] for b in rows], [positions[b] for b in rows]), dev)
+            states = to_device_async(row_states(ps, [keys[b] for b in rows], [positions[b] for b in rows]), dev)
             if all(map(is_plain, ps)):  # no filter: what sample_scaled does for such rows
                 tok = _draw_unfiltered(z, states)
             else:
-                top_k = _to_device(int64_tensor([p.top_k if p.top_k > 0 else v for p in ps]), dev)
-                top_p = _to_device(torch.tensor([p.top_p for p in ps], dtype=torch.float64), dev)
+                top_k = to_device_async(int64_tensor([p.top_k if p.top_k > 0 else v for p in ps]), dev)
+                top_p = to_device_async(torch.tensor([p.top_p for p in ps], dtype=torch.float64), dev)
                 tok = sample_scaled(z, states, top_k, top_p)
         lp = token_logprobs(xg, tok, temp, check=checked)
         if whole:
