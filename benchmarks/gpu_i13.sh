@@ -18,8 +18,9 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_i13.sh          (TOTAL_S=... to change the overall budget)
 #
-# STEPS picks steps (default "kda_bwd kimi trainer rl_step more"; also: new rowwise kda_bwd_small; kimi is
-# the Kimi-Linear KDA layer against fla's chunk_kda), T_KDA_BWD / T_KIMI / T_TRAINER their limits,
+# STEPS picks steps (default "kda_bwd kimi trainer rl_step more"; also: new rowwise kda_bwd_small engine census
+# rollout; kimi is the Kimi-Linear KDA layer against fla's chunk_kda, engine the CUDA-graph engine tests on
+# the GPU, census trainer_op_census.py, rollout rollout_profile.py at 8 prompts x 8), T_KDA_BWD / T_KIMI / T_TRAINER their limits,
 # RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes and extra flags.
 #
 # The KDA backward through fla-core is opt-in (ZMRL_KDA_FLA_BACKWARD=1, see
@@ -92,11 +93,20 @@ has trainer && step trainer_throughput "${T_TRAINER:-200}" $PY benchmarks/traine
 has rl_step && step rl_step 150 $PY benchmarks/rl_step.py --layers 16 --prompts 8 --n 8 --prompt-len 512 --max-new 512 \
   --micro-batch-tokens 16384 --parity-pass separate,fused --out "$OUT/rl_step.json"
 
-has more && step gpu_tests_more 90 $PYTEST tests/kernels/triton/test_mla_attention_grads_gpu.py tests/trainer/test_gradients_gpu.py
+has engine && step gpu_tests_engine "${T_ENGINE:-150}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider -rA -q \
+  tests/rollout/test_graph_runner.py tests/rollout/test_engine.py
+
+has more && step gpu_tests_more "${T_MORE:-150}" $PYTEST tests/kernels/triton/test_mla_attention_grads_gpu.py tests/trainer/test_gradients_gpu.py
 
 has rowwise && step gpu_tests_rowwise_grads 60 $PYTEST -k grad "tests/kernels/triton/test_kda_chunk.py::test_gradients_match_float64" \
   tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_norms.py tests/kernels/triton/test_l2norm.py \
   tests/kernels/triton/test_kda_gate.py tests/kernels/triton/test_glu.py tests/kernels/triton/test_short_conv.py
+
+has census && step trainer_op_census "${T_CENSUS:-120}" $PY benchmarks/trainer_op_census.py --device cuda --layers 4 \
+  --out "$OUT/trainer_op_census.json"
+
+has rollout && step rollout_profile "${T_ROLLOUT:-150}" $PY benchmarks/rollout_profile.py --layers 16 --prompts 8 --n 8 \
+  --prompt-len 512 --max-new 512 --profile-steps 5 --out "$OUT/rollout_profile.json"
 
 has kda_bwd_small && step gpu_tests_kda_bwd_small 60 $PYTEST -k H4 tests/kernels/triton/test_kda_chunk_bwd_gpu.py
 
