@@ -102,11 +102,11 @@ has rowwise && step gpu_tests_rowwise_grads 60 $PYTEST -k grad "tests/kernels/tr
   tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_norms.py tests/kernels/triton/test_l2norm.py \
   tests/kernels/triton/test_kda_gate.py tests/kernels/triton/test_glu.py tests/kernels/triton/test_short_conv.py
 
-has census && step trainer_op_census "${T_CENSUS:-120}" $PY benchmarks/trainer_op_census.py --device cuda --layers 4 \
+has census && step trainer_op_census "${T_CENSUS:-120}" $PY benchmarks/trainer_op_census.py --device cuda --layers 4 ${CENSUS_ARGS:-} \
   --out "$OUT/trainer_op_census.json"
 
 has rollout && step rollout_profile "${T_ROLLOUT:-150}" $PY benchmarks/rollout_profile.py --layers 16 --prompts 8 --n 8 \
-  --prompt-len 512 --max-new 512 --profile-steps 5 --out "$OUT/rollout_profile.json"
+  --prompt-len 512 --max-new 512 --profile-steps 5 ${ROLLOUT_ARGS:-} --out "$OUT/rollout_profile.json"
 
 has kda_bwd_small && step gpu_tests_kda_bwd_small 60 $PYTEST -k H4 tests/kernels/triton/test_kda_chunk_bwd_gpu.py
 

@@ -74,9 +74,8 @@ class RolloutSection:
     # path uncaptured) / "off" (eager) force one. Bitwise the same rollouts in every setting.
     decode_graphs: str = "auto"
     # With the fixed-shape decode: steps whose rows share one temperature and no top-k / top-p draw their tokens
-    # inside the decode graph (EngineConfig.sample_in_graph, off by default until run on a GPU); false samples
-    # eagerly. Same bits either way.
-    sample_in_graph: bool = False
+    # inside the decode graph (EngineConfig.sample_in_graph); false samples eagerly. Same bits either way.
+    sample_in_graph: bool = True
     # A step where more than this fraction of the rollouts ended in an error (non-finite logits, a
     # request that cannot fit the cache) stops the run with the first error; 1.0 never stops.
     max_error_frac: float = 0.5

@@ -39,9 +39,9 @@ class EngineConfig:
     decode_graphs: str = "auto"
     # With the fixed-shape decode path: a step whose rows all sample at one temperature without top-k / top-p
     # draws its tokens and log-probs inside the decode graph (no eager sampling ops, one copy back). False
-    # samples eagerly from the graph's logits. The same tokens and log-probs either way (CPU tests of the
-    # uncaptured path); off by default until tests/rollout/test_graph_runner.py has run it captured on a GPU.
-    sample_in_graph: bool = False
+    # samples eagerly from the graph's logits. The same tokens and log-probs either way
+    # (tests/rollout/test_graph_runner.py, uncaptured on CPU and captured on a GPU).
+    sample_in_graph: bool = True
 
     def validate(self) -> "EngineConfig":
         for name in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"):

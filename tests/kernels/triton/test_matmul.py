@@ -39,12 +39,13 @@ def _bound(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ref: torch.Tenso
     IEEE FMA dots (factor 2 of slack). 16-bit operands run tensor-core MMAs whose fp32 accumulation
     need not round to nearest: factor 8 (a few bits), still ~1e-4 relative of sum|x||w| at K=1000,
     while a wrong row/column/tile gives errors of the size of |y|. fp32 x against bf16 w runs three
-    bf16 MMAs on a 3-way split of x (3K accumulations of exact products): factor 8 as well. The final
+    bf16 MMAs on a 3-way split of x (3K accumulations of exact products): factor 8 as well, and so does
+    bf16 x against fp32 w (the split of w). The final
     rounding adds half an ulp of the output dtype (2^-24 fp32, 2^-8 bf16) of |y|.
     """
     k = x.shape[-1]
     gamma = k * U32 / (1 - k * U32)
-    split = x.dtype == torch.float32 and w.dtype == torch.bfloat16
+    split = {x.dtype, w.dtype} == {torch.float32, torch.bfloat16}
     slack = 2.0 if (x.dtype == torch.float32 or w.dtype == torch.float32) and not split else 8.0
     s = x.double().abs() @ w.double().abs().t()
     ulp = 2.0**-8 if out.dtype == torch.bfloat16 else U32
@@ -153,14 +154,25 @@ def test_linear_concat_errors_and_fallbacks(device):
 
 def test_linear_mixed_dtypes_compute_in_fp32(device, interpret):
     """bf16 activations x fp32 weights (LoRA factors, router) and fp32 activations x bf16 weights
-    (MLA's attention output through W_UV) are fp32-accurate, like the torch backend, and the latter
-    (a 3-way bf16 split of x on the GPU) is row-invariant."""
+    (MLA's attention output through W_UV) are fp32-accurate, like the torch backend, and both (a 3-way
+    bf16 split of the fp32 operand on the GPU) are row-invariant."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(11, 96, generator=g).to(device, torch.bfloat16)
     w = torch.randn(32, 96, generator=g).to(device)
     y = _lin(x, w, out_dtype=torch.float32)
     ref = x.double() @ w.double().t()
     assert ((y.double() - ref).abs() <= _bound(x, w, y, ref)).all()
+    # LoRA A shapes (r = 32, and six adapters of one input fused) over a wide range of weight magnitudes
+    lora = [(9, 70, 32), (70, 40, 96)] if interpret else [(64, 2048, 32), (300, 2048, 192), (1000, 8192, 32)]
+    for m, k, n in lora:
+        x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+        w = torch.randn(n, k, generator=g).to(device) * torch.logspace(-3, 3, k).to(device)
+        y = _lin(x, w, out_dtype=torch.float32)
+        ref = x.double() @ w.double().t()
+        err = (y.double() - ref).abs()
+        assert (err <= _bound(x, w, y, ref)).all(), f"bf16 x fp32 w {(m, k, n)}: max err {err.max():.3g}"
+        sizes = [1, 2, 7, 16, 17, 65] if interpret else GPU_MS
+        _assert_rows_invariant(lambda r: _lin(r, w, out_dtype=torch.float32), x[:16], sizes, seed=n)
     shapes = [(7, 33, 40), (70, 64, 20)] if interpret else [(7, 33, 40), (1000, 512, 128), (300, 2048, 16384)]
     for m, k, n in shapes:
         x = torch.randn(m, k, generator=g).to(device) * torch.logspace(-3, 3, k).to(device)  # wide range

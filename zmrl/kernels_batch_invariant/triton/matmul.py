@@ -25,9 +25,11 @@ adds the bias in fp32 and rounds once to the output dtype. Why a row's bits do n
 Operand precision: bf16/fp16 x bf16/fp16 (same dtype) uses tensor-core dots with fp32 accumulation
 (the products are exact in fp32). fp32 activations against bf16 weights (MLA's fp32 attention output
 through W_UV) split each activation into three bf16 pieces and run three bf16 MMAs: exact products,
-fp32 accuracy, tensor-core speed. Anything else with an fp32 operand (fp32 models, fp32 LoRA factors,
-the fp32 router) computes in fp32 with IEEE dots (``input_precision="ieee"``: no TF32), so fp32
-models stay fp32-accurate. fp64 inputs only come from gradchecks: they run the torch backend.
+fp32 accuracy, tensor-core speed. bf16 activations against fp32 weights (the LoRA A factors, an fp32
+router) split the weight tile the same way. Anything else with an fp32 operand (fp32 models, the
+fp32 LoRA intermediate through lora_B) computes in fp32 with IEEE dots (``input_precision="ieee"``:
+no TF32), so fp32 models stay fp32-accurate. Both sides of the parity contract run these kernels, so
+the split is part of the shared numerics (which dots a dtype pair takes is fixed by the dtypes alone). fp64 inputs only come from gradchecks: they run the torch backend.
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) the dot is an explicit fp32 product
 and sum over each K block: the interpreter computes bf16 dots wrongly, and its fp32 dot (numpy/BLAS)
 is not row-invariant within a tile; the compiled GPU kernel always uses ``tl.dot``.
@@ -194,7 +196,8 @@ def _gemm_kernel(
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn,
     HAS_BIAS: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr,
-    W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, INTERPRET: tl.constexpr,
+    W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
+    INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """y[g, m, n] = sum_k x[g, m, k] * w[g, n, k] (+ b[n]) for one [BLOCK_M, BLOCK_N] tile.
@@ -309,6 +312,25 @@ def _gemm_kernel(
                 acc = tl.dot(hi, b, acc)
                 acc = tl.dot(mid, b, acc)
                 acc = tl.dot(lo, b, acc)
+        elif SPLIT_W:
+            # bf16 x, fp32 W (LoRA A factors): the same three-piece split, of the weight tile. It
+            # depends on the weight alone, so every row meets the same pieces. On the CUDA cores
+            # a narrow fp32 output (N = r = 32: one program at decode) walked K with IEEE FMA dots
+            # for tens of microseconds per call; three MMAs per K step are the same products.
+            b32 = b.to(tl.float32)
+            hi = b32.to(tl.bfloat16)
+            r = b32 - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            if INTERPRET:
+                aa = a.to(tl.float32)[:, :, None]
+                acc += tl.sum(aa * hi.to(tl.float32)[None, :, :], axis=1)
+                acc += tl.sum(aa * mid.to(tl.float32)[None, :, :], axis=1)
+                acc += tl.sum(aa * lo.to(tl.float32)[None, :, :], axis=1)
+            else:
+                acc = tl.dot(a, hi, acc)
+                acc = tl.dot(a, mid, acc)
+                acc = tl.dot(a, lo, acc)
         elif INTERPRET:
             # numpy's matmul (the interpreter's tl.dot) computes tile rows with different BLAS
             # micro-kernels depending on their position in the tile; an explicit product + sum over
@@ -332,10 +354,15 @@ def _split_x(x: torch.dtype, w: torch.dtype) -> bool:
     return x == torch.float32 and w == torch.bfloat16
 
 
+def _split_w(x: torch.dtype, w: torch.dtype) -> bool:
+    """bf16 activations against fp32 weights (LoRA A factors) run as three bf16 MMAs (see the kernel)."""
+    return x == torch.bfloat16 and w == torch.float32
+
+
 def _config_dtype(x: torch.dtype, w: torch.dtype) -> torch.dtype:
     """The dtype class ``linear_config`` is asked for: the tensor-core class (bf16) for split fp32 x
     bf16 products, else the dot's operand dtype."""
-    return torch.bfloat16 if _split_x(x, w) else _dot_dtype(x, w)
+    return torch.bfloat16 if _split_x(x, w) or _split_w(x, w) else _dot_dtype(x, w)
 
 
 def _dot_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
@@ -387,12 +414,14 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     ``segments``: segment mode, G=1, w3 the lowest-address weight as [1, N_s, K], y3 [1, M, sum N_s]."""
     _check_dtype(x3, "x")
     _check_dtype(w3, "weight")
-    split = _split_x(x3.dtype, w3.dtype)
+    split_x, split_w = _split_x(x3.dtype, w3.dtype), _split_w(x3.dtype, w3.dtype)
+    split = split_x or split_w
     if split and cfg.block_k != SPLIT_BLOCK_K:
         cfg = GemmConfig(cfg.block_m, cfg.block_n, SPLIT_BLOCK_K, cfg.num_warps, cfg.num_stages)
     f32 = not split and (_dot_dtype(x3.dtype, w3.dtype) == torch.float32 or _interpreting())
-    if split and cfg.num_stages > 3 and cfg.block_m * cfg.block_k * 4 * cfg.num_stages > 96 * 1024:
-        # the fp32 A tile doubles the stage size: keep the pipeline inside the SM's shared memory
+    f32_rows = cfg.block_m if split_x else cfg.block_n if split_w else 0
+    if split and cfg.num_stages > 3 and f32_rows * cfg.block_k * 4 * cfg.num_stages > 96 * 1024:
+        # the fp32 tile doubles the stage size: keep the pipeline inside the SM's shared memory
         cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, 3)
     if _interpreting() and y3.dtype != torch.float32:
         # The interpreter's fp32 -> 16-bit conversion truncates (the GPU rounds to nearest even):
@@ -426,7 +455,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         w3.stride(0), w3.stride(1), w3.stride(2),
         y3.stride(0), y3.stride(1), y3.stride(2),
         HAS_BIAS=bias is not None, EXPERTS=experts is not None, SEGMENTS=segments is not None,
-        W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split,
+        W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split_x, SPLIT_W=split_w,
         INTERPRET=_interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
