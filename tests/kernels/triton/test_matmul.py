@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear, linear_concat
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref
 from zmrl.kernels_batch_invariant.triton import triton_impl
@@ -26,6 +27,15 @@ CPU_MS = [1, 2, 3, 7, 16, 17, 63, 65, 129]
 # Bench preset projection shapes (N, K) (see benchmarks/gemm_invariant_vs_cublas.py).
 BENCH_NK = [(2048, 2048), (768, 2048), (12288, 768), (576, 2048), (2048, 8192), (4096, 768), (256, 2048),
             (2048, 256), (16384, 512), (128, 2048), (16, 2048), (64, 2048)]
+
+
+@pytest.fixture(autouse=True)
+def _ieee_backward_matmuls():
+    """The gradient bounds here are for IEEE fp32 GEMMs. On CUDA the trainer's default runs the
+    backward's fp32 GEMMs at TF32 (2^-11 per product; numerics.backward_matmul_precision), whose
+    bound tests/kernels/triton/test_moe_gemm_grads_gpu.py states; this file checks the math."""
+    with numerics_scope(current_numerics().replace(backward_matmul_precision="ieee")):
+        yield
 
 
 def _lin(*args, **kw):

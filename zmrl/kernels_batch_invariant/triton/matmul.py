@@ -299,38 +299,38 @@ def _gemm_kernel(
             # exact in fp32, so three bf16 MMAs give an fp32-accurate product on the tensor cores
             # instead of the ~10x slower fp32 FMA dot. A row's pieces depend on the row alone.
             a32 = a.to(tl.float32)
-            hi = a32.to(tl.bfloat16)
-            r = a32 - hi.to(tl.float32)
-            mid = r.to(tl.bfloat16)
-            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            p_hi = a32.to(tl.bfloat16)
+            p_res = a32 - p_hi.to(tl.float32)
+            p_mid = p_res.to(tl.bfloat16)
+            p_lo = (p_res - p_mid.to(tl.float32)).to(tl.bfloat16)
             if INTERPRET:
                 bb = b.to(tl.float32)[None, :, :]
-                acc += tl.sum(hi.to(tl.float32)[:, :, None] * bb, axis=1)
-                acc += tl.sum(mid.to(tl.float32)[:, :, None] * bb, axis=1)
-                acc += tl.sum(lo.to(tl.float32)[:, :, None] * bb, axis=1)
+                acc += tl.sum(p_hi.to(tl.float32)[:, :, None] * bb, axis=1)
+                acc += tl.sum(p_mid.to(tl.float32)[:, :, None] * bb, axis=1)
+                acc += tl.sum(p_lo.to(tl.float32)[:, :, None] * bb, axis=1)
             else:
-                acc = tl.dot(hi, b, acc)
-                acc = tl.dot(mid, b, acc)
-                acc = tl.dot(lo, b, acc)
+                acc = tl.dot(p_hi, b, acc)
+                acc = tl.dot(p_mid, b, acc)
+                acc = tl.dot(p_lo, b, acc)
         elif SPLIT_W:
             # bf16 x, fp32 W (LoRA A factors): the same three-piece split, of the weight tile. It
             # depends on the weight alone, so every row meets the same pieces. On the CUDA cores
             # a narrow fp32 output (N = r = 32: one program at decode) walked K with IEEE FMA dots
             # for tens of microseconds per call; three MMAs per K step are the same products.
             b32 = b.to(tl.float32)
-            hi = b32.to(tl.bfloat16)
-            r = b32 - hi.to(tl.float32)
-            mid = r.to(tl.bfloat16)
-            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            p_hi = b32.to(tl.bfloat16)
+            p_res = b32 - p_hi.to(tl.float32)
+            p_mid = p_res.to(tl.bfloat16)
+            p_lo = (p_res - p_mid.to(tl.float32)).to(tl.bfloat16)
             if INTERPRET:
                 aa = a.to(tl.float32)[:, :, None]
-                acc += tl.sum(aa * hi.to(tl.float32)[None, :, :], axis=1)
-                acc += tl.sum(aa * mid.to(tl.float32)[None, :, :], axis=1)
-                acc += tl.sum(aa * lo.to(tl.float32)[None, :, :], axis=1)
+                acc += tl.sum(aa * p_hi.to(tl.float32)[None, :, :], axis=1)
+                acc += tl.sum(aa * p_mid.to(tl.float32)[None, :, :], axis=1)
+                acc += tl.sum(aa * p_lo.to(tl.float32)[None, :, :], axis=1)
             else:
-                acc = tl.dot(a, hi, acc)
-                acc = tl.dot(a, mid, acc)
-                acc = tl.dot(a, lo, acc)
+                acc = tl.dot(a, p_hi, acc)
+                acc = tl.dot(a, p_mid, acc)
+                acc = tl.dot(a, p_lo, acc)
         elif INTERPRET:
             # numpy's matmul (the interpreter's tl.dot) computes tile rows with different BLAS
             # micro-kernels depending on their position in the tile; an explicit product + sum over
