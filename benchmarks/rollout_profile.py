@@ -3,15 +3,19 @@ phase, the GPU time of the CUDA-graph replays, the GPU busy time and the synchro
 
     python benchmarks/rollout_profile.py [--prompts 8] [--n 8] [--prompt-len 512] [--max-new 512]
         [--min-new-frac 0.25] [--layers 16] [--max-num-seqs 256] [--max-batched-tokens 16384]
-        [--profile-start 16] [--profile-steps 8] [--decode-graphs auto] [--eager-sampling] [--out FILE.json]
-        [--smoke]
+        [--profile-start 16] [--profile-steps 8] [--decode-graphs auto] [--eager-sampling] [--same-prompts]
+        [--out FILE.json] [--smoke]
+
+``--profile-start 0 --profile-steps 1`` profiles the prefill step.
 
 The rollout is the one ``benchmarks/rl_step.py --rollout-only`` times: ``--prompts`` random prompts of
 ``--prompt-len`` tokens, ``--n`` samples each (temperature 1, per-request seeds), each prompt's response length
 drawn uniformly from [``--min-new-frac`` x ``--max-new``, ``--max-new``], no stop tokens, prefix caching on,
 bench preset in bf16 with rank-32 LoRA, bitwise kernels, ``RolloutEngine.generate``. A warm-up ``generate``
-(Triton compilation, graph capture, the prompts' prefix-cache entries, as in an RL loop's later steps) is
-followed by the timed one, whose every step is recorded:
+(Triton compilation, graph capture) is followed by the timed one over fresh prompts of the same lengths, as
+an RL loop's later steps see them (new problems, the kernels and graphs already built); ``--same-prompts``
+times the warm-up's prompts again instead (every prompt block a prefix-cache hit). Every step of the timed
+run is recorded:
 
 * ``wall_ms``: ``RolloutEngine.step`` wall clock (its last sync, fetching the sampled tokens, ends it);
 * host phases (wall clock of each, nested ones inside their parent): ``schedule``; ``runner`` (all of
@@ -290,6 +294,8 @@ def main() -> int:
                     help="EngineConfig.decode_graphs (default: auto; static with --smoke)")
     ap.add_argument("--eager-sampling", action="store_true",
                     help="EngineConfig.sample_in_graph=False: sample eagerly after the graph (the comparison)")
+    ap.add_argument("--same-prompts", action="store_true",
+                    help="time the warm-up's prompts again (prefix-cache hits) instead of fresh ones")
     ap.add_argument("--profile-start", type=int, default=16, help="first profiled step of the timed run")
     ap.add_argument("--profile-steps", type=int, default=8, help="steps under torch.profiler (0: none)")
     ap.add_argument("--top", type=int, default=15, help="kernels / host ops listed")
@@ -323,6 +329,7 @@ def main() -> int:
         decode_graphs=decode_graphs, sample_in_graph=not a.eager_sampling))
     g = torch.Generator().manual_seed(a.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
+    timed_prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     lo = max(1, int(a.min_new_frac * a.max_new))
     new_lens = torch.randint(lo, a.max_new + 1, (a.prompts,), generator=torch.Generator().manual_seed(a.seed)).tolist()
     log.info("model and engine ready in %.1fs (decode graphs: %s)", time.perf_counter() - t_start, decode_graphs)
@@ -369,7 +376,7 @@ def main() -> int:
     rec.install()
     t0 = time.perf_counter()
     try:
-        outs = rollout(engine, prompts, new_lens, a.n, seed=1)
+        outs = rollout(engine, prompts if a.same_prompts else timed_prompts, new_lens, a.n, seed=1)
         if cuda:
             torch.cuda.synchronize()
     finally:

@@ -45,17 +45,18 @@ def _lin(*args, **kw):
 def _bound(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Error bound for y = x @ w^T with fp32 accumulation then one rounding to out.dtype.
 
-    gamma_K * (|x| @ |w|^T) is the worst case of fp32 accumulation in any order. fp32 operands run
-    IEEE FMA dots (factor 2 of slack). 16-bit operands run tensor-core MMAs whose fp32 accumulation
+    gamma_K * (|x| @ |w|^T) is the worst case of fp32 accumulation in any order. fp16 against fp32
+    runs IEEE FMA dots (factor 2 of slack). 16-bit operands run tensor-core MMAs whose fp32 accumulation
     need not round to nearest: factor 8 (a few bits), still ~1e-4 relative of sum|x||w| at K=1000,
     while a wrong row/column/tile gives errors of the size of |y|. fp32 x against bf16 w runs three
     bf16 MMAs on a 3-way split of x (3K accumulations of exact products): factor 8 as well, and so does
-    bf16 x against fp32 w (the split of w). The final
+    bf16 x against fp32 w (the split of w) and fp32 x fp32 (both split, six products: what is dropped
+    is below 2^-24 of |x||w|, inside the same factor). The final
     rounding adds half an ulp of the output dtype (2^-24 fp32, 2^-8 bf16) of |y|.
     """
     k = x.shape[-1]
     gamma = k * U32 / (1 - k * U32)
-    split = {x.dtype, w.dtype} == {torch.float32, torch.bfloat16}
+    split = torch.float32 in (x.dtype, w.dtype) and {x.dtype, w.dtype} <= {torch.float32, torch.bfloat16}
     slack = 2.0 if (x.dtype == torch.float32 or w.dtype == torch.float32) and not split else 8.0
     s = x.double().abs() @ w.double().abs().t()
     ulp = 2.0**-8 if out.dtype == torch.bfloat16 else U32

@@ -26,10 +26,12 @@ Operand precision: bf16/fp16 x bf16/fp16 (same dtype) uses tensor-core dots with
 (the products are exact in fp32). fp32 activations against bf16 weights (MLA's fp32 attention output
 through W_UV) split each activation into three bf16 pieces and run three bf16 MMAs: exact products,
 fp32 accuracy, tensor-core speed. bf16 activations against fp32 weights (the LoRA A factors, an fp32
-router) split the weight tile the same way. Anything else with an fp32 operand (fp32 models, the
-fp32 LoRA intermediate through lora_B) computes in fp32 with IEEE dots (``input_precision="ieee"``:
-no TF32), so fp32 models stay fp32-accurate. Both sides of the parity contract run these kernels, so
-the split is part of the shared numerics (which dots a dtype pair takes is fixed by the dtypes alone). fp64 inputs only come from gradchecks: they run the torch backend.
+router) split the weight tile the same way, and fp32 x fp32 (the fp32 LoRA intermediate through
+lora_B, fp32 models) splits both and sums the six products down to 2^-16 relative (what it drops is
+below 2^-24 of |x||W|): fp32-accurate, on the tensor cores. Other mixes (fp16 with fp32) compute in
+fp32 with IEEE dots (``input_precision="ieee"``: no TF32). Both sides of the parity contract run these
+kernels, so the split is part of the shared numerics (which dots a dtype pair takes is fixed by the
+dtypes alone, never by M). fp64 inputs only come from gradchecks: they run the torch backend.
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) the dot is an explicit fp32 product
 and sum over each K block: the interpreter computes bf16 dots wrongly, and its fp32 dot (numpy/BLAS)
 is not row-invariant within a tile; the compiled GPU kernel always uses ``tl.dot``.
@@ -124,8 +126,8 @@ class GemmConfig:
 # LARGE_M 128x128 tiles; above it 256x128 (best for nearly every bench shape at M=4096 in the 2026-11-29
 # H200 sweep). The SMALL_M config, measured in the bench model's decode
 # step at batch 1 (H200, 2026-11-30, GEMM device time per step): 64x32x64 4.97 ms, 16x32x64 4.83 ms,
-# 16x32x128 4.29 ms. An fp32 x split into three bf16 dots keeps a 64-wide K step in every bucket (_launch):
-# its three dots per K step make the step size part of its accumulation order.
+# 16x32x128 4.29 ms. A split fp32 operand (three bf16 pieces) keeps a 64-wide K step in every bucket (_launch):
+# its several dots per K step make the step size part of its accumulation order.
 SMALL_M = 16
 SPLIT_BLOCK_K = 64
 DECODE_M = 64
@@ -187,6 +189,26 @@ def _interpreting() -> bool:
 
 
 # --------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _split_bf16(t):
+    """fp32 (or bf16) tile -> three bf16 tiles whose exact sum is the tile."""
+    t32 = t.to(tl.float32)
+    hi = t32.to(tl.bfloat16)
+    res = t32 - hi.to(tl.float32)
+    mid = res.to(tl.bfloat16)
+    lo = (res - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b for bf16 tiles with fp32 accumulation; under the interpreter an explicit fp32
+    product and sum over K (its bf16 dot is wrong, see the module doc)."""
+    if INTERPRET:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return tl.dot(a, b, acc)
+
+
 @triton.jit(do_not_specialize=["M", "M_TILES"])
 def _gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -293,44 +315,36 @@ def _gemm_kernel(
         k_mask = offs_k < K - k0
         a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if SPLIT_X:
-            # fp32 x, bf16 W: x = hi + mid + lo, each bf16 (the two residuals are exact in fp32; the
-            # three pieces hold >= 24 significant bits, all of fp32). Products with the bf16 W are
-            # exact in fp32, so three bf16 MMAs give an fp32-accurate product on the tensor cores
-            # instead of the ~10x slower fp32 FMA dot. A row's pieces depend on the row alone.
-            a32 = a.to(tl.float32)
-            p_hi = a32.to(tl.bfloat16)
-            p_res = a32 - p_hi.to(tl.float32)
-            p_mid = p_res.to(tl.bfloat16)
-            p_lo = (p_res - p_mid.to(tl.float32)).to(tl.bfloat16)
-            if INTERPRET:
-                bb = b.to(tl.float32)[None, :, :]
-                acc += tl.sum(p_hi.to(tl.float32)[:, :, None] * bb, axis=1)
-                acc += tl.sum(p_mid.to(tl.float32)[:, :, None] * bb, axis=1)
-                acc += tl.sum(p_lo.to(tl.float32)[:, :, None] * bb, axis=1)
+        if SPLIT_X or SPLIT_W:
+            # An fp32 operand is split into three bf16 pieces, t = hi + mid + lo (the residuals are
+            # exact in fp32; the pieces hold >= 24 significant bits, all of fp32). Products of bf16
+            # pieces are exact in fp32, so a few bf16 MMAs give an fp32-accurate product on the tensor
+            # cores instead of the ~10x slower fp32 FMA dot. A row's pieces depend on that row alone
+            # (x) or on the weight alone (W), so the split keeps every row's result independent of M.
+            # fp32 x, bf16 W (MLA's attention output through W_UV): 3 MMAs. bf16 x, fp32 W (LoRA A
+            # factors): 3 MMAs (at decode a narrow output, N = r = 32, is one program walking K: with
+            # FMA dots that took tens of microseconds per call). fp32 x fp32 (the LoRA intermediate
+            # through lora_B, fp32 models): the 6 products down to 2^-16 relative; the 3 dropped ones
+            # (mid*lo, lo*mid, lo*lo) are below 2^-24 of |x||W| together.
+            if SPLIT_X:
+                x_hi, x_mid, x_lo = _split_bf16(a)
+            if SPLIT_W:
+                w_hi, w_mid, w_lo = _split_bf16(b)
+            if SPLIT_X and SPLIT_W:
+                acc = _dot_acc(x_hi, w_hi, acc, INTERPRET)
+                acc = _dot_acc(x_hi, w_mid, acc, INTERPRET)
+                acc = _dot_acc(x_mid, w_hi, acc, INTERPRET)
+                acc = _dot_acc(x_hi, w_lo, acc, INTERPRET)
+                acc = _dot_acc(x_mid, w_mid, acc, INTERPRET)
+                acc = _dot_acc(x_lo, w_hi, acc, INTERPRET)
+            elif SPLIT_X:
+                acc = _dot_acc(x_hi, b, acc, INTERPRET)
+                acc = _dot_acc(x_mid, b, acc, INTERPRET)
+                acc = _dot_acc(x_lo, b, acc, INTERPRET)
             else:
-                acc = tl.dot(p_hi, b, acc)
-                acc = tl.dot(p_mid, b, acc)
-                acc = tl.dot(p_lo, b, acc)
-        elif SPLIT_W:
-            # bf16 x, fp32 W (LoRA A factors): the same three-piece split, of the weight tile. It
-            # depends on the weight alone, so every row meets the same pieces. On the CUDA cores
-            # a narrow fp32 output (N = r = 32: one program at decode) walked K with IEEE FMA dots
-            # for tens of microseconds per call; three MMAs per K step are the same products.
-            b32 = b.to(tl.float32)
-            p_hi = b32.to(tl.bfloat16)
-            p_res = b32 - p_hi.to(tl.float32)
-            p_mid = p_res.to(tl.bfloat16)
-            p_lo = (p_res - p_mid.to(tl.float32)).to(tl.bfloat16)
-            if INTERPRET:
-                aa = a.to(tl.float32)[:, :, None]
-                acc += tl.sum(aa * p_hi.to(tl.float32)[None, :, :], axis=1)
-                acc += tl.sum(aa * p_mid.to(tl.float32)[None, :, :], axis=1)
-                acc += tl.sum(aa * p_lo.to(tl.float32)[None, :, :], axis=1)
-            else:
-                acc = tl.dot(a, p_hi, acc)
-                acc = tl.dot(a, p_mid, acc)
-                acc = tl.dot(a, p_lo, acc)
+                acc = _dot_acc(a, w_hi, acc, INTERPRET)
+                acc = _dot_acc(a, w_mid, acc, INTERPRET)
+                acc = _dot_acc(a, w_lo, acc, INTERPRET)
         elif INTERPRET:
             # numpy's matmul (the interpreter's tl.dot) computes tile rows with different BLAS
             # micro-kernels depending on their position in the tile; an explicit product + sum over
@@ -349,20 +363,27 @@ def _gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+_SPLIT_PARTNERS = (torch.float32, torch.bfloat16)
+
+
 def _split_x(x: torch.dtype, w: torch.dtype) -> bool:
-    """fp32 activations against bf16 weights run as three bf16 MMAs (see the kernel)."""
-    return x == torch.float32 and w == torch.bfloat16
+    """fp32 activations against bf16 or fp32 weights: x is split into three bf16 pieces (see the kernel)."""
+    return x == torch.float32 and w in _SPLIT_PARTNERS
 
 
 def _split_w(x: torch.dtype, w: torch.dtype) -> bool:
-    """bf16 activations against fp32 weights (LoRA A factors) run as three bf16 MMAs (see the kernel)."""
-    return x == torch.bfloat16 and w == torch.float32
+    """fp32 weights (LoRA factors) against bf16 or fp32 activations: W is split likewise."""
+    return w == torch.float32 and x in _SPLIT_PARTNERS
 
 
 def _config_dtype(x: torch.dtype, w: torch.dtype) -> torch.dtype:
-    """The dtype class ``linear_config`` is asked for: the tensor-core class (bf16) for split fp32 x
-    bf16 products, else the dot's operand dtype."""
-    return torch.bfloat16 if _split_x(x, w) or _split_w(x, w) else _dot_dtype(x, w)
+    """The dtype class ``linear_config`` is asked for: the tensor-core class (bf16) when one operand
+    is split, the fp32 class (smaller tiles: both operand tiles are fp32 in shared memory) when both
+    are, else the dot's operand dtype."""
+    split_x, split_w = _split_x(x, w), _split_w(x, w)
+    if split_x and split_w:
+        return torch.float32
+    return torch.bfloat16 if split_x or split_w else _dot_dtype(x, w)
 
 
 def _dot_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
@@ -419,7 +440,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     if split and cfg.block_k != SPLIT_BLOCK_K:
         cfg = GemmConfig(cfg.block_m, cfg.block_n, SPLIT_BLOCK_K, cfg.num_warps, cfg.num_stages)
     f32 = not split and (_dot_dtype(x3.dtype, w3.dtype) == torch.float32 or _interpreting())
-    f32_rows = cfg.block_m if split_x else cfg.block_n if split_w else 0
+    f32_rows = cfg.block_m * split_x + cfg.block_n * split_w
     if split and cfg.num_stages > 3 and f32_rows * cfg.block_k * 4 * cfg.num_stages > 96 * 1024:
         # the fp32 tile doubles the stage size: keep the pipeline inside the SM's shared memory
         cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, 3)
