@@ -5,16 +5,18 @@ Every attention projection and every routed / shared expert carries a rank-r ada
 ``delta(x) = scale * (x @ A^T) @ B^T`` with fp32 factors (zmrl/lora/layers.py). The A product takes
 bf16 activations against an fp32 [r, in] factor: a narrow output (N = r) over a long K, which at
 decode sizes is one program walking K. It runs as three bf16 MMAs on a split of the fp32 factor
-(``SPLIT_W`` in zmrl/kernels_batch_invariant/triton/matmul.py); ``--compare-ieee`` also times the
-IEEE fp32 FMA dots it replaced (the same kernel with the split turned off). The B product is fp32
-[M, r] @ [out, r]^T (one K step). Routed experts run ``expert_linear`` over 64 experts, top-8.
+(``SPLIT_W`` in zmrl/kernels_batch_invariant/triton/matmul.py) with K cut into fixed chunks of
+``SPLIT_K_CHUNK``, one program each; ``--compare-ieee`` also times the IEEE fp32 FMA dots both replaced
+(the same kernel with the split turned off), ``--compare-whole-k`` the split without the K chunks. The
+B product is fp32 [M, r] @ [out, r]^T (one K step; both operands split, six MMAs). Routed experts run
+``expert_linear`` over 64 experts, top-8.
 
 Per shape and M: device time by CUDA-graph replay (``triton.testing.do_bench_cudagraph``), cuBLAS
 fp32 (TF32 off: the same accuracy class) and bf16 (a floor: what the bytes and FLOPs cost on the
 tensor cores), and the fraction of the bound max(bytes / copy bandwidth, FLOPs / matmul peak), both
 measured here.
 
-    python benchmarks/lora_gemms.py [--ms 1,64,256,16384] [--compare-ieee] [--out PATH]
+    python benchmarks/lora_gemms.py [--ms 1,64,256,16384] [--compare-ieee] [--compare-whole-k] [--out PATH]
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ms", default="1,64,256,16384", help="token counts (expert rows: top-k x tokens)")
     ap.add_argument("--compare-ieee", action="store_true", help="also time the IEEE fp32 dots the split replaced")
+    ap.add_argument("--compare-whole-k", action="store_true", help="also time the split products without K chunks")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = require_cuda("lora_gemms.py")
@@ -123,23 +126,30 @@ def main() -> None:
                 t_ours = time_us(ours)
                 row = {"shape": s.name, "tokens": m_tok, "m": m, "k": s.k, "n": s.n, "experts": s.experts,
                        "x_dtype": str(s.x_dtype).replace("torch.", ""), "ours_us": t_ours}
-                if a.compare_ieee and s.x_dtype == torch.bfloat16:
-                    saved = tmm._split_w
-                    tmm._split_w = lambda xd, wd: False
+                never = lambda *args: False  # noqa: E731
+                variants = {"ieee_us": {"_split_x": never, "_split_w": never}} if a.compare_ieee else {}
+                if a.compare_whole_k and s.k > tmm.SPLIT_K_CHUNK:
+                    variants["whole_k_us"] = {"_k_chunk": lambda *args: 0}
+                for key, stand_ins in variants.items():
+                    saved = {name: getattr(tmm, name) for name in stand_ins}
+                    for name, fn in stand_ins.items():
+                        setattr(tmm, name, fn)
                     try:
-                        row["ieee_us"] = time_us(ours)
+                        row[key] = time_us(ours)
                     finally:
-                        tmm._split_w = saved
+                        for name, fn in saved.items():
+                            setattr(tmm, name, fn)
             row.update(cublas_fp32_us=time_us(cub32), cublas_bf16_us=time_us(cub16), bound_us=bound_us,
                        of_bound=bound_us / t_ours)
             row["vs_cublas_fp32"] = row["cublas_fp32_us"] / t_ours
             rows.append(row)
             print(f"{s.name:>24} M={m_tok:<6} ours {t_ours:9.1f} us" +
                   (f"  ieee {row['ieee_us']:9.1f}" if "ieee_us" in row else "") +
+                  (f"  whole K {row['whole_k_us']:9.1f}" if "whole_k_us" in row else "") +
                   f"  cuBLAS fp32 {row['cublas_fp32_us']:8.1f}  bf16 {row['cublas_bf16_us']:8.1f}"
                   f"  bound {bound_us:7.1f}  ({100 * row['of_bound']:.1f} % of bound)", flush=True)
     cols = [("shape", "shape", "s"), ("tokens", "tokens", "d"), ("ours_us", "ours us", ".1f"),
-            ("ieee_us", "ieee us", ".1f"), ("cublas_fp32_us", "cuBLAS fp32 us", ".1f"),
+            ("ieee_us", "ieee us", ".1f"), ("whole_k_us", "whole-K us", ".1f"), ("cublas_fp32_us", "cuBLAS fp32 us", ".1f"),
             ("cublas_bf16_us", "cuBLAS bf16 us", ".1f"), ("vs_cublas_fp32", "cuBLAS32/ours", ".2f"),
             ("of_bound", "of bound", ".3f")]
     print(table(rows, cols))

@@ -427,6 +427,35 @@ def test_expert_linear_lora_factors(device):
         assert torch.equal(t[off[e]:off[e + 1]], _lin(x[off[e]:off[e + 1]], a_f[e], out_dtype=torch.float32))
 
 
+def test_split_k_fp32_weights(device, interpret):
+    """fp32 weights with K > SPLIT_K_CHUNK (LoRA A factors over the hidden state, MLA's o_proj input) sum K
+    in fixed chunks: the result is fp32-accurate, independent of the batch, with or without bias, and the
+    same bits through linear, linear_concat (a column block) and expert_linear (an expert's rows) — the
+    equalities project() and the batched expert LoRA rely on. K = 1100: two whole chunks and a partial one."""
+    from zmrl.kernels_batch_invariant.triton.matmul import SPLIT_K_CHUNK
+    k = 2 * SPLIT_K_CHUNK + 76
+    g = torch.Generator().manual_seed(12)
+    ws = [torch.randn(n, k, generator=g).to(device) / k**0.5 for n in (32, 8, 40)]
+    bias = torch.randn(32, generator=g).to(device)
+    x = torch.randn(21, k, generator=g).to(device, torch.bfloat16)
+    for b in (None, bias):
+        for out_dtype in (torch.float32, torch.bfloat16):
+            y = _lin(x, ws[0], b, out_dtype=out_dtype)
+            ref = x.double() @ ws[0].double().t() + (0 if b is None else b.double())
+            err = (y.double() - ref).abs()
+            assert (err <= _bound(x, ws[0], y, ref) + (0 if b is None else 1e-6)).all(), f"max err {err.max():.3g}"
+        _assert_rows_invariant(lambda r, b=b: _lin(r, ws[0], b, out_dtype=torch.float32), x[:9],
+                               [1, 2, 7, 17] if interpret else GPU_MS, seed=4)
+    cat = triton_impl(linear_concat)(x, ws, out_dtype=torch.float32)
+    assert torch.equal(cat, torch.cat([_lin(x, w, out_dtype=torch.float32) for w in ws], dim=-1))
+    stacked = torch.stack([torch.randn(32, k, generator=g) / k**0.5 for _ in range(4)]).to(device)
+    off = _offsets([5, 0, 9, 7])
+    t = triton_impl(expert_linear)(x, stacked, off, out_dtype=torch.float32)
+    for e in range(4):
+        if off[e + 1] > off[e]:
+            assert torch.equal(t[off[e]:off[e + 1]], _lin(x[off[e]:off[e + 1]], stacked[e], out_dtype=torch.float32))
+
+
 @pytest.mark.parametrize("dtype", _dtypes())
 def test_expert_linear_invariant_to_token_counts(device, interpret, dtype):
     """A (row, expert) pair gives the same bits whatever the other experts' and its own expert's

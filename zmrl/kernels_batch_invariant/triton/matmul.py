@@ -1,8 +1,10 @@
 """Triton GEMMs: ``linear``, ``grouped_linear``, ``bmm_fixed`` and the MoE ``expert_linear``.
 
 One kernel (``_gemm_kernel``) computes every product here. A program owns one [BLOCK_M, BLOCK_N]
-output tile, walks K in ascending BLOCK_K steps with an fp32 accumulator (no split-K, no atomics),
-adds the bias in fp32 and rounds once to the output dtype. Why a row's bits do not depend on M:
+output tile, walks K in ascending BLOCK_K steps with an fp32 accumulator (no atomics), adds the bias
+in fp32 and rounds once to the output dtype. Products with an fp32 weight and K > ``SPLIT_K_CHUNK``
+(the LoRA A factors) split K into fixed chunks, one program each, summed in ascending order by
+``_split_k_sum``: the split depends on (K, dtypes) only. Why a row's bits do not depend on M:
 
 * Every output element is one fp32 accumulator fed by the 16-wide MMA steps over K in ascending order;
   the tile shape only decides which program computes it. Measured on the H200 (benchmarks/probes/
@@ -216,9 +218,9 @@ def _gemm_kernel(
     M, M_TILES, N, K, N_EXPERTS,
     stride_xg, stride_xm, stride_xk,
     stride_wg, stride_wn, stride_wk,
-    stride_yg, stride_ym, stride_yn,
+    stride_yg, stride_ym, stride_yn, stride_ys,
     HAS_BIAS: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr,
-    W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
+    W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr, K_CHUNK: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -306,13 +308,22 @@ def _gemm_kernel(
     m_mask = offs_m < row_end
     n_mask = offs_n < n_end
     # int64 row/column offsets: lm_head-sized outputs and weights exceed 2^31 elements at long M.
-    x_ptrs = x_base + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_base + offs_k[:, None] * stride_wk + offs_n.to(tl.int64)[None, :] * stride_wn
+    k_lo = 0
+    k_hi = K
+    if K_CHUNK > 0:
+        # Split K (see _launch): program (.., .., s) sums the K range [s * K_CHUNK, (s + 1) * K_CHUNK) into
+        # partial s of y (``stride_ys`` apart); _split_k_sum adds the partials in ascending s.
+        pid_s = tl.program_id(2)
+        k_lo = pid_s * K_CHUNK
+        k_hi = tl.minimum(K, k_lo + K_CHUNK)
+        y_base += pid_s.to(tl.int64) * stride_ys
+    x_ptrs = x_base + offs_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    w_ptrs = w_base + (k_lo + offs_k)[:, None] * stride_wk + offs_n.to(tl.int64)[None, :] * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Ascending K in fixed BLOCK_K steps: every output element sees the same accumulation order.
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_mask = offs_k < k_hi - k0
         a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if SPLIT_X or SPLIT_W:
@@ -363,7 +374,45 @@ def _gemm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["M", "M_TILES"])
+def _split_k_sum(
+    p_ptr, b_ptr, y_ptr, M, M_TILES, N, S,
+    stride_ps, stride_pg, stride_pm, stride_yg, stride_ym, stride_yn,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """y[g] = sum over s ascending of the fp32 partials p[s, g] (+ b), rounded once to y's dtype."""
+    pid_g = (tl.program_id(0) // M_TILES).to(tl.int64)
+    offs_m = (tl.program_id(0) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    p_ptrs = p_ptr + pid_g * stride_pg + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for sp in range(0, S):
+        acc += tl.load(p_ptrs + sp * stride_ps, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + pid_g * stride_yg + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 _SPLIT_PARTNERS = (torch.float32, torch.bfloat16)
+
+# Split K for fp32-weight products (the LoRA A factors, [r, in] with r = 32): at decode such a product is
+# one program walking all of K (its N fits one or a few tiles and the rows one tile), which left most SMs
+# idle for tens of microseconds per call. Each K_CHUNK-long range of K is summed by its own program into
+# an fp32 partial and the partials are added in ascending order (_split_k_sum). The split is a function of
+# (K, dtypes) alone — never of M or N — so a row's bits still do not depend on the batch, and a column of
+# linear_concat / a row of expert_linear equals the plain linear's.
+SPLIT_K_CHUNK = 512
+_SUM_BLOCK_M, _SUM_BLOCK_N = 32, 64
+
+
+assert SPLIT_K_CHUNK % SPLIT_BLOCK_K == 0  # every chunk is whole K steps of the split products
+
+
+def _k_chunk(x: torch.dtype, w: torch.dtype, k: int) -> int:
+    """K_CHUNK of a product: SPLIT_K_CHUNK for an fp32 weight with K > SPLIT_K_CHUNK, else 0 (no split)."""
+    return SPLIT_K_CHUNK if _split_w(x, w) and k > SPLIT_K_CHUNK else 0
 
 
 def _split_x(x: torch.dtype, w: torch.dtype) -> bool:
@@ -441,6 +490,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         cfg = GemmConfig(cfg.block_m, cfg.block_n, SPLIT_BLOCK_K, cfg.num_warps, cfg.num_stages)
     f32 = not split and (_dot_dtype(x3.dtype, w3.dtype) == torch.float32 or _interpreting())
     f32_rows = cfg.block_m * split_x + cfg.block_n * split_w
+    k_chunk = _k_chunk(x3.dtype, w3.dtype, k)
     if split and cfg.num_stages > 3 and f32_rows * cfg.block_k * 4 * cfg.num_stages > 96 * 1024:
         # the fp32 tile doubles the stage size: keep the pipeline inside the SM's shared memory
         cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, 3)
@@ -469,18 +519,33 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         grid = (m_tiles, cdiv(n, cfg.block_n))
         if m_tiles == 0:
             return
+    out = y3
+    if k_chunk:
+        splits = cdiv(k, k_chunk)
+        y3 = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
+        grid = (*grid, splits)
     _gemm_kernel[grid](
         x3, w3, bias if bias is not None else x3, y3, offs, woff,
         m, m_tiles, n, k, n_experts,
         x3.stride(0), x3.stride(1), x3.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
-        y3.stride(0), y3.stride(1), y3.stride(2),
-        HAS_BIAS=bias is not None, EXPERTS=experts is not None, SEGMENTS=segments is not None,
-        W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split_x, SPLIT_W=split_w,
+        *((y3.stride(1), y3.stride(2), y3.stride(3), y3.stride(0)) if k_chunk else
+          (y3.stride(0), y3.stride(1), y3.stride(2), 0)),
+        HAS_BIAS=bias is not None and not k_chunk, EXPERTS=experts is not None, SEGMENTS=segments is not None,
+        W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split_x,
+        SPLIT_W=split_w, K_CHUNK=k_chunk,
         INTERPRET=_interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if k_chunk:
+        rows, cols = out.shape[1], out.shape[2]
+        sum_tiles = cdiv(rows, _SUM_BLOCK_M)
+        _split_k_sum[(out.shape[0] * sum_tiles, cdiv(cols, _SUM_BLOCK_N))](
+            y3, bias if bias is not None else y3, out, rows, sum_tiles, cols, y3.shape[0],
+            y3.stride(0), y3.stride(1), y3.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            HAS_BIAS=bias is not None, BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N, num_warps=4,
+        )
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""The GEMM kernels' Triton front end for a Hopper target (sm_90), on a machine without a GPU.
+
+The interpreter (``TRITON_INTERPRET=1``) runs the kernels' Python, not Triton's compiler, so it cannot see
+compile errors such as a loop-carried variable changing type in one constexpr variant (a GPU call found
+one: the split pieces of an fp32 operand shared names with the expert-mode row offsets). This builds the
+IR of every constexpr variant the launcher can pick, for sm_90, without a device: a front-end error fails
+here, on CPU, instead of in a GPU call.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+try:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+except ImportError as exc:  # pragma: no cover - Triton internals moved
+    pytest.skip(f"this Triton has no ASTSource / make_backend ({exc})", allow_module_level=True)
+
+from zmrl.kernels_batch_invariant.triton.matmul import _gemm_kernel, _split_k_sum  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _build_ir(fn, signature: dict[str, str], constexprs: dict[str, object]) -> None:
+    backend = make_backend(TARGET)
+    options = backend.parse_options({})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    src.make_ir(TARGET, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+
+
+# (x dtype, w dtype) -> SPLIT_X, SPLIT_W, F32_DOT as _launch picks them
+_DTYPE_CASES = {("bf16", "bf16"): (False, False, False), ("fp32", "bf16"): (True, False, False),
+                ("bf16", "fp32"): (False, True, False), ("fp32", "fp32"): (True, True, False),
+                ("fp16", "fp32"): (False, False, True)}
+
+
+@pytest.mark.parametrize("mode", ["plain", "experts", "segments"])
+@pytest.mark.parametrize("dtypes", list(_DTYPE_CASES), ids="x".join)
+def test_gemm_kernel_builds_for_sm90(mode, dtypes):
+    split_x, split_w, f32 = _DTYPE_CASES[dtypes]
+    x_dt, w_dt = dtypes
+    for k_chunk, bias in itertools.product((0, 512) if split_w else (0,), (False, True)):
+        consts = dict(HAS_BIAS=bias and not k_chunk, EXPERTS=mode == "experts", SEGMENTS=mode == "segments",
+                      W_TABLE=mode != "plain", W_ALIGN=4, F32_DOT=f32, SPLIT_X=split_x, SPLIT_W=split_w,
+                      K_CHUNK=k_chunk, INTERPRET=False, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_E=64)
+        ptrs = {"x_ptr": f"*{x_dt}", "w_ptr": f"*{w_dt}", "b_ptr": "*fp32",
+                "y_ptr": "*fp32" if k_chunk else "*bf16", "offs_ptr": "*i32", "woff_ptr": "*i64"}
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _gemm_kernel.arg_names}
+        _build_ir(_gemm_kernel, sig, consts)
+
+
+def test_split_k_sum_builds_for_sm90():
+    for bias in (False, True):
+        consts = dict(HAS_BIAS=bias, BLOCK_M=32, BLOCK_N=64)
+        ptrs = {"p_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16"}
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _split_k_sum.arg_names}
+        _build_ir(_split_k_sum, sig, consts)
