@@ -19,7 +19,9 @@
 #   OUT=/some/dir bash benchmarks/gpu_i13.sh          (TOTAL_S=... to change the overall budget)
 #
 # STEPS picks steps (default "kda_bwd kimi trainer rl_step more"; also: new rowwise kda_bwd_small engine census
-# rollout; kimi is the Kimi-Linear KDA layer against fla's chunk_kda, engine the CUDA-graph engine tests on
+# rollout matmul lora decode_lora parity bitwise; matmul the GEMM tests (row invariance of the split and split-K
+# products), lora lora_gemms.py, decode_lora the graph decode step with LoRA r = 32, parity the bench-shape
+# parity test, bitwise the ZMRL_TEST_DEVICE=cuda parity suite; kimi is the Kimi-Linear KDA layer against fla's chunk_kda, engine the CUDA-graph engine tests on
 # the GPU, census trainer_op_census.py, rollout rollout_profile.py at 8 prompts x 8), T_KDA_BWD / T_KIMI / T_TRAINER their limits,
 # RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes and extra flags.
 #
@@ -107,6 +109,21 @@ has census && step trainer_op_census "${T_CENSUS:-120}" $PY benchmarks/trainer_o
 
 has rollout && step rollout_profile "${T_ROLLOUT:-150}" $PY benchmarks/rollout_profile.py --layers 16 --prompts 8 --n 8 \
   --prompt-len 512 --max-new 512 --profile-steps 5 ${ROLLOUT_ARGS:-} --out "$OUT/rollout_profile.json"
+
+has matmul && step gpu_tests_matmul "${T_MATMUL:-240}" $PYTEST tests/kernels/triton/test_matmul.py \
+  tests/kernels/triton/test_gemm_compiles_for_hopper.py tests/kernels/triton/test_moe_gemm_device_offsets.py
+
+has lora && step lora_gemms "${T_LORA:-150}" $PY benchmarks/lora_gemms.py --compare-ieee --compare-whole-k \
+  --out "$OUT/lora_gemms.json"
+
+has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
+  --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 --out "$OUT/decode_lora.json"
+
+has parity && step bench_parity "${T_PARITY:-240}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu \
+  tests/bitwise/test_parity_gpu_bench.py
+
+has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider -q -rfEs \
+  tests/bitwise -m "not slow and not gpu"
 
 has kda_bwd_small && step gpu_tests_kda_bwd_small 60 $PYTEST -k H4 tests/kernels/triton/test_kda_chunk_bwd_gpu.py
 
