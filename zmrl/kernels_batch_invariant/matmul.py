@@ -78,10 +78,14 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y = x @ weight.T (+ bias)`` with each row computed independently of the others.
+    """``y = x @ weight.T (+ bias) (+ delta)`` with each row computed independently of the others.
 
-    x: [..., K]; weight: [N, K]; returns [..., N] in ``out_dtype`` (default x.dtype).
+    x: [..., K]; weight: [N, K]; returns [..., N] in ``out_dtype`` (default x.dtype). ``delta``: an
+    fp32 [..., N] tensor (a LoRA delta) added to the fp32 result before the single rounding: bitwise
+    ``(linear(x, weight, bias, torch.float32) + delta).to(out_dtype)``, in one pass where a backend can
+    fuse it (the Triton GEMM adds it in its epilogue).
     """
     out_dtype = out_dtype or x.dtype
     lead, k = x.shape[:-1], x.shape[-1]
@@ -102,7 +106,17 @@ def linear(
     y = y.reshape(mp, np_)[:m, :n]
     if bias is not None:
         y = y + bias.to(cdt)
+    if delta is not None:
+        y = y + check_delta(delta, (*lead, n)).reshape(m, n).to(cdt)
     return y.reshape(*lead, n).to(out_dtype)
+
+
+def check_delta(delta: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``delta`` of a linear / expert_linear: the output's shape, fp32 (fp64 in gradchecks)."""
+    if tuple(delta.shape) != tuple(shape) or delta.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"delta must be an fp32 tensor of the output's shape {tuple(shape)}, got "
+                         f"{delta.dtype} {tuple(delta.shape)}")
+    return delta
 
 
 @invariant_op
@@ -119,9 +133,9 @@ def bmm_fixed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @linear.register("fast")
-def _linear_fast(x, weight, bias=None, out_dtype=None):
+def _linear_fast(x, weight, bias=None, out_dtype=None, delta=None):
     y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    return y.to(out_dtype or x.dtype)
+    return y.to(out_dtype or x.dtype) if delta is None else (y.float() + delta).to(out_dtype or x.dtype)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

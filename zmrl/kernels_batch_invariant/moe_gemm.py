@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import invariant_op
-from .matmul import linear
+from .matmul import check_delta, linear
 from .moe_gemm_grads import ExpertLinearFn
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
@@ -93,16 +93,20 @@ def check_expert_args(x: torch.Tensor, weights: Weights, offsets: list[int],
 
 @invariant_op
 def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``y[rows of e] = x[rows of e] @ weights[e].T`` for expert-sorted rows.
+                  out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[rows of e] = x[rows of e] @ weights[e].T (+ delta[rows of e])`` for expert-sorted rows.
 
     x: [M, K] (rows sorted by expert); weights: E x [N, K] or [E, N, K]; offsets: E+1 ints (host list
     or tensor; see the module doc for device offsets), ``offsets[0] == 0``, ``offsets[E] == M``.
-    Returns [M, N] in ``out_dtype`` (default x.dtype). Experts with no rows are skipped.
+    Returns [M, N] in ``out_dtype`` (default x.dtype). Experts with no rows are skipped. ``delta``: an
+    fp32 [M, N] tensor (the experts' LoRA delta) added before the single rounding, as ``linear``'s.
     """
     offs = as_offsets(offsets)
     check_expert_args(x, weights, offs)
     out_dtype = out_dtype or x.dtype
+    if delta is not None:
+        y = expert_linear(x, weights, offs, out_dtype=torch.float32)
+        return (y + check_delta(delta, tuple(y.shape)).to(y.dtype)).to(out_dtype)
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *ws)):
         # The forward below, the backward grouped over experts (moe_gemm_grads.py), not autograd
@@ -133,9 +137,11 @@ def expert_linear_ref(x: torch.Tensor, weights: Weights, offsets: Sequence[int] 
 
 @expert_linear.register("fast")
 def _expert_linear_fast(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                        out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
     """Stock kernels, not invariant: one ``torch._grouped_mm`` launch for stacked bf16 weights on CUDA
     (where this torch has it), else one cuBLAS/MKL ``F.linear`` per expert."""
+    if delta is not None:
+        return (_expert_linear_fast(x, weights, offsets, torch.float32) + delta).to(out_dtype or x.dtype)
     dev = device_offsets(offsets, x)
     if dev is not None:
         _, n, k = check_expert_shapes(x, weights, dev.shape[0])

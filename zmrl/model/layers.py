@@ -13,9 +13,10 @@ class Linear(nn.Module):
     """``y = x @ W.T`` through the invariant ``linear`` op.
 
     ``adapter`` is the hook the LoRA package uses: when set, its fp32 output is added to the fp32
-    base output before the single rounding, unfused, so the engine and the trainer compute
-    ``base(x) + adapter(x)`` identically. ``extra`` does the same for a per-call delta (batched
-    expert LoRA, whose tensors live in the MoE layer).
+    base output before the single rounding (never merged into the weight), so the engine and the
+    trainer compute ``base(x) + adapter(x)`` identically; the ``linear`` op adds it in the GEMM's
+    epilogue (its ``delta``), bitwise the unfused sum. ``extra`` does the same for a per-call delta
+    (batched expert LoRA, whose tensors live in the MoE layer).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
@@ -29,11 +30,13 @@ class Linear(nn.Module):
                 extra: torch.Tensor | None = None) -> torch.Tensor:
         if self.adapter is None and extra is None:
             return linear(x, self.weight, self.bias, out_dtype=out_dtype)
+        deltas = [d for d in (None if self.adapter is None else self.adapter(x), extra) if d is not None]
+        if len(deltas) == 1 and deltas[0].dtype == torch.float32:
+            # the GEMM adds the fp32 delta before its one rounding: the bits of the sum below
+            return linear(x, self.weight, self.bias, out_dtype=out_dtype or x.dtype, delta=deltas[0])
         y = linear(x, self.weight, self.bias, out_dtype=torch.float32)
-        if self.adapter is not None:
-            y = y + self.adapter(x)
-        if extra is not None:
-            y = y + extra
+        for d in deltas:  # adapter first, then extra
+            y = y + d
         return y.to(out_dtype or x.dtype)
 
     def extra_repr(self) -> str:

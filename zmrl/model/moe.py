@@ -177,8 +177,9 @@ class MoE(nn.Module):
             delta = None if lora is None else lora.grouped_delta(name, x, offsets)
             if delta is None:
                 return expert_linear(x, weights, offsets)
-            # Linear.forward with ``extra``: fp32 base + fp32 delta, one rounding to x's dtype.
-            return (expert_linear(x, weights, offsets, out_dtype=torch.float32) + delta).to(x.dtype)
+            # Linear.forward with ``extra``: fp32 base + fp32 delta, one rounding to x's dtype (the
+            # GEMM adds the delta in its epilogue).
+            return expert_linear(x, weights, offsets, delta=delta)
 
         act = self.experts[0].glu(proj("gate_proj", hs), proj("up_proj", hs))
         return proj("down_proj", act)

@@ -427,6 +427,36 @@ def test_expert_linear_lora_factors(device):
         assert torch.equal(t[off[e]:off[e + 1]], _lin(x[off[e]:off[e + 1]], a_f[e], out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize("k", [40, 1100])  # one K step / split K (fp32 weights, K > SPLIT_K_CHUNK)
+def test_delta_in_the_epilogue_equals_the_sum(device, interpret, k):
+    """``linear`` / ``expert_linear`` with a ``delta`` (the LoRA delta, fp32) equal the unfused
+    ``(fp32 result + delta).to(out)`` bitwise — Linear.forward and the MoE layer fuse it, project()
+    does not, and both must give the same bits — with or without bias, in a 16-bit or fp32 output;
+    the gradients equal the unfused ones (the delta's is the output's, in fp32)."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(19, k, generator=g).to(device, torch.bfloat16)
+    for w_dtype in (torch.bfloat16, torch.float32):
+        w = (torch.randn(24, k, generator=g) / k**0.5).to(device, w_dtype)
+        bias = torch.randn(24, generator=g).to(device, w_dtype)
+        delta = torch.randn(19, 24, generator=g).to(device)
+        for b, out_dtype in itertools.product((None, bias), (torch.bfloat16, torch.float32)):
+            fused = _lin(x, w, b, out_dtype=out_dtype, delta=delta)
+            assert torch.equal(fused, (_lin(x, w, b, out_dtype=torch.float32) + delta).to(out_dtype)), (w_dtype, b, out_dtype)
+        ws = torch.stack([w, w.flip(0), w * 0.5])
+        off = _offsets([7, 0, 12])
+        fused = triton_impl(expert_linear)(x, ws, off, delta=delta)
+        assert torch.equal(fused, (triton_impl(expert_linear)(x, ws, off, out_dtype=torch.float32) + delta).to(x.dtype))
+    # gradients: fused vs unfused (fp32 LoRA-style weight, bf16 output)
+    w = (torch.randn(24, k, generator=g) / k**0.5).to(device).requires_grad_()
+    xs = x.float().requires_grad_()
+    d = delta.clone().requires_grad_()
+    gy = torch.randn(19, 24, generator=g).to(device, torch.bfloat16)
+    fused = torch.autograd.grad(_lin(xs, w, out_dtype=torch.bfloat16, delta=d), [xs, w, d], gy)
+    plain = torch.autograd.grad((_lin(xs, w, out_dtype=torch.float32) + d).to(torch.bfloat16), [xs, w, d], gy)
+    for a, b_ in zip(fused, plain):
+        assert torch.equal(a, b_)
+
+
 def test_split_k_fp32_weights(device, interpret):
     """fp32 weights with K > SPLIT_K_CHUNK (LoRA A factors over the hidden state, MLA's o_proj input) sum K
     in fixed chunks: the result is fp32-accurate, independent of the batch, with or without bias, and the

@@ -213,18 +213,22 @@ def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "M_TILES"])
 def _gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr, d_ptr,
     offs_ptr, woff_ptr,
     M, M_TILES, N, K, N_EXPERTS,
     stride_xg, stride_xm, stride_xk,
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn, stride_ys,
-    HAS_BIAS: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr,
-    W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr, K_CHUNK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr,
+    W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
+    K_CHUNK: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """y[g, m, n] = sum_k x[g, m, k] * w[g, n, k] (+ b[n]) for one [BLOCK_M, BLOCK_N] tile.
+    """y[g, m, n] = sum_k x[g, m, k] * w[g, n, k] (+ b[n]) (+ d[g, m, n]) for one [BLOCK_M, BLOCK_N] tile.
+
+    ``d`` (HAS_DELTA): an fp32 tensor laid out as y (same strides), added in fp32 after the bias and
+    before the one rounding: the result equals storing the fp32 sum and adding d in torch.
 
     Plain/batched mode (EXPERTS=False): program (g * M_TILES + pid_m, pid_n) owns rows
     pid_m*BLOCK_M.. of batch element g (linear: one element; grouped_linear/bmm_fixed: G elements;
@@ -274,6 +278,7 @@ def _gemm_kernel(
         w_base = w_ptr + woff
         x_base = x_ptr
         y_base = y_ptr
+        d_base = d_ptr
     else:
         pid_g = (pid_0 // M_TILES).to(tl.int64)
         pid_m = pid_0 % M_TILES
@@ -282,6 +287,7 @@ def _gemm_kernel(
         w_base = w_ptr + pid_g * stride_wg
         x_base = x_ptr + pid_g * stride_xg
         y_base = y_ptr + pid_g * stride_yg
+        d_base = d_ptr + pid_g * stride_yg
 
     n_end = N
     tile_n = pid_n
@@ -300,7 +306,9 @@ def _gemm_kernel(
         if W_ALIGN > 1:
             soff = tl.multiple_of(soff, W_ALIGN)
         w_base += soff
-        y_base += tl.sum(tl.where(here_s, c_lo, 0), axis=0).to(tl.int64) * stride_yn
+        col0 = tl.sum(tl.where(here_s, c_lo, 0), axis=0).to(tl.int64) * stride_yn
+        y_base += col0
+        d_base += col0
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -370,17 +378,20 @@ def _gemm_kernel(
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_base + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tile = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if HAS_DELTA:
+        acc += tl.load(d_base + tile, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+    tl.store(y_base + tile, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["M", "M_TILES"])
 def _split_k_sum(
-    p_ptr, b_ptr, y_ptr, M, M_TILES, N, S,
+    p_ptr, b_ptr, d_ptr, y_ptr, M, M_TILES, N, S,
     stride_ps, stride_pg, stride_pm, stride_yg, stride_ym, stride_yn,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """y[g] = sum over s ascending of the fp32 partials p[s, g] (+ b), rounded once to y's dtype."""
+    """y[g] = sum over s ascending of the fp32 partials p[s, g] (+ b) (+ d[g], laid out as y), rounded
+    once to y's dtype."""
     pid_g = (tl.program_id(0) // M_TILES).to(tl.int64)
     offs_m = (tl.program_id(0) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -391,8 +402,10 @@ def _split_k_sum(
         acc += tl.load(p_ptrs + sp * stride_ps, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + pid_g * stride_yg + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tile = pid_g * stride_yg + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if HAS_DELTA:
+        acc += tl.load(d_ptr + tile, mask=mask, other=0.0)
+    tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 _SPLIT_PARTNERS = (torch.float32, torch.bfloat16)
@@ -477,8 +490,9 @@ class _SegmentLaunch:
 
 def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: torch.Tensor, cfg: GemmConfig,
             m: int, n: int, k: int, *, experts: _ExpertLaunch | None = None,
-            segments: _SegmentLaunch | None = None) -> None:
-    """Launch ``_gemm_kernel``. x3 [G, M, K], w3 [G, N, K] (any strides), y3 [G, M, N].
+            segments: _SegmentLaunch | None = None, delta: torch.Tensor | None = None) -> None:
+    """Launch ``_gemm_kernel``. x3 [G, M, K], w3 [G, N, K] (any strides), y3 [G, M, N]; ``delta``: fp32,
+    y3's shape and strides, added before the rounding (the kernel's HAS_DELTA).
     ``experts``: expert mode, with x3/y3 of G=1 and w3 the lowest-address expert weight as
     [1, N, K] (per-expert weights) or the stacked [E, N, K] weights.
     ``segments``: segment mode, G=1, w3 the lowest-address weight as [1, N_s, K], y3 [1, M, sum N_s]."""
@@ -494,11 +508,15 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     if split and cfg.num_stages > 3 and f32_rows * cfg.block_k * 4 * cfg.num_stages > 96 * 1024:
         # the fp32 tile doubles the stage size: keep the pipeline inside the SM's shared memory
         cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, 3)
+    if delta is not None and (delta.dtype != torch.float32 or delta.shape != y3.shape or delta.stride() != y3.stride()):
+        raise ValueError(f"triton GEMM: delta must be fp32 laid out as the output {tuple(y3.shape)}, "
+                         f"got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")
     if _interpreting() and y3.dtype != torch.float32:
         # The interpreter's fp32 -> 16-bit conversion truncates (the GPU rounds to nearest even):
         # store fp32 and let torch round, which is what the compiled kernel's store does.
         y32 = torch.empty(y3.shape, dtype=torch.float32, device=y3.device)
-        _launch(x3, w3, bias, y32, cfg, m, n, k, experts=experts, segments=segments)
+        _launch(x3, w3, bias, y32, cfg, m, n, k, experts=experts, segments=segments,
+                delta=None if delta is None else delta.contiguous())
         y3.copy_(y32)
         return
     g = x3.shape[0]
@@ -525,13 +543,14 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         y3 = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
         grid = (*grid, splits)
     _gemm_kernel[grid](
-        x3, w3, bias if bias is not None else x3, y3, offs, woff,
+        x3, w3, bias if bias is not None else x3, y3, delta if delta is not None and not k_chunk else y3, offs, woff,
         m, m_tiles, n, k, n_experts,
         x3.stride(0), x3.stride(1), x3.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
         *((y3.stride(1), y3.stride(2), y3.stride(3), y3.stride(0)) if k_chunk else
           (y3.stride(0), y3.stride(1), y3.stride(2), 0)),
-        HAS_BIAS=bias is not None and not k_chunk, EXPERTS=experts is not None, SEGMENTS=segments is not None,
+        HAS_BIAS=bias is not None and not k_chunk, HAS_DELTA=delta is not None and not k_chunk,
+        EXPERTS=experts is not None, SEGMENTS=segments is not None,
         W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split_x,
         SPLIT_W=split_w, K_CHUNK=k_chunk,
         INTERPRET=_interpreting(),
@@ -542,9 +561,10 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         rows, cols = out.shape[1], out.shape[2]
         sum_tiles = cdiv(rows, _SUM_BLOCK_M)
         _split_k_sum[(out.shape[0] * sum_tiles, cdiv(cols, _SUM_BLOCK_N))](
-            y3, bias if bias is not None else y3, out, rows, sum_tiles, cols, y3.shape[0],
-            y3.stride(0), y3.stride(1), y3.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            HAS_BIAS=bias is not None, BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N, num_warps=4,
+            y3, bias if bias is not None else y3, delta if delta is not None else y3, out, rows, sum_tiles, cols,
+            y3.shape[0], y3.stride(0), y3.stride(1), y3.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            HAS_BIAS=bias is not None, HAS_DELTA=delta is not None, BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N,
+            num_warps=4,
         )
 
 
@@ -566,7 +586,7 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------- linear
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+                    out_dtype: torch.dtype, delta: torch.Tensor | None = None) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
     x2 = _rows(x, k)
@@ -575,8 +595,17 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if m and n:
         cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
         bias = None if bias is None else bias.contiguous()  # the kernel reads it with unit stride
-        _launch(x2.unsqueeze(0), weight.unsqueeze(0), bias, y.unsqueeze(0), cfg, m, n, k)
+        _launch(x2.unsqueeze(0), weight.unsqueeze(0), bias, y.unsqueeze(0), cfg, m, n, k,
+                delta=_delta_rows(delta, m, n))
     return y.reshape(*lead, n)
+
+
+def _delta_rows(delta: torch.Tensor | None, m: int, n: int) -> torch.Tensor | None:
+    """A linear's fp32 delta as the kernel reads it: [1, M, N] contiguous, the output's layout."""
+    if delta is None:
+        return None
+    d = delta.reshape(m, n)
+    return (d if d.is_contiguous() else d.contiguous()).unsqueeze(0)
 
 
 def _bwd_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
@@ -586,13 +615,13 @@ def _bwd_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, delta: torch.Tensor | None = None) -> torch.Tensor:
         # Keep only what the backward reads: x for dW, W for dX (frozen base weights: no x kept).
         need_x, need_w = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.x_meta, ctx.w_meta = (x.shape, x.dtype), (weight.shape, weight.dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return _linear_forward(x, weight, bias, out_dtype)
+        return _linear_forward(x, weight, bias, out_dtype, delta)
 
     @staticmethod
     @with_backward_matmuls
@@ -609,7 +638,9 @@ class _LinearFn(torch.autograd.Function):
             dw = (g2.t() @ x.reshape(-1, k).to(cdt)).to(w_dtype)
         if ctx.needs_input_grad[2]:
             db = gy.reshape(-1, n).float().sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None
+        # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
+        d_delta = gy.float() if ctx.needs_input_grad[4] else None
+        return dx, dw, db, None, d_delta
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -618,16 +649,20 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 @linear.register("triton")
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Triton ``linear``: x [..., K] @ weight[N, K]^T (+ bias) -> [..., N] in out_dtype (default x.dtype)."""
-    if compute_in_fp64(x, weight, bias):
-        return linear.impls["torch"](x, weight, bias, out_dtype)  # gradchecks only
+                  out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``linear``: x [..., K] @ weight[N, K]^T (+ bias) (+ delta, fp32, in the epilogue) -> [..., N]
+    in out_dtype (default x.dtype)."""
+    if compute_in_fp64(x, weight, bias, delta):
+        return linear.impls["torch"](x, weight, bias, out_dtype, delta)  # gradchecks only
     out_dtype = out_dtype or x.dtype
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"linear: x has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
-    if _needs_grad(x, weight, bias):
-        return _LinearFn.apply(x, weight, bias, out_dtype)
-    return _linear_forward(x, weight, bias, out_dtype)
+    if delta is not None:
+        _ops.check_delta(delta, (*x.shape[:-1], weight.shape[0]))
+        delta = delta.float()
+    if _needs_grad(x, weight, bias, delta):
+        return _LinearFn.apply(x, weight, bias, out_dtype, delta)
+    return _linear_forward(x, weight, bias, out_dtype, delta)
 
 
 # ------------------------------------------------------------------------------- linear_concat
@@ -947,7 +982,7 @@ def _max_expert_tiles(m: int, n_experts: int, block_m: int) -> int:
 
 
 def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] | torch.Tensor,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+                    out_dtype: torch.dtype, delta: torch.Tensor | None = None) -> torch.Tensor:
     """``offsets``: a host list (validated here) or an integer tensor [E+1] on x's device (trusted:
     reading its values would sync; the kernel clamps them into [0, M])."""
     dev = offsets if isinstance(offsets, torch.Tensor) else None
@@ -973,7 +1008,7 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
         offs = dev if (dev.dtype == torch.int32 and dev.is_contiguous()) else dev.to(torch.int32).contiguous()
     xs = _rows(x, k)
     _launch(xs.unsqueeze(0), w3, None, y.unsqueeze(0), cfg, m, n, k,
-            experts=_ExpertLaunch(offs, woff, align, e, n_tiles))
+            experts=_ExpertLaunch(offs, woff, align, e, n_tiles), delta=_delta_rows(delta, m, n))
     return y
 
 
@@ -1005,14 +1040,14 @@ def _backward_offsets(ctx: Any) -> list[int]:
 class _ExpertLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, offsets: list[int] | torch.Tensor, out_dtype: torch.dtype, stacked: bool,
-                *weights: torch.Tensor) -> torch.Tensor:
+                delta: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor:
         ws: _moe.Weights = weights[0] if stacked else list(weights)
         ctx.offsets, ctx.stacked, ctx.x_dtype = offsets, stacked, x.dtype
         ctx.host_offsets = (_prefetch_offsets(offsets) if isinstance(offsets, torch.Tensor) and offsets.is_cuda
                             else None)
         # x only feeds dW: with frozen expert weights (LoRA training) it is not kept.
-        ctx.save_for_backward(x if any(ctx.needs_input_grad[4:]) else None, *weights)
-        return _expert_forward(x, ws, offsets, out_dtype)
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[5:]) else None, *weights)
+        return _expert_forward(x, ws, offsets, out_dtype, delta)
 
     @staticmethod
     @with_backward_matmuls
@@ -1022,13 +1057,15 @@ class _ExpertLinearFn(torch.autograd.Function):
         # Device offsets come from the copy the forward started (no stall); the backward is grouped over
         # experts by size class (moe_gemm_grads.py), not a loop over experts.
         dx, dws = expert_linear_grads(gy, x, ws, _backward_offsets(ctx), ctx.needs_input_grad[0],
-                                      list(ctx.needs_input_grad[4:]), ctx.x_dtype)
-        return (dx, None, None, None, *dws)
+                                      list(ctx.needs_input_grad[5:]), ctx.x_dtype)
+        # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
+        d_delta = gy.float() if ctx.needs_input_grad[4] else None
+        return (dx, None, None, None, d_delta, *dws)
 
 
 @expert_linear.register("triton")
 def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequence[int] | torch.Tensor,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``expert_linear``: all experts in one launch; a row's result equals Triton
     ``linear(row, weights[e])`` bitwise. Offsets as an integer tensor on x's device are never read
     on the host (capture-safe forward); host lists / other tensors take the same kernel."""
@@ -1038,9 +1075,13 @@ def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequen
     if not ws:
         raise ValueError("expert_linear: no experts")
     # Expert weights share one dtype (checked with the weight table), so the first one decides.
-    if compute_in_fp64(x, ws[0]):
-        return expert_linear.impls["torch"](x, weights, offs, out_dtype)
+    if compute_in_fp64(x, ws[0], delta):
+        return expert_linear.impls["torch"](x, weights, offs, out_dtype, delta)
     out_dtype = out_dtype or x.dtype
-    if _needs_grad(x, *ws):
-        return _ExpertLinearFn.apply(x, offs, out_dtype, isinstance(weights, torch.Tensor), *ws)
-    return _expert_forward(x, weights, offs, out_dtype)
+    if delta is not None:
+        n = weights.shape[1] if isinstance(weights, torch.Tensor) else ws[0].shape[0]
+        _ops.check_delta(delta, (x.shape[0], n))
+        delta = delta.float()
+    if _needs_grad(x, delta, *ws):
+        return _ExpertLinearFn.apply(x, offs, out_dtype, isinstance(weights, torch.Tensor), delta, *ws)
+    return _expert_forward(x, weights, offs, out_dtype, delta)
