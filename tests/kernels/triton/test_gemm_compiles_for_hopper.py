@@ -48,19 +48,19 @@ _DTYPE_CASES = {("bf16", "bf16"): (False, False, False), ("fp32", "bf16"): (True
 def test_gemm_kernel_builds_for_sm90(mode, dtypes):
     split_x, split_w, f32 = _DTYPE_CASES[dtypes]
     x_dt, w_dt = dtypes
-    for k_chunk, bias in itertools.product((0, 512) if split_w else (0,), (False, True)):
-        consts = dict(HAS_BIAS=bias and not k_chunk, EXPERTS=mode == "experts", SEGMENTS=mode == "segments",
+    for k_chunk, bias, delta in itertools.product((0, 512) if split_w else (0,), (False, True), (False, True)):
+        consts = dict(HAS_BIAS=bias and not k_chunk, HAS_DELTA=delta and not k_chunk, EXPERTS=mode == "experts", SEGMENTS=mode == "segments",
                       W_TABLE=mode != "plain", W_ALIGN=4, F32_DOT=f32, SPLIT_X=split_x, SPLIT_W=split_w,
                       K_CHUNK=k_chunk, INTERPRET=False, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_E=64)
-        ptrs = {"x_ptr": f"*{x_dt}", "w_ptr": f"*{w_dt}", "b_ptr": "*fp32",
+        ptrs = {"x_ptr": f"*{x_dt}", "w_ptr": f"*{w_dt}", "b_ptr": "*fp32", "d_ptr": "*fp32",
                 "y_ptr": "*fp32" if k_chunk else "*bf16", "offs_ptr": "*i32", "woff_ptr": "*i64"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _gemm_kernel.arg_names}
         _build_ir(_gemm_kernel, sig, consts)
 
 
 def test_split_k_sum_builds_for_sm90():
-    for bias in (False, True):
-        consts = dict(HAS_BIAS=bias, BLOCK_M=32, BLOCK_N=64)
-        ptrs = {"p_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16"}
+    for bias, delta in itertools.product((False, True), (False, True)):
+        consts = dict(HAS_BIAS=bias, HAS_DELTA=delta, BLOCK_M=32, BLOCK_N=64)
+        ptrs = {"p_ptr": "*fp32", "b_ptr": "*fp32", "d_ptr": "*fp32", "y_ptr": "*bf16"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _split_k_sum.arg_names}
         _build_ir(_split_k_sum, sig, consts)
