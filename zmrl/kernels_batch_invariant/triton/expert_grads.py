@@ -129,7 +129,7 @@ def _to_class(v, CDT: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _expert_dx_kernel(
     gy_ptr, w_ptr, dx_ptr, offs_ptr, woff_ptr,
-    M, N, K, N_EXPERTS,
+    M, N, K, N_EXPERTS, TILES_K,
     stride_gm, stride_gn,
     stride_wg, stride_wn, stride_wk,
     stride_xm, stride_xk,
@@ -139,12 +139,14 @@ def _expert_dx_kernel(
 ):
     """dx[rows, k tile] = sum_n gy[rows, n] * W_e[n, k tile] for one BLOCK_M tile of expert e's rows.
 
-    Program (pid_m, pid_k): row tile pid_m, numbered expert after expert (each expert's rows cut into
-    BLOCK_M tiles from its first row: a tile never holds two experts' rows), found from the E+1 int32
-    row offsets; the grid holds exactly the tiles. Expert e's weight starts ``woff_ptr[e]`` elements
+    Program pid: row tile pid // TILES_K, column tile pid % TILES_K (the column tiles of a row tile are
+    neighbours, so its gy rows are read from HBM once and from L2 by the rest). Row tiles are numbered
+    expert after expert (each expert's rows cut into BLOCK_M tiles from its first row: a tile never holds
+    two experts' rows) and found from the E+1 int32 row offsets; the grid holds exactly the tiles. Expert e's weight starts ``woff_ptr[e]`` elements
     after ``w_ptr`` (W_TABLE, per-expert weights) or ``e * stride_wg`` elements on (stacked)."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid = tl.program_id(0)
+    pid_m = pid // TILES_K
+    pid_k = pid % TILES_K
     lanes = tl.arange(0, BLOCK_E)
     in_e = lanes < N_EXPERTS
     lo = tl.load(offs_ptr + lanes, mask=in_e, other=0)
@@ -211,17 +213,18 @@ def _expert_dw_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     n_mask = offs_n < N
     k_mask = offs_k < K
+    rows = (lo + offs_r).to(tl.int64)
+    # gy^T tiles [BLOCK_N, BLOCK_R] are read through gy's strides (no transposed copy)
+    g_ptrs = gy_ptr + offs_n.to(tl.int64)[:, None] * stride_gn + rows[None, :] * stride_gm
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for r0 in range(lo, hi, BLOCK_R):  # ascending, fixed steps
-        rows = r0 + offs_r
-        r_mask = rows < hi
-        rows64 = rows.to(tl.int64)
-        # gy^T tile [BLOCK_N, BLOCK_R] read through its strides (no transposed copy)
-        g = tl.load(gy_ptr + offs_n[:, None] * stride_gn + rows64[None, :] * stride_gm,
-                    mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        xs = tl.load(x_ptr + rows64[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                     mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        r_mask = offs_r < hi - r0
+        g = tl.load(g_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        xs = tl.load(x_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _mma(acc, _to_class(g, CDT), _to_class(xs, CDT), HALF, PRECISION, INTERPRET)
+        g_ptrs += BLOCK_R * stride_gm
+        x_ptrs += BLOCK_R * stride_xm
     dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_de + offs_n.to(tl.int64)[:, None] * stride_dn
                + offs_k[None, :] * stride_dk)
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
@@ -251,9 +254,10 @@ def _launch_dx(gy: torch.Tensor, weights: _grads.Weights, offs: torch.Tensor, n_
     n_tiles = sum(cdiv(b - a, cfg.block_m) for a, b in zip(offsets, offsets[1:]))
     if n_tiles == 0:
         return
-    _expert_dx_kernel[(n_tiles, cdiv(k, cfg.block_n))](
+    tiles_k = cdiv(k, cfg.block_n)
+    _expert_dx_kernel[(n_tiles * tiles_k,)](
         _operand(gy, cdt), w3, dx, offs, woff if woff is not None else offs,
-        m, n, k, n_experts,
+        m, n, k, n_experts, tiles_k,
         gy.stride(0), gy.stride(1),
         w3.stride(0), w3.stride(1), w3.stride(2),
         dx.stride(0), dx.stride(1),
