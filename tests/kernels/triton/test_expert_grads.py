@@ -204,3 +204,83 @@ def test_configs_cover_tiles():
         assert w.block_n == 32 and 64 * (256 // w.block_k) >= 264
         w = dw_config(4096, 4096, 64, dt, prec)
         assert w.block_n in (64, 128) and w.block_k in (64, 128)
+
+
+# Compiles both kernels for Hopper (sm_90) without a GPU, with the tiles the config functions pick at the
+# bench preset's shapes: catches what the interpreter cannot (compile errors, shared memory over the
+# H100/H200's 227 KiB per block, a precision that does not reach the tensor cores). Runs in a subprocess
+# without TRITON_INTERPRET (under it the kernels are interpreter objects).
+_COMPILE_SCRIPT = r'''
+import json, sys
+import torch, triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from zmrl.kernels_batch_invariant.triton import expert_grads as eg
+
+TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
+PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}
+
+
+def build(kernel, types, consts, warps, stages):
+    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in kernel.arg_names}
+    out = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps, "num_stages": stages})
+    ptx = out.asm["ptx"]
+    return {"shared": out.metadata.shared, "tensor_cores": "wgmma.mma" in ptx or "mma.sync" in ptx}
+
+
+results = []
+E, D, I, R = 64, 2048, 256, 32
+# (name, gy, x, w, dx k_out, reduction n, rows per expert, precision)
+for name, g, x, w, k_out, n_red, rows, prec in [
+        ("base_gate", torch.float32, torch.bfloat16, torch.bfloat16, D, I, 2048, "tf32"),
+        ("base_down", torch.float32, torch.bfloat16, torch.bfloat16, I, D, 2048, "tf32"),
+        ("base_decode", torch.bfloat16, torch.bfloat16, torch.bfloat16, D, I, 4, "tf32"),
+        ("lora_A", torch.float32, torch.bfloat16, torch.float32, D, R, 2048, "tf32"),
+        ("lora_A", torch.float32, torch.bfloat16, torch.float32, D, R, 2048, "ieee"),
+        ("lora_B_down", torch.float32, torch.float32, torch.float32, R, D, 2048, "tf32")]:
+    cdt = eg.compute_dtype(x, w)
+    c = eg.dx_config(k_out, n_red, cdt, rows, prec)
+    consts = {"W_TABLE": w != torch.float32, "W_ALIGN": 8, "CDT": TL[cdt], "HALF": cdt != torch.float32,
+              "PRECISION": prec, "INTERPRET": False, "BLOCK_M": c.block_m, "BLOCK_K": c.block_n,
+              "BLOCK_N": c.block_k, "BLOCK_E": 64}
+    types = {"gy_ptr": PTR[g], "w_ptr": PTR[w], "dx_ptr": PTR[x], "offs_ptr": "*i32", "woff_ptr": "*i64"}
+    r = build(triton.runtime.jit.JITFunction(eg._expert_dx_kernel.fn), types, consts, c.num_warps, c.num_stages)
+    results.append({"kernel": "dx", "case": name, "precision": prec, **r})
+# (name, gy, x, w, n, k, precision)
+for name, g, x, w, n, k, prec in [
+        ("base_trained", torch.bfloat16, torch.bfloat16, torch.bfloat16, I, D, "tf32"),
+        ("lora_A", torch.float32, torch.bfloat16, torch.float32, R, D, "tf32"),
+        ("lora_A", torch.float32, torch.bfloat16, torch.float32, R, D, "ieee"),
+        ("lora_B_gate", torch.float32, torch.float32, torch.float32, I, R, "tf32"),
+        ("lora_B_down", torch.float32, torch.float32, torch.float32, D, R, "tf32")]:
+    cdt = eg.compute_dtype(x, w)
+    c = eg.dw_config(n, k, E, cdt, prec)
+    consts = {"CDT": TL[cdt], "HALF": cdt != torch.float32, "PRECISION": prec, "INTERPRET": False,
+              "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "BLOCK_R": c.block_r}
+    types = {"gy_ptr": PTR[g], "x_ptr": PTR[x], "dw_ptr": PTR[w], "offs_ptr": "*i32"}
+    r = build(triton.runtime.jit.JITFunction(eg._expert_dw_kernel.fn), types, consts, c.num_warps, c.num_stages)
+    results.append({"kernel": "dw", "case": name, "precision": prec, **r})
+json.dump(results, sys.stdout)
+'''
+
+
+def test_kernels_compile_for_hopper():
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the other tests run the compiled kernels")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    assert len(results) == 11
+    for r in results:
+        assert r["shared"] <= 227 * 1024, r  # the H100/H200 per-block limit
+        # tensor cores for 16-bit and TF32 products, fp32 FMA at "ieee"
+        assert r["tensor_cores"] == (r["precision"] != "ieee" or r["case"].startswith("base")), r
