@@ -1,4 +1,4 @@
-"""The grouped backward of ``expert_linear`` (moe_gemm_grads.py): against autograd of the float64
+"""The grouped torch backward of ``expert_linear`` (moe_gemm_grads.py): against autograd of the float64
 reference and against the per-expert loop it replaces (autograd through one ``linear`` per expert),
 on ragged expert counts (empty experts, counts in several size classes, one expert taking everything),
 for per-expert and stacked weights; determinism; the size-class buckets.
@@ -16,6 +16,7 @@ import itertools
 import pytest
 import torch
 
+from zmrl.kernels_batch_invariant import moe_gemm_grads
 from zmrl.kernels_batch_invariant.moe_gemm import _per_expert_linear, expert_linear, expert_linear_ref
 from zmrl.kernels_batch_invariant.moe_gemm_grads import expert_linear_grads, size_buckets
 
@@ -26,6 +27,13 @@ COUNTS = [
     [0, 0, 50, 0],  # one expert takes every row
     [5, 5, 5],  # one class
 ]
+
+
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch):
+    """This file tests the torch path. Under TRITON_INTERPRET=1 CPU tensors would take the Triton kernels
+    (triton/expert_grads.py), whose own tests are tests/kernels/triton/test_expert_grads.py."""
+    monkeypatch.setattr(moe_gemm_grads, "_kernel_grads", None)
 
 
 def _offsets(counts):

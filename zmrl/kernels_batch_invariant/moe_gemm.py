@@ -8,7 +8,8 @@ its local experts and local offsets):
 
 bitwise, on every backend that is invariant. The torch backend *is* that loop, so CPU numerics are
 those of the per-expert ``linear`` calls the MoE made before this op existed. The backward of both
-backends is grouped over experts by size class (moe_gemm_grads.py), not a loop over experts. The Triton backend
+backends is grouped over experts, not a loop over experts (moe_gemm_grads.py: Triton kernels on the GPU,
+batched GEMMs per size class on CPU). The Triton backend
 (``triton/matmul.py``) runs all experts in one launch with the tiles and K loop of Triton ``linear``,
 so a row's result again equals ``linear(row, weights[e])`` and does not depend on how many tokens
 each expert received.

@@ -4,25 +4,32 @@ For expert-sorted rows (rows ``offsets[e]:offsets[e+1]`` went through expert e's
 
     dx[rows of e] = gy[rows of e] @ W_e          dW_e = gy[rows of e]^T @ x[rows of e]
 
-The experts are put into buckets by the size class of their row count (ceil(log2(count))), and each
-bucket is one batched GEMM over its experts, their rows gathered into a padded [experts, P, .]
-block (P = the bucket's largest count): so the number of GEMM launches is the number of size classes
-(a handful; at most log2(M) + 1), not the number of experts, and padding costs less than 2x the rows.
-The padded slots of the output gradient are exact zeros, so they add exact zeros to dW (their x rows
-are real rows of x, finite, left unmasked); their dx rows land in one spare row that is dropped. The
-scatter back into dx writes each real row once (no accumulation, so dx needs no zero fill: rows
-``offsets[0]:offsets[E]`` cover all M rows), and the GEMMs are stock batched GEMMs, which are
-deterministic run to run, so the whole backward is too. It is not batch-invariant (the backward need
-not be: docs/numerics.md).
+Two implementations, one contract (``expert_linear_grads``):
 
-Compute dtype: 16-bit GEMMs with fp32 accumulation when the output gradient's rows are multiplied with
-16-bit weights of the same dtype on CUDA (as the Triton ``linear`` backward does), fp64 for fp64,
-fp32 otherwise (on CUDA at the numerics contract's ``backward_matmul_precision``, TF32 by default). Gradients are
-returned in the dtypes of x and of the weights.
+* Triton kernels (triton/expert_grads.py; they register themselves here when the Triton backend loads):
+  grouped GEMMs that read the expert-sorted rows in place and write dx and dW directly, for CUDA
+  tensors (and CPU tensors under ``TRITON_INTERPRET=1``, the kernels' CPU tests). fp64 never goes there.
+* The torch path below (``expert_linear_grads_torch``: CPU, fp64 gradchecks, CUDA without Triton). The
+  experts are put into buckets by the size class of their row count (ceil(log2(count))), and each
+  bucket is one batched GEMM over its experts, their rows gathered into a padded [experts, P, .]
+  block (P = the bucket's largest count): so the number of GEMM launches is the number of size classes
+  (a handful; at most log2(M) + 1), not the number of experts, and padding costs less than 2x the rows.
+  The padded slots of the output gradient are exact zeros, so they add exact zeros to dW (their x rows
+  are real rows of x, finite, left unmasked); their dx rows land in one spare row that is dropped. The
+  scatter back into dx writes each real row once (no accumulation, so dx needs no zero fill: rows
+  ``offsets[0]:offsets[E]`` cover all M rows), and the GEMMs are stock batched GEMMs.
+
+Both are deterministic run to run; neither is batch-invariant (the backward need not be:
+docs/numerics.md).
+
+Compute dtype (both paths): 16-bit GEMMs with fp32 accumulation when x and the weights share a 16-bit
+dtype on CUDA (the output gradient is rounded to it, as the Triton ``linear`` backward does), fp64 for
+fp64, fp32 otherwise (on CUDA at the numerics contract's ``backward_matmul_precision``, TF32 by
+default). Gradients are returned in the dtypes of x and of the weights.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -58,9 +65,22 @@ def _stack(weights: Weights, experts: list[int], sel: torch.Tensor) -> torch.Ten
     return torch.stack([weights[e] for e in experts])
 
 
+Grads = tuple[torch.Tensor | None, list[torch.Tensor | None]]
+GradsFn = Callable[[torch.Tensor, "torch.Tensor | None", Weights, Sequence[int], bool, Sequence[bool], torch.dtype],
+                   Grads]
+
+# The kernel implementation and the devices it takes (set by triton/expert_grads.py when it loads).
+_kernel_grads: tuple[GradsFn, Callable[[torch.device], bool]] | None = None
+
+
+def register_kernel_grads(fn: GradsFn, runs_on: Callable[[torch.device], bool]) -> None:
+    """Install the kernel backward ``fn`` for gradients on devices where ``runs_on(device)``."""
+    global _kernel_grads
+    _kernel_grads = (fn, runs_on)
+
+
 def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weights, offsets: Sequence[int],
-                        need_x: bool, need_w: Sequence[bool], x_dtype: torch.dtype
-                        ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+                        need_x: bool, need_w: Sequence[bool], x_dtype: torch.dtype) -> Grads:
     """(dx, weight gradients) of ``expert_linear(x, weights, offsets)`` given the output gradient ``gy``.
 
     gy: [M, N]; x: [M, K] (only read when a weight gradient is needed); weights: E x [N, K] or [E, N, K];
@@ -68,7 +88,20 @@ def expert_linear_grads(gy: torch.Tensor, x: torch.Tensor | None, weights: Weigh
     [M, K] in ``x_dtype`` (or None) and a list with one gradient per weight tensor (None where not
     needed; per-expert weights: None also for an expert without rows, as autograd would give; stacked
     weights: a single [E, N, K] gradient, zero for experts without rows).
+
+    The Triton kernels where they are registered for gy's device, unless an operand is fp64; else the
+    torch path (``expert_linear_grads_torch``).
     """
+    w0 = weights if isinstance(weights, torch.Tensor) else weights[0]
+    fp64 = torch.float64 in (gy.dtype, w0.dtype, x_dtype) or (x is not None and x.dtype == torch.float64)
+    if _kernel_grads is not None and not fp64 and _kernel_grads[1](gy.device):
+        return _kernel_grads[0](gy, x, weights, offsets, need_x, need_w, x_dtype)
+    return expert_linear_grads_torch(gy, x, weights, offsets, need_x, need_w, x_dtype)
+
+
+def expert_linear_grads_torch(gy: torch.Tensor, x: torch.Tensor | None, weights: Weights, offsets: Sequence[int],
+                              need_x: bool, need_w: Sequence[bool], x_dtype: torch.dtype) -> Grads:
+    """``expert_linear_grads`` with stock batched GEMMs over size-class buckets (the module doc)."""
     stacked = isinstance(weights, torch.Tensor)
     w_list = [weights] if stacked else list(weights)
     k = weights.shape[2] if stacked else w_list[0].shape[1]
