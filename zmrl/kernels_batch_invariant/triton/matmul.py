@@ -1054,8 +1054,8 @@ class _ExpertLinearFn(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         ws = weights[0] if ctx.stacked else weights
-        # Device offsets come from the copy the forward started (no stall); the backward is grouped over
-        # experts by size class (moe_gemm_grads.py), not a loop over experts.
+        # Device offsets come from the copy the forward started (no stall); the backward is two grouped
+        # kernels over the expert-sorted rows (triton/expert_grads.py via moe_gemm_grads.py), no loop over experts.
         dx, dws = expert_linear_grads(gy, x, ws, _backward_offsets(ctx), ctx.needs_input_grad[0],
                                       list(ctx.needs_input_grad[5:]), ctx.x_dtype)
         # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
