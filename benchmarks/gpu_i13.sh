@@ -19,8 +19,8 @@
 #   OUT=/some/dir bash benchmarks/gpu_i13.sh          (TOTAL_S=... to change the overall budget)
 #
 # STEPS picks steps (default "kda_bwd kimi trainer rl_step more"; also: new rowwise kda_bwd_small engine census
-# rollout matmul lora decode_lora parity bitwise; matmul the GEMM tests (row invariance of the split and split-K
-# products), lora lora_gemms.py, decode_lora the graph decode step with LoRA r = 32, parity the bench-shape
+# rollout matmul expert_grads lora decode_lora parity bitwise; matmul the GEMM tests (row invariance of the split and split-K
+# products), expert_grads the Triton MoE backward (vs float64, vs the torch path, timing), lora lora_gemms.py, decode_lora the graph decode step with LoRA r = 32, parity the bench-shape
 # parity test, bitwise the ZMRL_TEST_DEVICE=cuda parity suite; kimi is the Kimi-Linear KDA layer against fla's chunk_kda, engine the CUDA-graph engine tests on
 # the GPU, census trainer_op_census.py, rollout rollout_profile.py at 8 prompts x 8), T_KDA_BWD / T_KIMI / T_TRAINER their limits,
 # RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes and extra flags.
@@ -112,6 +112,9 @@ has rollout && step rollout_profile "${T_ROLLOUT:-150}" $PY benchmarks/rollout_p
 
 has matmul && step gpu_tests_matmul "${T_MATMUL:-240}" $PYTEST tests/kernels/triton/test_matmul.py \
   tests/kernels/triton/test_gemm_compiles_for_hopper.py tests/kernels/triton/test_moe_gemm_device_offsets.py
+
+has expert_grads && step gpu_tests_expert_grads "${T_EXPERT_GRADS:-200}" $PYTEST tests/kernels/triton/test_expert_grads.py \
+  tests/kernels/triton/test_moe_gemm_grads_gpu.py
 
 has lora && step lora_gemms "${T_LORA:-150}" $PY benchmarks/lora_gemms.py --compare-ieee --compare-whole-k \
   --out "$OUT/lora_gemms.json"
