@@ -18,12 +18,15 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_i13.sh          (TOTAL_S=... to change the overall budget)
 #
-# STEPS picks steps (default "kda_bwd kimi trainer rl_step more"; also: new rowwise kda_bwd_small engine census
-# rollout matmul expert_grads lora decode_lora parity bitwise; matmul the GEMM tests (row invariance of the split and split-K
-# products), expert_grads the Triton MoE backward (vs float64, vs the torch path, timing), lora lora_gemms.py, decode_lora the graph decode step with LoRA r = 32, parity the bench-shape
-# parity test, bitwise the ZMRL_TEST_DEVICE=cuda parity suite; kimi is the Kimi-Linear KDA layer against fla's chunk_kda, engine the CUDA-graph engine tests on
-# the GPU, census trainer_op_census.py, rollout rollout_profile.py at 8 prompts x 8), T_KDA_BWD / T_KIMI / T_TRAINER their limits,
-# RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes and extra flags.
+# STEPS picks steps (default "kda_bwd kimi trainer rl_step more"). Also: new, rowwise, kda_bwd_small;
+#   engine        the CUDA-graph engine tests on the GPU;      census   trainer_op_census.py;
+#   rollout       rollout_profile.py at 8 prompts x 8;         kimi     the Kimi-Linear KDA layer vs fla's chunk_kda;
+#   matmul        the GEMM tests (row invariance of the split and split-K products, sm_90 IR of every variant);
+#   expert_grads  the Triton MoE backward (vs float64, vs the torch path, timing);
+#   lora          lora_gemms.py;   decode_lora  the graph decode step with LoRA r = 32;
+#   parity        the bench-shape parity test;   bitwise  the ZMRL_TEST_DEVICE=cuda parity suite.
+# T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
+# and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
 # The KDA backward through fla-core is opt-in (ZMRL_KDA_FLA_BACKWARD=1, see
 # zmrl/kernels_batch_invariant/triton/kda_chunk_bwd.py); this run turns it on for every step, so the
