@@ -9,6 +9,9 @@ here, on CPU, instead of in a GPU call.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -25,6 +28,18 @@ except ImportError as exc:  # pragma: no cover - Triton internals moved
 from zmrl.kernels_batch_invariant.triton.matmul import _gemm_kernel, _split_k_sum  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+# Under the interpreter the kernels are interpreted functions, which Triton's front end cannot build:
+# this module then runs itself once more in a subprocess without the interpreter.
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+compiled_only = pytest.mark.skipif(INTERPRETING, reason="runs in a subprocess without TRITON_INTERPRET")
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the tests below run directly")
+def test_module_without_the_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
 def _build_ir(fn, signature: dict[str, str], constexprs: dict[str, object]) -> None:
@@ -43,6 +58,7 @@ _DTYPE_CASES = {("bf16", "bf16"): (False, False, False), ("fp32", "bf16"): (True
                 ("fp16", "fp32"): (False, False, True)}
 
 
+@compiled_only
 @pytest.mark.parametrize("mode", ["plain", "experts", "segments"])
 @pytest.mark.parametrize("dtypes", list(_DTYPE_CASES), ids="x".join)
 def test_gemm_kernel_builds_for_sm90(mode, dtypes):
@@ -58,6 +74,7 @@ def test_gemm_kernel_builds_for_sm90(mode, dtypes):
         _build_ir(_gemm_kernel, sig, consts)
 
 
+@compiled_only
 def test_split_k_sum_builds_for_sm90():
     for bias, delta in itertools.product((False, True), (False, True)):
         consts = dict(HAS_BIAS=bias, HAS_DELTA=delta, BLOCK_M=32, BLOCK_N=64)
