@@ -106,8 +106,11 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
     check_expert_args(x, weights, offs)
     out_dtype = out_dtype or x.dtype
     if delta is not None:
-        y = expert_linear(x, weights, offs, out_dtype=torch.float32)
-        return (y + check_delta(delta, tuple(y.shape)).to(y.dtype)).to(out_dtype)
+        # the sum in fp32, or in fp64 when anything is fp64 (gradchecks), as linear's torch backend does
+        w0 = weights if isinstance(weights, torch.Tensor) else weights[0]
+        acc = torch.float64 if torch.float64 in (x.dtype, w0.dtype, delta.dtype) else torch.float32
+        y = expert_linear(x, weights, offs, out_dtype=acc)
+        return (y + check_delta(delta, tuple(y.shape)).to(acc)).to(out_dtype)
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *ws)):
         # The forward below, the backward grouped over experts (moe_gemm_grads.py), not autograd
