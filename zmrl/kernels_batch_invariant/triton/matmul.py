@@ -222,7 +222,8 @@ def _gemm_kernel(
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn, stride_ys,
     HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr,
-    X_SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
+    X_SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr,
+    SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
     K_CHUNK: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -703,8 +704,7 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
         cfg = linear_config(n, k_cfg, _config_dtype(x.dtype, w0.dtype), m)
         what = "linear_blockdiag" if x_blocks else "linear_concat"
         table = _weight_table(weights, x.device, what)
-        key = tuple(ns) + ((-1, *(w.shape[1] for w in weights)) if x_blocks else ())
-        cols = _column_offsets(key, x.device)
+        cols = _column_offsets(tuple(ns), x.device, tuple(w.shape[1] for w in weights) if x_blocks else None)
         seg = _SegmentLaunch(cols, table.table, table.align, len(weights),
                              sum(cdiv(c, cfg.block_n) for c in ns), x_blocks)
         _launch(x2.unsqueeze(0), weights[table.base_index].unsqueeze(0), None, y.unsqueeze(0), cfg, m, n, k_cfg,
@@ -715,22 +715,23 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
 _COLS_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def _column_offsets(key: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int32 cumulative column offsets on the device, one tensor per (widths, device) for the life of
-    the process (a few per model; a captured graph keeps reading the one it was captured with).
-    ``key``: the output widths N_s, then for a block-diagonal product -1 and the input widths K_s: the
-    table is then [2S+2], the output offsets followed by the input ones."""
-    hit = _COLS_CACHE.get((key, device))
+def _column_offsets(ns: tuple[int, ...], device: torch.device, ks: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [S+1] cumulative output column offsets on the device, followed for a block-diagonal product
+    by the S+1 cumulative x column offsets of its input widths ``ks`` ([2S+2] in all); one tensor per
+    (widths, device) for the life of the process (a few per model; a captured graph keeps reading the
+    one it was captured with)."""
+    key = (ns, ks, device)
+    hit = _COLS_CACHE.get(key)
     if hit is None:
         if _capturing(device):
             raise RuntimeError("linear_concat: these widths were never seen before CUDA-graph capture; "
                                "run the captured call once eagerly first (warm-up)")
-        offs = []
-        for part in (key[:key.index(-1)], key[key.index(-1) + 1:]) if -1 in key else (key,):
+        offs: list[int] = []
+        for widths in (ns,) if ks is None else (ns, ks):
             offs.append(0)
-            for c in part:
+            for c in widths:
                 offs.append(offs[-1] + c)
-        hit = _COLS_CACHE[(key, device)] = torch.tensor(offs, dtype=torch.int32, device=device)
+        hit = _COLS_CACHE[key] = torch.tensor(offs, dtype=torch.int32, device=device)
     return hit
 
 
