@@ -17,19 +17,22 @@ K, NS, R, M = 40, (24, 8, 33), 8, 5
 
 
 class _PlainAdapter(nn.Module):
-    """An adapter with no A/B factors (called as ``adapter(x)``): a fixed fp32 projection."""
+    """An adapter with no A/B factors (called as ``adapter(x)``): a fixed projection, its delta in fp32 or
+    (``out_dtype``) another dtype, which Linear.forward adds to the fp32 base in torch."""
 
-    def __init__(self, k: int, n: int, g: torch.Generator):
+    def __init__(self, k: int, n: int, g: torch.Generator, out_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.w = nn.Parameter(torch.randn(n, k, generator=g) * 0.1)
+        self.out_dtype = out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.w, out_dtype=torch.float32)
+        return linear(x, self.w, out_dtype=self.out_dtype)
 
 
 def _linears(dtype: torch.dtype, adapters: str, device: torch.device, seed: int = 0) -> list[Linear]:
     """Three projections of one input; ``adapters`` says per projection: L = LoraAdapter (scale 3: not a
-    power of two, so the scaling rounds), l = LoraAdapter of scale 0.5, P = _PlainAdapter, - = none."""
+    power of two, so the scaling rounds), l = LoraAdapter of scale 0.5, P = _PlainAdapter, H = _PlainAdapter
+    with a bf16 delta, - = none."""
     g = torch.Generator().manual_seed(seed)
     lins = []
     for n, kind in zip(NS, adapters):
@@ -39,8 +42,8 @@ def _linears(dtype: torch.dtype, adapters: str, device: torch.device, seed: int 
             lin.adapter = LoraAdapter(K, n, R, scale=3.0 if kind == "L" else 0.5)
             lin.adapter.lora_A.data = torch.randn(R, K, generator=g) * 0.3
             lin.adapter.lora_B.data = torch.randn(n, R, generator=g) * 0.3
-        elif kind == "P":
-            lin.adapter = _PlainAdapter(K, n, g)
+        elif kind in "PH":
+            lin.adapter = _PlainAdapter(K, n, g, torch.float32 if kind == "P" else torch.bfloat16)
         lins.append(lin.to(device))
     return lins
 
@@ -84,7 +87,7 @@ def _gemm_launches(monkeypatch) -> list[int]:
 
 # adapters per projection -> Triton GEMM launches: A concat + B blockdiag + base concat (+ the base of the
 # projections without adapter; one B GEMM per adapter instead when scales differ; + a non-LoRA adapter's GEMM)
-CASES = {"LLL": 3, "L-L": 4, "--L": 4, "LlL": 5, "LPL": 4, "---": 1}
+CASES = {"LLL": 3, "L-L": 4, "--L": 4, "LlL": 5, "LPL": 4, "LHL": 4, "LH-": 5, "---": 1}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,8 +95,8 @@ CASES = {"LLL": 3, "L-L": 4, "--L": 4, "LlL": 5, "LPL": 4, "---": 1}
 def test_project_is_bitwise_the_separate_linears(backend, dtype, adapters, monkeypatch):
     """Every output's bits (signed zeros included) equal the projection's own ``Linear.forward``: with
     LoRA adapters of one scale (the fused path), adapters mixed with projections without, adapters of
-    different scales and a non-LoRA adapter (per-adapter B products), no adapters; under Triton the
-    launch count is the fused one."""
+    different scales and a non-LoRA adapter (per-adapter B products), a non-fp32 delta (added in torch),
+    no adapters; under Triton the launch count is the fused one."""
     device, triton_ops = backend
     lins = _linears(dtype, adapters, device, seed=len(adapters) + NS[0])
     g = torch.Generator().manual_seed(1)

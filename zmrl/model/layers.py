@@ -75,7 +75,7 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
             out[i] = y
     else:  # a delta of another dtype: the fp32 sum in torch, as Linear.forward does
         base = linear_concat(x, [weights[i] for i in adapted], out_dtype=torch.float32)
-        deltas = pieces[0].split([widths[i] for i in adapted], dim=-1) if len(pieces) == 1 else pieces
+        deltas = pieces if len(pieces) == len(adapted) else pieces[0].split([widths[i] for i in adapted], dim=-1)
         for i, y, d in zip(adapted, base.split([widths[i] for i in adapted], dim=-1), deltas):
             out[i] = (y + d).to(x.dtype)
     plain = [i for i, lin in enumerate(linears) if lin.adapter is None]
