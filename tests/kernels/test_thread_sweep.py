@@ -9,7 +9,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant import bmm_fixed, grouped_linear, linear, linear_concat, tree_mean, tree_sum
+from zmrl.kernels_batch_invariant import (bmm_fixed, grouped_linear, linear, linear_blockdiag, linear_concat, tree_mean,
+                                         tree_sum)
 from zmrl.kernels_batch_invariant.fp8 import dequantize_fp8, quantize_fp8
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
 from zmrl.kernels_batch_invariant.hadamard import hadamard_rotate
@@ -43,6 +44,7 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
     "linear 33 rows + bias": (linear, (_r(33, 4096), W4096, _r(512))),
     "linear K=1000 N=100": (linear, (_r(1, 1000), _r(100, 1000))),
     "linear_concat": (linear_concat, (_r(1, 4096, dtype=BF), [W4096.to(BF), _r(96, 4096, dtype=BF)])),
+    "linear_blockdiag": (linear_blockdiag, (_r(1, 96), [_r(4096, 32), _r(512, 32), _r(2048, 32)])),  # LoRA B factors
     "grouped_linear": (grouped_linear, (_r(2, 3, 4096), _r(2, 256, 4096))),
     "bmm_fixed": (bmm_fixed, (_r(2, 16, 4096), _r(2, 4096, 64))),
     "expert_linear": (expert_linear, (_r(5, 4096), _r(2, 256, 4096), [0, 2, 5])),

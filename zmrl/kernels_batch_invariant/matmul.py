@@ -149,6 +149,7 @@ def linear_concat(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
     out_dtype: torch.dtype | None = None,
+    delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Several projections of the same input at once: bitwise ``torch.cat([linear(x, w) for w in
     weights], -1)``.
@@ -157,10 +158,38 @@ def linear_concat(
     (default x.dtype). Every output element keeps the K loop ``linear`` gives it, so the result does
     not depend on which other weights share the call; the Triton backend computes all of them in one
     launch (one weight read per layer input instead of one launch per projection at decode).
+    ``delta``: fp32 [..., sum N_i] (the LoRA deltas side by side), added before the one rounding as in
+    ``linear``: column block i is bitwise ``linear(x, weights[i], out_dtype=out_dtype, delta=delta_i)``.
     """
     if not weights:
         raise ValueError("linear_concat: no weights")
-    return torch.cat([linear(x, w, out_dtype=out_dtype) for w in weights], dim=-1)
+    widths = [w.shape[0] for w in weights]
+    if delta is None:
+        return torch.cat([linear(x, w, out_dtype=out_dtype) for w in weights], dim=-1)
+    parts = check_delta(delta, (*x.shape[:-1], sum(widths))).split(widths, dim=-1)
+    return torch.cat([linear(x, w, out_dtype=out_dtype, delta=d) for w, d in zip(weights, parts)], dim=-1)
+
+
+@invariant_op
+def linear_blockdiag(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A block-diagonal product: column block s is ``linear(x[..., slice_s], weights[s])`` bitwise, where
+    slice_s is the s-th K_s-wide block of x's columns.
+
+    x: [..., sum K_s]; weights: [N_s, K_s] each (one dtype); returns [..., sum N_s] in ``out_dtype``
+    (default x.dtype). The LoRA use: the B factors of several adapters of one input applied to their
+    A products side by side (``LoraAdapter.up_concat``), which the Triton backend runs as one launch.
+    """
+    if not weights:
+        raise ValueError("linear_blockdiag: no weights")
+    ks = [w.shape[-1] if w.dim() == 2 else -1 for w in weights]
+    if min(ks) < 0 or sum(ks) != x.shape[-1]:
+        raise ValueError(f"linear_blockdiag: x has {x.shape[-1]} features but the weights are "
+                         f"{[tuple(w.shape) for w in weights]} (their K must sum to it)")
+    return torch.cat([linear(xs, w, out_dtype=out_dtype) for xs, w in zip(x.split(ks, dim=-1), weights)], dim=-1)
 
 
 @invariant_op
@@ -194,9 +223,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
 
 
 @linear_concat.register("fast")
-def _linear_concat_fast(x, weights, out_dtype=None):
+def _linear_concat_fast(x, weights, out_dtype=None, delta=None):
     """One cuBLAS ``linear`` per weight (the stock kernels fast mode measures against)."""
-    return torch.cat([_linear_fast(x, w, None, out_dtype) for w in weights], dim=-1)
+    y = torch.cat([_linear_fast(x, w, None, None if delta is None else torch.float32) for w in weights], dim=-1)
+    return y.to(out_dtype or x.dtype) if delta is None else (y + delta).to(out_dtype or x.dtype)
+
+
+@linear_blockdiag.register("fast")
+def _linear_blockdiag_fast(x, weights, out_dtype=None):
+    """One cuBLAS ``linear`` per block."""
+    ks = [w.shape[-1] for w in weights]
+    return torch.cat([_linear_fast(xs, w, None, out_dtype) for xs, w in zip(x.split(ks, dim=-1), weights)], dim=-1)
 
 
 @bmm_fixed.register("fast")

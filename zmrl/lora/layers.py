@@ -5,10 +5,12 @@ two sides stay bitwise equal (docs/model.md, LoRA; docs/numerics.md).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
-from zmrl.kernels_batch_invariant import linear
+from zmrl.kernels_batch_invariant import linear, linear_blockdiag
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
 from zmrl.model.layers import scaled
 
@@ -29,6 +31,17 @@ class LoraAdapter(nn.Module):
         """The delta from ``t = x @ lora_A^T`` (fp32): ``model.layers.project`` computes the A products
         of several adapters of one input in one GEMM and finishes each delta here."""
         return scaled(self.scale, linear(t, self.lora_B, out_dtype=torch.float32))
+
+    @staticmethod
+    def up_concat(adapters: Sequence[nn.Module], t_all: torch.Tensor) -> torch.Tensor | None:
+        """The deltas of several adapters of one input side by side, from their A products side by side
+        (``t_all`` [..., sum r], fp32): bitwise ``torch.cat([a.up(t_a) for ...], -1)`` with every B factor
+        in one launch (``linear_blockdiag``) and at most one scale multiply. None (the caller then
+        calls ``up`` per adapter) unless every adapter is a LoraAdapter and all share one scale."""
+        scale = getattr(adapters[0], "scale", None)
+        if any(type(a) is not LoraAdapter or a.scale != scale for a in adapters):
+            return None
+        return scaled(scale, linear_blockdiag(t_all, [a.lora_B for a in adapters], out_dtype=torch.float32))
 
 
 class ExpertLoRA(nn.Module):

@@ -44,36 +44,67 @@ class Linear(nn.Module):
 
 
 def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
-    """``[lin(x) for lin in linears]`` bitwise, with their base weights in one ``linear_concat`` and the
-    A factors of their LoRA adapters in a second: at decode two GEMM launches per layer input instead
-    of one or three per projection.
+    """``[lin(x) for lin in linears]`` bitwise, in few GEMM launches: at decode a layer input's
+    projections with LoRA adapters take three (all A factors in one ``linear_concat``, all B factors in
+    one ``linear_blockdiag``, all base weights in one ``linear_concat`` that adds the deltas in its
+    epilogue) instead of one to three per projection.
 
     Exactly ``Linear.forward``'s arithmetic: a projection without adapter is its base product rounded
     once to x.dtype (the fused GEMM's columns are the separate GEMMs' bits); with an adapter, the fp32
-    base plus the adapter's fp32 delta, rounded once. An adapter joins the A fusion when it exposes
-    ``lora_A`` [r, in] and ``up(t)`` (its delta from ``t = x @ lora_A^T`` in fp32); any other adapter is
-    called as ``adapter(x)``. Anything else (a bias, a subclass such as a row-parallel piece) runs each
-    projection on its own. Without adapters the outputs are column views of one [.., sum N] tensor."""
+    base plus the adapter's fp32 delta, rounded once (the ``delta`` of ``linear`` / ``linear_concat``).
+    An adapter joins the A fusion when it exposes ``lora_A`` [r, in] and ``up(t)`` (its delta from
+    ``t = x @ lora_A^T`` in fp32), and the B fusion when its class's ``up_concat`` accepts the group
+    (``LoraAdapter``s of one scale); any other adapter is called as ``adapter(x)``. Projections without
+    adapter get their own ``linear_concat`` without delta: a delta of +0.0 would turn a -0.0 result into
+    +0.0, so they stay out of the fused epilogue. Anything else (a bias, a subclass such as a
+    row-parallel piece) runs each projection on its own. The outputs are column views of one
+    [.., sum N] tensor per group (with adapters / without)."""
     if len(linears) < 2 or any(type(lin) is not Linear or lin.bias is not None for lin in linears):
         return [lin(x) for lin in linears]
     weights = [lin.weight for lin in linears]
     widths = [w.shape[0] for w in weights]
-    if all(lin.adapter is None for lin in linears):
+    adapted = [i for i, lin in enumerate(linears) if lin.adapter is not None]
+    if not adapted:
         return list(linear_concat(x, weights).split(widths, dim=-1))
-    base = linear_concat(x, weights, out_dtype=torch.float32).split(widths, dim=-1)
-    fusable = [i for i, lin in enumerate(linears)
-               if lin.adapter is not None and hasattr(lin.adapter, "lora_A") and hasattr(lin.adapter, "up")]
-    deltas: dict[int, torch.Tensor] = {}
-    if fusable:
-        a_factors = [linears[i].adapter.lora_A for i in fusable]
-        t_all = linear_concat(x, a_factors, out_dtype=torch.float32).split([a.shape[0] for a in a_factors], dim=-1)
-        deltas = {i: linears[i].adapter.up(t) for i, t in zip(fusable, t_all)}
-    out = []
-    for i, (lin, y) in enumerate(zip(linears, base)):
-        if lin.adapter is not None:
-            y = y + (deltas[i] if i in deltas else lin.adapter(x))
-        out.append(y.to(x.dtype))
+    pieces = _adapter_deltas(x, [linears[i].adapter for i in adapted], [widths[i] for i in adapted])
+    out: list[torch.Tensor | None] = [None] * len(linears)
+    if all(d.dtype == torch.float32 for d in pieces):
+        delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        fused = linear_concat(x, [weights[i] for i in adapted], out_dtype=x.dtype, delta=delta)
+        for i, y in zip(adapted, fused.split([widths[i] for i in adapted], dim=-1)):
+            out[i] = y
+    else:  # a delta of another dtype: the fp32 sum in torch, as Linear.forward does
+        base = linear_concat(x, [weights[i] for i in adapted], out_dtype=torch.float32)
+        deltas = pieces if len(pieces) == len(adapted) else pieces[0].split([widths[i] for i in adapted], dim=-1)
+        for i, y, d in zip(adapted, base.split([widths[i] for i in adapted], dim=-1), deltas):
+            out[i] = (y + d).to(x.dtype)
+    plain = [i for i, lin in enumerate(linears) if lin.adapter is None]
+    if plain:
+        for i, y in zip(plain, linear_concat(x, [weights[i] for i in plain]).split([widths[i] for i in plain], -1)):
+            out[i] = y
     return out
+
+
+def _adapter_deltas(x: torch.Tensor, adapters: list[nn.Module], widths: list[int]) -> list[torch.Tensor]:
+    """The adapters' deltas of x: one tensor [.., sum widths] when every adapter is fusable and its class's
+    ``up_concat`` takes them all at once, else one per adapter (fused A products where possible)."""
+    fusable = [j for j, a in enumerate(adapters) if hasattr(a, "lora_A") and hasattr(a, "up")]
+    pieces: list[torch.Tensor | None] = [None] * len(adapters)
+    if fusable:
+        group = [adapters[j] for j in fusable]
+        t_all = linear_concat(x, [a.lora_A for a in group], out_dtype=torch.float32)
+        up_concat = getattr(type(group[0]), "up_concat", None)
+        joint = None if up_concat is None else up_concat(group, t_all)
+        if joint is not None and len(group) == len(adapters):
+            return [joint]
+        if joint is not None:
+            ups = joint.split([widths[j] for j in fusable], dim=-1)
+        else:
+            ts = t_all.split([a.lora_A.shape[0] for a in group], dim=-1)
+            ups = [a.up(t) for a, t in zip(group, ts)]
+        for j, d in zip(fusable, ups):
+            pieces[j] = d
+    return [adapters[j](x) if d is None else d for j, d in enumerate(pieces)]
 
 
 def scaled(scale: float, t: torch.Tensor) -> torch.Tensor:

@@ -59,13 +59,16 @@ _DTYPE_CASES = {("bf16", "bf16"): (False, False, False), ("fp32", "bf16"): (True
 
 
 @compiled_only
-@pytest.mark.parametrize("mode", ["plain", "experts", "segments"])
+@pytest.mark.parametrize("mode", ["plain", "experts", "segments", "blockdiag"])
 @pytest.mark.parametrize("dtypes", list(_DTYPE_CASES), ids="x".join)
 def test_gemm_kernel_builds_for_sm90(mode, dtypes):
     split_x, split_w, f32 = _DTYPE_CASES[dtypes]
     x_dt, w_dt = dtypes
-    for k_chunk, bias, delta in itertools.product((0, 512) if split_w else (0,), (False, True), (False, True)):
-        consts = dict(HAS_BIAS=bias and not k_chunk, HAS_DELTA=delta and not k_chunk, EXPERTS=mode == "experts", SEGMENTS=mode == "segments",
+    # a block-diagonal product never splits K (_launch refuses it)
+    k_chunks = (0, 512) if split_w and mode != "blockdiag" else (0,)
+    for k_chunk, bias, delta in itertools.product(k_chunks, (False, True), (False, True)):
+        consts = dict(HAS_BIAS=bias and not k_chunk, HAS_DELTA=delta and not k_chunk, EXPERTS=mode == "experts",
+                      SEGMENTS=mode in ("segments", "blockdiag"), X_SEGMENTS=mode == "blockdiag",
                       W_TABLE=mode != "plain", W_ALIGN=4, F32_DOT=f32, SPLIT_X=split_x, SPLIT_W=split_w,
                       K_CHUNK=k_chunk, INTERPRET=False, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_E=64)
         ptrs = {"x_ptr": f"*{x_dt}", "w_ptr": f"*{w_dt}", "b_ptr": "*fp32", "d_ptr": "*fp32",

@@ -1,4 +1,4 @@
-"""Triton GEMMs (linear, grouped_linear, bmm_fixed, expert_linear): float64 accuracy, bitwise row
+"""Triton GEMMs (linear, linear_concat, linear_blockdiag, grouped_linear, bmm_fixed, expert_linear): float64 accuracy, bitwise row
 invariance over M / batch composition / expert token counts, gradients.
 
 Runs on CUDA, or on CPU under TRITON_INTERPRET=1 with small shapes (the interpreter casts tiles to
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
-from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear, linear_concat
+from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear, linear_blockdiag, linear_concat
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
@@ -162,6 +162,166 @@ def test_linear_concat_errors_and_fallbacks(device):
     xc = torch.randn(3, 16)
     assert torch.equal(linear_concat.impls["torch"](xc, w2), torch.cat([linear.impls["torch"](xc, w) for w in w2], -1))
 
+
+
+def _count_launches(monkeypatch) -> list[int]:
+    """Count launches of the GEMM kernel ``_gemm_kernel`` (one entry per ``_gemm_kernel[grid](...)``)."""
+    from zmrl.kernels_batch_invariant.triton import matmul as tm
+    calls: list[int] = []
+    real = tm._gemm_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(1)
+            return real[grid]
+
+    monkeypatch.setattr(tm, "_gemm_kernel", Counting())
+    return calls
+
+
+def test_linear_concat_delta_equals_the_unfused_sum(device, interpret, monkeypatch):
+    """``linear_concat(..., delta=)`` (the LoRA deltas of project(), added in the one launch's epilogue)
+    equals ``(fp32 concat + delta).to(out)`` bitwise, hence column block s equals ``linear(x, w_s,
+    delta=delta_s)``, for 16-bit and fp32 operands and outputs, with a split K (fp32 weights, K >
+    SPLIT_K_CHUNK: the delta is added in the partial sum's pass) and through the fallbacks (one weight,
+    mixed dtypes); the delta's gradient is the output's, in fp32."""
+    from zmrl.kernels_batch_invariant.triton.matmul import SPLIT_K_CHUNK
+    g = torch.Generator().manual_seed(21)
+    cat = triton_impl(linear_concat)
+    cases = [(torch.bfloat16, torch.bfloat16, 40), (torch.float32, torch.float32, 40), (torch.bfloat16, torch.float32, 40),
+             (torch.bfloat16, torch.float32, SPLIT_K_CHUNK + 20)]
+    for x_dtype, w_dtype, k in cases:
+        ws = [(torch.randn(n, k, generator=g) / k**0.5).to(device, w_dtype) for n in (7, 16, 33)]
+        x = torch.randn(5, k, generator=g).to(device, x_dtype)
+        delta = torch.randn(5, 56, generator=g).to(device)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            launches = _count_launches(monkeypatch)
+            fused = cat(x, ws, out_dtype=out_dtype, delta=delta)
+            assert len(launches) == 1, "one launch for all weights, the delta in its epilogue"
+            monkeypatch.undo()
+            assert torch.equal(fused, (cat(x, ws, out_dtype=torch.float32) + delta).to(out_dtype)), (x_dtype, w_dtype, k)
+            blocks = [_lin(x, w, out_dtype=out_dtype, delta=d) for w, d in zip(ws, delta.split([7, 16, 33], -1))]
+            assert torch.equal(fused, torch.cat(blocks, -1))
+    # fallbacks: one weight; weights of two dtypes (separate launches)
+    x = torch.randn(5, 40, generator=g).to(device, torch.bfloat16)
+    w1, w2 = torch.randn(8, 40, generator=g).to(device, torch.bfloat16), torch.randn(4, 40, generator=g).to(device)
+    d = torch.randn(5, 12, generator=g).to(device)
+    assert torch.equal(cat(x, [w1], delta=d[:, :8]), (cat(x, [w1], out_dtype=torch.float32) + d[:, :8]).to(x.dtype))
+    assert torch.equal(cat(x, [w1, w2], delta=d), (cat(x, [w1, w2], out_dtype=torch.float32) + d).to(x.dtype))
+    with pytest.raises(ValueError, match="delta must be an fp32 tensor"):
+        cat(x, [w1, w2], delta=d[:, :8])
+    # gradients: fused vs unfused, bitwise (the same backward GEMMs; the delta's gradient is gy in fp32)
+    ws = [(torch.randn(n, 40, generator=g) / 40**0.5).to(device).requires_grad_() for n in (8, 4)]
+    xs = x.float().requires_grad_()
+    dg = d.clone().requires_grad_()
+    gy = torch.randn(5, 12, generator=g).to(device, torch.bfloat16)
+    fused = torch.autograd.grad(cat(xs, ws, out_dtype=torch.bfloat16, delta=dg), [xs, *ws, dg], gy)
+    plain = torch.autograd.grad((cat(xs, ws, out_dtype=torch.float32) + dg).to(torch.bfloat16), [xs, *ws, dg], gy)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+
+
+def _blockdiag_case(g, device, x_dtype, w_dtype, ks, ns, m):
+    """Weights [N_s, K_s] as views of one wider allocation each (equal strides: one launch) and x
+    [m, sum K_s]."""
+    kmax = max(ks)
+    ws = [(torch.randn(n, kmax, generator=g) / kmax**0.5).to(device, w_dtype)[:, :k] for n, k in zip(ns, ks)]
+    x = torch.randn(m, sum(ks), generator=g).to(device, x_dtype)
+    return x, ws
+
+
+# (x dtype, w dtype): fp32 x fp32 is the LoRA case (the fp32 A products through the fp32 B factors)
+_BLOCKDIAG_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                     (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtypes", _BLOCKDIAG_DTYPES, ids=lambda d: f"{str(d[0])[6:]}x{str(d[1])[6:]}")
+def test_linear_blockdiag_blocks_are_linears(device, interpret, dtypes, monkeypatch):
+    """One launch; column block s is bitwise Triton ``linear(x[..., block s], w_s)`` (blocks of equal
+    and of different K, N not a multiple of the tile), in the input's dtype and in fp32; the rows do not
+    depend on the batch; the torch backend is the reference composition."""
+    x_dtype, w_dtype = dtypes
+    g = torch.Generator().manual_seed(22)
+    bd = triton_impl(linear_blockdiag)
+    cases = [((8, 8, 8), (7, 16, 40)), ((32, 5, 17), (3, 33, 8))]
+    if not interpret:
+        cases += [((32,) * 6, (2048, 2048, 2048, 128, 16, 128)), ((32, 32), (768, 576))]
+    for ks, ns in cases:
+        x, ws = _blockdiag_case(g, device, x_dtype, w_dtype, ks, ns, 9)
+        for out_dtype in (None, torch.float32):
+            launches = _count_launches(monkeypatch)
+            y = bd(x, ws, out_dtype)
+            assert len(launches) == 1
+            monkeypatch.undo()
+            assert y.shape == (9, sum(ns)) and y.dtype == (out_dtype or x_dtype)
+            want = torch.cat([_lin(xs, w, out_dtype=out_dtype) for xs, w in zip(x.split(ks, -1), ws)], -1)
+            assert torch.equal(y, want), (ks, ns, out_dtype)
+            ref = torch.cat([xs.double() @ w.double().t() for xs, w in zip(x.split(ks, -1), ws)], -1)
+            c0 = 0
+            for xs, w, n in zip(x.split(ks, -1), ws, ns):
+                ys = y[:, c0:c0 + n]
+                assert ((ys.double() - ref[:, c0:c0 + n]).abs() <= _bound(xs, w, ys, ref[:, c0:c0 + n])).all()
+                c0 += n
+        _assert_rows_invariant(lambda r: bd(r, ws, torch.float32), x, [1, 2, 17] if interpret else GPU_MS, seed=sum(ks))
+    xc, wc = _blockdiag_case(g, torch.device("cpu"), x_dtype, w_dtype, (8, 5), (7, 3), 4)
+    assert torch.equal(linear_blockdiag.impls["torch"](xc, wc),
+                       torch.cat([linear.impls["torch"](xs, w) for xs, w in zip(xc.split([8, 5], -1), wc)], -1))
+
+
+def test_linear_blockdiag_fallbacks_and_errors(device, interpret):
+    """Weights the one launch cannot take (mixed dtypes, unequal strides, fp32 weights whose K would be
+    split) run one linear per block: the same bits. Bad shapes fail with a one-line error."""
+    from zmrl.kernels_batch_invariant.triton.matmul import SPLIT_K_CHUNK
+    g = torch.Generator().manual_seed(23)
+    bd = triton_impl(linear_blockdiag)
+    x = torch.randn(3, 24, generator=g).to(device)
+    ws = [torch.randn(4, 8, generator=g).to(device), torch.randn(5, 16, generator=g).to(device, torch.bfloat16)]
+    want = torch.cat([_lin(x[:, :8], ws[0]), _lin(x[:, 8:], ws[1])], -1)
+    assert torch.equal(bd(x, ws), want)
+    ws = [torch.randn(4, 8, generator=g).to(device), torch.randn(5, 16, generator=g).to(device)]  # strides differ
+    assert torch.equal(bd(x, ws), torch.cat([_lin(x[:, :8], ws[0]), _lin(x[:, 8:], ws[1])], -1))
+    k = SPLIT_K_CHUNK + 4
+    xb = torch.randn(2, k + 8, generator=g).to(device, torch.bfloat16)
+    ws = [torch.randn(3, k, generator=g).to(device) / k**0.5, torch.randn(6, k, generator=g).to(device)[:, :8]]
+    assert torch.equal(bd(xb, ws, torch.float32),
+                       torch.cat([_lin(xb[:, :k], ws[0], out_dtype=torch.float32),
+                                  _lin(xb[:, k:], ws[1], out_dtype=torch.float32)], -1))
+    for op in (bd, linear_blockdiag.impls["torch"]):
+        with pytest.raises(ValueError, match="no weights"):
+            op(x.cpu() if op is not bd else x, [])
+        with pytest.raises(ValueError, match="their K must sum"):
+            op(x.cpu() if op is not bd else x, [torch.randn(4, 8, device=x.device if op is bd else "cpu")])
+
+
+@pytest.mark.parametrize("frozen", [None, 1])
+def test_linear_blockdiag_gradients(device, interpret, frozen):
+    """Gradients (x and every trainable weight, LoRA-shaped fp32 x fp32) equal those of the unfused
+    composition — cat of Triton linears on the blocks — up to the backward's own rounding (both run
+    fp32 GEMMs of the same operands, so they agree to a few ulps of the largest value: 1e-5 relative),
+    are close to float64 within the fp32 GEMM bound for K <= 40 terms (1e-5 relative), and repeated
+    backward passes are bitwise equal."""
+    g = torch.Generator().manual_seed(24)
+    bd = triton_impl(linear_blockdiag)
+    ks, ns = (8, 8, 5), (7, 16, 40)
+    x, ws = _blockdiag_case(g, device, torch.float32, torch.float32, ks, ns, 6)
+    x = x.requires_grad_()
+    ws = [w.detach().clone().requires_grad_(i != frozen) for i, w in enumerate(ws)]
+    wanted = [x, *(w for w in ws if w.requires_grad)]
+    gy = torch.randn(6, sum(ns), generator=g).to(device)
+    grads = torch.autograd.grad(bd(x, ws, torch.float32), wanted, gy)
+    again = torch.autograd.grad(bd(x, ws, torch.float32), wanted, gy)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again)), "the backward is deterministic"
+    unfused = torch.autograd.grad(
+        torch.cat([_lin(xs, w, out_dtype=torch.float32) for xs, w in zip(x.split(ks, -1), ws)], -1), wanted, gy)
+    xd = x.detach().double().requires_grad_()
+    wd = [w.detach().double().requires_grad_(w.requires_grad) for w in ws]
+    ref = torch.autograd.grad(torch.cat([xs @ w.t() for xs, w in zip(xd.split(ks, -1), wd)], -1),
+                              [xd, *(w for w in wd if w.requires_grad)], gy.double())
+    for got, plain, want in zip(grads, unfused, ref):
+        assert got.shape == want.shape
+        scale = want.abs().max()
+        assert (got.double() - plain.double()).abs().max() <= 1e-5 * scale + 1e-6
+        assert (got.double() - want).abs().max() <= 1e-5 * scale + 1e-6
 
 def test_linear_mixed_dtypes_compute_in_fp32(device, interpret):
     """bf16 activations x fp32 weights (LoRA factors, router) and fp32 activations x bf16 weights

@@ -1,4 +1,5 @@
-"""Triton GEMMs: ``linear``, ``grouped_linear``, ``bmm_fixed`` and the MoE ``expert_linear``.
+"""Triton GEMMs: ``linear``, ``linear_concat``, ``linear_blockdiag``, ``grouped_linear``, ``bmm_fixed`` and
+the MoE ``expert_linear``.
 
 One kernel (``_gemm_kernel``) computes every product here. A program owns one [BLOCK_M, BLOCK_N]
 output tile, walks K in ascending BLOCK_K steps with an fp32 accumulator (no atomics), adds the bias
@@ -89,6 +90,7 @@ log = logging.getLogger(__name__)
 
 linear = _ops.linear
 linear_concat = _ops.linear_concat
+linear_blockdiag = _ops.linear_blockdiag
 bmm_fixed = _ops.bmm_fixed
 grouped_linear = _ops.grouped_linear
 expert_linear = _moe.expert_linear
@@ -220,7 +222,8 @@ def _gemm_kernel(
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn, stride_ys,
     HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr,
-    W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr, SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
+    X_SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr,
+    SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
     K_CHUNK: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -242,6 +245,8 @@ def _gemm_kernel(
     the output columns offs[s]:offs[s+1] of its own weight ``woff_ptr[s]`` elements after ``w_ptr``;
     each segment is cut into BLOCK_N column tiles from its first column (a tile never straddles two
     segments) and program pid_n finds its (segment, tile) the way expert mode finds its rows.
+    X_SEGMENTS (with SEGMENTS, ``linear_blockdiag``): segment s also reads its own block of x's columns,
+    offs[N_EXPERTS+1+s]:offs[N_EXPERTS+2+s] (K_s = its width, replacing K): a block-diagonal product.
     """
     pid_0 = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -291,6 +296,7 @@ def _gemm_kernel(
 
     n_end = N
     tile_n = pid_n
+    k_end = K
     if SEGMENTS:
         lanes_s = tl.arange(0, BLOCK_E)
         in_s = lanes_s < N_EXPERTS
@@ -309,6 +315,12 @@ def _gemm_kernel(
         col0 = tl.sum(tl.where(here_s, c_lo, 0), axis=0).to(tl.int64) * stride_yn
         y_base += col0
         d_base += col0
+        if X_SEGMENTS:
+            # the x column table follows the N_EXPERTS+1 output column offsets
+            # (names unlike the split pieces': a name reused in the K loop changes type, a compile error)
+            xcol0 = tl.load(offs_ptr + N_EXPERTS + 1 + seg)
+            k_end = tl.load(offs_ptr + N_EXPERTS + 2 + seg) - xcol0
+            x_base += xcol0.to(tl.int64) * stride_xk
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -317,13 +329,13 @@ def _gemm_kernel(
     n_mask = offs_n < n_end
     # int64 row/column offsets: lm_head-sized outputs and weights exceed 2^31 elements at long M.
     k_lo = 0
-    k_hi = K
+    k_hi = k_end
     if K_CHUNK > 0:
         # Split K (see _launch): program (.., .., s) sums the K range [s * K_CHUNK, (s + 1) * K_CHUNK) into
         # partial s of y (``stride_ys`` apart); _split_k_sum adds the partials in ascending s.
         pid_s = tl.program_id(2)
         k_lo = pid_s * K_CHUNK
-        k_hi = tl.minimum(K, k_lo + K_CHUNK)
+        k_hi = tl.minimum(k_end, k_lo + K_CHUNK)
         y_base += pid_s.to(tl.int64) * stride_ys
     x_ptrs = x_base + offs_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
     w_ptrs = w_base + (k_lo + offs_k)[:, None] * stride_wk + offs_n.to(tl.int64)[None, :] * stride_wn
@@ -479,13 +491,16 @@ class _ExpertLaunch:
 class _SegmentLaunch:
     """Segment-mode arguments of ``_launch`` (``linear_concat``): int32 [S+1] column offsets and
     int64 [S] weight element offsets from the base weight, both on the device; the alignment of every
-    weight start in elements; the exact number of column tiles (host shapes)."""
+    weight start in elements; the exact number of column tiles (host shapes). ``x_blocks``
+    (``linear_blockdiag``): ``col_offsets`` is [2S+2], the S+1 cumulative x column offsets after the
+    output's, and segment s multiplies its own block of x's columns."""
 
     col_offsets: torch.Tensor
     woff: torch.Tensor
     align: int
     n_segments: int
     n_tiles: int
+    x_blocks: bool = False
 
 
 def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: torch.Tensor, cfg: GemmConfig,
@@ -508,6 +523,9 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     if split and cfg.num_stages > 3 and f32_rows * cfg.block_k * 4 * cfg.num_stages > 96 * 1024:
         # the fp32 tile doubles the stage size: keep the pipeline inside the SM's shared memory
         cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, 3)
+    if segments is not None and segments.x_blocks and k_chunk:
+        raise ValueError("triton GEMM: a block-diagonal product cannot split K (its K differs per segment); "
+                         "linear_blockdiag runs such weights one linear at a time")
     if delta is not None and (delta.dtype != torch.float32 or delta.shape != y3.shape or delta.stride() != y3.stride()):
         raise ValueError(f"triton GEMM: delta must be fp32 laid out as the output {tuple(y3.shape)}, "
                          f"got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")
@@ -551,6 +569,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
           (y3.stride(0), y3.stride(1), y3.stride(2), 0)),
         HAS_BIAS=bias is not None and not k_chunk, HAS_DELTA=delta is not None and not k_chunk,
         EXPERTS=experts is not None, SEGMENTS=segments is not None,
+        X_SEGMENTS=segments is not None and segments.x_blocks,
         W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split_x,
         SPLIT_W=split_w, K_CHUNK=k_chunk,
         INTERPRET=_interpreting(),
@@ -666,9 +685,13 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 # ------------------------------------------------------------------------------- linear_concat
-def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: torch.dtype,
+                    delta: torch.Tensor | None = None, x_blocks: bool = False) -> torch.Tensor:
     """All segments in one launch. The config is ``linear``'s for the summed N (which program computes
-    an element, never its bits: module doc), so each column equals Triton ``linear(x, w_s)``'s."""
+    an element, never its bits: module doc), so each column equals Triton ``linear(x, w_s)``'s.
+    ``x_blocks`` (``linear_blockdiag``): segment s reads x's s-th block of K_s columns instead of all
+    of x; the config's BLOCK_K is a function of (dtypes, M bucket) only, as for every linear, so a
+    block's K loop is the one Triton ``linear(x_block, w_s)`` runs."""
     lead, k = x.shape[:-1], x.shape[-1]
     ns = [w.shape[0] for w in weights]
     n = sum(ns)
@@ -677,42 +700,49 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m and n:
         w0 = weights[0]
-        cfg = linear_config(n, k, _config_dtype(x.dtype, w0.dtype), m)
-        table = _weight_table(weights, x.device, "linear_concat")
-        cols = _column_offsets(tuple(ns), x.device)
+        k_cfg = max(w.shape[1] for w in weights) if x_blocks else k
+        cfg = linear_config(n, k_cfg, _config_dtype(x.dtype, w0.dtype), m)
+        what = "linear_blockdiag" if x_blocks else "linear_concat"
+        table = _weight_table(weights, x.device, what)
+        cols = _column_offsets(tuple(ns), x.device, tuple(w.shape[1] for w in weights) if x_blocks else None)
         seg = _SegmentLaunch(cols, table.table, table.align, len(weights),
-                             sum(cdiv(c, cfg.block_n) for c in ns))
-        _launch(x2.unsqueeze(0), weights[table.base_index].unsqueeze(0), None, y.unsqueeze(0), cfg, m, n, k,
-                segments=seg)
+                             sum(cdiv(c, cfg.block_n) for c in ns), x_blocks)
+        _launch(x2.unsqueeze(0), weights[table.base_index].unsqueeze(0), None, y.unsqueeze(0), cfg, m, n, k_cfg,
+                segments=seg, delta=_delta_rows(delta, m, n))
     return y.reshape(*lead, n)
 
 
 _COLS_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def _column_offsets(ns: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int32 [S+1] cumulative column offsets on the device, one tensor per (widths, device) for the life
-    of the process (a few per model; a captured graph keeps reading the one it was captured with)."""
-    key = (ns, device)
+def _column_offsets(ns: tuple[int, ...], device: torch.device, ks: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [S+1] cumulative output column offsets on the device, followed for a block-diagonal product
+    by the S+1 cumulative x column offsets of its input widths ``ks`` ([2S+2] in all); one tensor per
+    (widths, device) for the life of the process (a few per model; a captured graph keeps reading the
+    one it was captured with)."""
+    key = (ns, ks, device)
     hit = _COLS_CACHE.get(key)
     if hit is None:
         if _capturing(device):
             raise RuntimeError("linear_concat: these widths were never seen before CUDA-graph capture; "
                                "run the captured call once eagerly first (warm-up)")
-        offs = [0]
-        for c in ns:
-            offs.append(offs[-1] + c)
+        offs: list[int] = []
+        for widths in (ns,) if ks is None else (ns, ks):
+            offs.append(0)
+            for c in widths:
+                offs.append(offs[-1] + c)
         hit = _COLS_CACHE[key] = torch.tensor(offs, dtype=torch.int32, device=device)
     return hit
 
 
 class _LinearConcatFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_dtype: torch.dtype, *weights: torch.Tensor) -> torch.Tensor:
-        need_w = any(ctx.needs_input_grad[2:])
+    def forward(ctx: Any, x: torch.Tensor, out_dtype: torch.dtype, delta: torch.Tensor | None,
+                *weights: torch.Tensor) -> torch.Tensor:
+        need_w = any(ctx.needs_input_grad[3:])
         ctx.save_for_backward(x if need_w else None, *weights)
         ctx.x_meta = (x.shape, x.dtype)
-        return _concat_forward(x, list(weights), out_dtype)
+        return _concat_forward(x, list(weights), out_dtype, delta)
 
     @staticmethod
     @with_backward_matmuls
@@ -731,7 +761,7 @@ class _LinearConcatFn(torch.autograd.Function):
         widths = [w.shape[0] for w in weights]
         g2 = gy.reshape(-1, gy.shape[-1]).to(cdt)
         m = g2.shape[0]
-        need_w = list(ctx.needs_input_grad[2:])
+        need_w = list(ctx.needs_input_grad[3:])
         dx = None
         if ctx.needs_input_grad[0]:
             if sum(widths) <= m or len(weights) == 1:
@@ -755,14 +785,17 @@ class _LinearConcatFn(torch.autograd.Function):
                     if need:
                         dws[i] = (g2[:, c0:c0 + w.shape[0]].t() @ xc).to(w.dtype)
                     c0 += w.shape[0]
-        return (dx, None, *dws)
+        # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
+        d_delta = gy.float() if ctx.needs_input_grad[2] else None
+        return (dx, None, d_delta, *dws)
 
 
 @linear_concat.register("triton")
 def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``linear_concat``: one launch over every weight (segment mode of ``_gemm_kernel``);
-    bitwise the concatenation of Triton ``linear`` per weight."""
+    bitwise the concatenation of Triton ``linear`` per weight. ``delta`` (fp32 [..., sum N]) is added in
+    the epilogue: column block s is bitwise Triton ``linear(x, w_s, delta=delta_s)``."""
     ws = list(weights)
     if not ws:
         raise ValueError("linear_concat: no weights")
@@ -770,15 +803,77 @@ def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
     for w in ws:
         if w.dim() != 2 or w.shape[1] != k:
             raise ValueError(f"linear_concat: x has {k} features but a weight is {tuple(w.shape)}")
-    if compute_in_fp64(x, *ws):
-        return linear_concat.impls["torch"](x, ws, out_dtype)
+    if compute_in_fp64(x, delta, *ws):
+        return linear_concat.impls["torch"](x, ws, out_dtype, delta)
     out_dtype = out_dtype or x.dtype
+    widths = [w.shape[0] for w in ws]
+    if delta is not None:
+        _ops.check_delta(delta, (*x.shape[:-1], sum(widths)))
+        delta = delta.float()
     if len(ws) == 1 or any(w.dtype != ws[0].dtype or w.stride() != ws[0].stride() for w in ws):
         # one weight, or weights the segment table cannot address: separate launches, same bits
-        return torch.cat([linear_triton(x, w, None, out_dtype) for w in ws], dim=-1)
+        parts = [None] * len(ws) if delta is None else delta.split(widths, dim=-1)
+        return torch.cat([linear_triton(x, w, None, out_dtype, d) for w, d in zip(ws, parts)], dim=-1)
+    if _needs_grad(x, delta, *ws):
+        return _LinearConcatFn.apply(x, out_dtype, delta, *ws)
+    return _concat_forward(x, ws, out_dtype, delta)
+
+
+# ---------------------------------------------------------------------------- linear_blockdiag
+class _LinearBlockdiagFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_dtype: torch.dtype, *weights: torch.Tensor) -> torch.Tensor:
+        need_w = any(ctx.needs_input_grad[2:])
+        ctx.save_for_backward(x if need_w else None, *weights)
+        ctx.x_meta = (x.shape, x.dtype)
+        return _concat_forward(x, list(weights), out_dtype, x_blocks=True)
+
+    @staticmethod
+    @with_backward_matmuls
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Stock GEMMs per block (correct and deterministic; the backward need not be invariant):
+        # dX_s = gY_s @ W_s, dW_s = gY_s^T @ X_s.
+        x, *weights = ctx.saved_tensors
+        x_shape, x_dtype = ctx.x_meta
+        cdt = _dot_dtype(x_dtype, weights[0].dtype)
+        ns = [w.shape[0] for w in weights]
+        ks = [w.shape[1] for w in weights]
+        g_blocks = gy.reshape(-1, gy.shape[-1]).to(cdt).split(ns, dim=-1)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.cat([g @ w.to(cdt) for g, w in zip(g_blocks, weights)], dim=-1).reshape(x_shape).to(x_dtype)
+        dws: list[torch.Tensor | None] = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            x_blocks = x.reshape(-1, x_shape[-1]).to(cdt).split(ks, dim=-1)
+            for i, need in enumerate(ctx.needs_input_grad[2:]):
+                if need:
+                    dws[i] = (g_blocks[i].t() @ x_blocks[i]).to(weights[i].dtype)
+        return (dx, None, *dws)
+
+
+@linear_blockdiag.register("triton")
+def linear_blockdiag_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Triton ``linear_blockdiag``: one launch (segment mode with per-segment x columns); column block
+    s is bitwise Triton ``linear(x[..., block s], weights[s])``."""
+    ws = list(weights)
+    if not ws:
+        raise ValueError("linear_blockdiag: no weights")
+    ks = [w.shape[-1] if w.dim() == 2 else -1 for w in ws]
+    if min(ks) < 0 or sum(ks) != x.shape[-1]:
+        raise ValueError(f"linear_blockdiag: x has {x.shape[-1]} features but the weights are "
+                         f"{[tuple(w.shape) for w in ws]} (their K must sum to it)")
+    if compute_in_fp64(x, *ws):
+        return linear_blockdiag.impls["torch"](x, ws, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    if (len(ws) == 1 or any(w.dtype != ws[0].dtype or w.stride() != ws[0].stride() for w in ws)
+            or any(_k_chunk(x.dtype, ws[0].dtype, kk) for kk in ks)):
+        # one weight, weights the segment table cannot address, or a block whose K would be split
+        # (fp32 weights with K_s > SPLIT_K_CHUNK): separate launches, same bits
+        return torch.cat([linear_triton(xs, w, None, out_dtype) for xs, w in zip(x.split(ks, dim=-1), ws)], dim=-1)
     if _needs_grad(x, *ws):
-        return _LinearConcatFn.apply(x, out_dtype, *ws)
-    return _concat_forward(x, ws, out_dtype)
+        return _LinearBlockdiagFn.apply(x, out_dtype, *ws)
+    return _concat_forward(x, ws, out_dtype, x_blocks=True)
 
 
 # ------------------------------------------------------------------------------- grouped_linear
@@ -902,9 +997,11 @@ def _capturing(device: torch.device) -> bool:
 def _build_weight_table(views: list[torch.Tensor], ptrs: tuple[int, ...], device: torch.device,
                         what: str) -> _WeightTable:
     """Validate a weight set (once per set: every call afterwards hits the cache) and build its table.
-    Experts share one [N, K]; the segments of ``linear_concat`` share K (their N differ)."""
+    Experts share one [N, K]; the segments of ``linear_concat`` share K (their N differ); those of
+    ``linear_blockdiag`` need only share strides."""
     w0 = views[0]
-    same = (lambda w: w.shape == w0.shape) if what == "expert_linear" else (lambda w: w.shape[1:] == w0.shape[1:])
+    same = {"expert_linear": lambda w: w.shape == w0.shape, "linear_blockdiag": lambda w: True}.get(
+        what, lambda w: w.shape[1:] == w0.shape[1:])
     for w in views:
         if w.dim() != 2 or not same(w):
             raise ValueError(f"{what}: every weight must be [N, K] with the same "
