@@ -12,6 +12,7 @@ from torch import nn
 from zmrl.kernels_batch_invariant import InvariantOp, current_numerics, linear, numerics_scope
 from zmrl.lora import LoraAdapter
 from zmrl.model.layers import Linear, project
+from tests.kernels.triton.gemm_launches import count_gemm_launches
 
 K, NS, R, M = 40, (24, 8, 33), 8, 5
 
@@ -70,21 +71,6 @@ def backend(request, monkeypatch) -> tuple[torch.device, bool]:
     return torch.device("cpu"), True
 
 
-def _gemm_launches(monkeypatch) -> list[int]:
-    """Counts launches of the Triton GEMM kernel from now on."""
-    from zmrl.kernels_batch_invariant.triton import matmul as tm
-    calls: list[int] = []
-    real = tm._gemm_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            calls.append(1)
-            return real[grid]
-
-    monkeypatch.setattr(tm, "_gemm_kernel", Counting())
-    return calls
-
-
 # adapters per projection -> Triton GEMM launches: A concat + B blockdiag + base concat (+ the base of the
 # projections without adapter; one B GEMM per adapter instead when scales differ; + a non-LoRA adapter's GEMM)
 CASES = {"LLL": 3, "L-L": 4, "--L": 4, "LlL": 5, "LPL": 4, "LHL": 4, "LH-": 5, "---": 1}
@@ -103,7 +89,7 @@ def test_project_is_bitwise_the_separate_linears(backend, dtype, adapters, monke
     x = torch.randn(M, K, generator=g).to(device, dtype)
     with torch.no_grad():
         want = [lin(x) for lin in lins]
-        launches = _gemm_launches(monkeypatch) if triton_ops else None
+        launches = count_gemm_launches(monkeypatch) if triton_ops else None
         got = project(x, lins)
     for y, w in zip(got, want):
         assert y.dtype == w.dtype == dtype and y.shape == w.shape

@@ -15,6 +15,7 @@ from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear, linear_blockdiag, linear_concat
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref
 from zmrl.kernels_batch_invariant.triton import triton_impl
+from tests.kernels.triton.gemm_launches import count_gemm_launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
@@ -163,22 +164,6 @@ def test_linear_concat_errors_and_fallbacks(device):
     assert torch.equal(linear_concat.impls["torch"](xc, w2), torch.cat([linear.impls["torch"](xc, w) for w in w2], -1))
 
 
-
-def _count_launches(monkeypatch) -> list[int]:
-    """Count launches of the GEMM kernel ``_gemm_kernel`` (one entry per ``_gemm_kernel[grid](...)``)."""
-    from zmrl.kernels_batch_invariant.triton import matmul as tm
-    calls: list[int] = []
-    real = tm._gemm_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            calls.append(1)
-            return real[grid]
-
-    monkeypatch.setattr(tm, "_gemm_kernel", Counting())
-    return calls
-
-
 def test_linear_concat_delta_equals_the_unfused_sum(device, interpret, monkeypatch):
     """``linear_concat(..., delta=)`` (the LoRA deltas of project(), added in the one launch's epilogue)
     equals ``(fp32 concat + delta).to(out)`` bitwise, hence column block s equals ``linear(x, w_s,
@@ -195,7 +180,7 @@ def test_linear_concat_delta_equals_the_unfused_sum(device, interpret, monkeypat
         x = torch.randn(5, k, generator=g).to(device, x_dtype)
         delta = torch.randn(5, 56, generator=g).to(device)
         for out_dtype in (torch.bfloat16, torch.float32):
-            launches = _count_launches(monkeypatch)
+            launches = count_gemm_launches(monkeypatch)
             fused = cat(x, ws, out_dtype=out_dtype, delta=delta)
             assert len(launches) == 1, "one launch for all weights, the delta in its epilogue"
             monkeypatch.undo()
@@ -249,7 +234,7 @@ def test_linear_blockdiag_blocks_are_linears(device, interpret, dtypes, monkeypa
     for ks, ns in cases:
         x, ws = _blockdiag_case(g, device, x_dtype, w_dtype, ks, ns, 9)
         for out_dtype in (None, torch.float32):
-            launches = _count_launches(monkeypatch)
+            launches = count_gemm_launches(monkeypatch)
             y = bd(x, ws, out_dtype)
             assert len(launches) == 1
             monkeypatch.undo()

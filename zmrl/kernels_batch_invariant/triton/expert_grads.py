@@ -45,7 +45,7 @@ from .. import moe_gemm_grads as _grads
 from ..host import to_device_async
 from ..numerics import current_numerics
 from ._common import INTERPRET, cdiv, next_pow2
-from .matmul import _TL_DTYPE, GemmConfig, _expert_weight_table, linear_config
+from .matmul import _TL_DTYPE, GemmConfig, _expert_weight_table, expert_tile, expert_weight_offset, linear_config
 
 _HALF = (torch.bfloat16, torch.float16)
 # The dW grid should cover the H100/H200's 132 SMs about twice (shape-derived, so fixed per shape).
@@ -147,23 +147,9 @@ def _expert_dx_kernel(
     pid = tl.program_id(0)
     pid_m = pid // TILES_K
     pid_k = pid % TILES_K
-    lanes = tl.arange(0, BLOCK_E)
-    in_e = lanes < N_EXPERTS
-    lo = tl.load(offs_ptr + lanes, mask=in_e, other=0)
-    hi = tl.load(offs_ptr + lanes + 1, mask=in_e, other=0)
-    e_tiles = (hi - lo + (BLOCK_M - 1)) // BLOCK_M
-    e_tiles_end = tl.cumsum(e_tiles, axis=0)
-    expert = tl.sum((e_tiles_end <= pid_m).to(tl.int32), axis=0)
-    here = lanes == expert
-    first_slot = tl.sum(tl.where(here, e_tiles_end - e_tiles, 0), axis=0)
-    row0 = tl.sum(tl.where(here, lo, 0), axis=0) + (pid_m - first_slot) * BLOCK_M
-    row_end = tl.sum(tl.where(here, hi, 0), axis=0)
-    if W_TABLE:
-        woff = tl.load(woff_ptr + expert)
-    else:
-        woff = expert.to(tl.int64) * stride_wg
-    if W_ALIGN > 1:
-        woff = tl.multiple_of(woff, W_ALIGN)
+    # the grid holds exactly the tiles: every slot is one
+    _, expert, row0, row_end = expert_tile(offs_ptr, pid_m, M, N_EXPERTS, BLOCK_M, BLOCK_E)
+    woff = expert_weight_offset(woff_ptr, expert, stride_wg, W_TABLE, W_ALIGN)
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)

@@ -213,6 +213,46 @@ def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def expert_tile(offs_ptr, pid_m, M, N_EXPERTS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(tiles in all, expert, first row, end row) of row-tile slot ``pid_m`` of expert-sorted rows, from
+    the E+1 int32 row offsets: expert e's rows are cut into BLOCK_M tiles from its first row, numbered
+    expert after expert. One lane per expert (BLOCK_E >= N_EXPERTS): a few vector ops on E integers,
+    nothing next to the K loop. Offsets are clamped into [0, M] and made non-decreasing, so malformed
+    device offsets (never checked on the host: that would sync) cannot address rows outside [0, M);
+    valid offsets pass unchanged. A slot >= the tile count belongs to no tile."""
+    lanes = tl.arange(0, BLOCK_E)
+    in_e = lanes < N_EXPERTS
+    lo = tl.load(offs_ptr + lanes, mask=in_e, other=0)
+    hi = tl.load(offs_ptr + lanes + 1, mask=in_e, other=0)
+    lo = tl.minimum(tl.maximum(lo, 0), M)
+    hi = tl.minimum(tl.maximum(hi, lo), M)
+    e_tiles = (hi - lo + (BLOCK_M - 1)) // BLOCK_M
+    e_tiles_end = tl.cumsum(e_tiles, axis=0)  # tile slots [end - tiles, end) belong to expert e
+    # the expert of slot pid_m: the number of experts whose slots all lie before it
+    expert = tl.sum((e_tiles_end <= pid_m).to(tl.int32), axis=0)
+    here = lanes == expert
+    first_slot = tl.sum(tl.where(here, e_tiles_end - e_tiles, 0), axis=0)
+    row0 = tl.sum(tl.where(here, lo, 0), axis=0) + (pid_m - first_slot) * BLOCK_M
+    row_end = tl.sum(tl.where(here, hi, 0), axis=0)
+    return tl.sum(e_tiles, axis=0), expert, row0, row_end
+
+
+@triton.jit
+def expert_weight_offset(woff_ptr, expert, stride_wg, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr):
+    """Element offset of expert ``expert``'s weight from the base: the table entry (per-expert weights)
+    or ``expert * stride_wg`` (stacked)."""
+    if W_TABLE:
+        woff = tl.load(woff_ptr + expert)
+    else:
+        woff = expert.to(tl.int64) * stride_wg
+    if W_ALIGN > 1:
+        # Every expert's weight starts on a 16-byte boundary (W_ALIGN elements from the base): telling
+        # the compiler lets it vectorise the weight loads.
+        woff = tl.multiple_of(woff, W_ALIGN)
+    return woff
+
+
 @triton.jit(do_not_specialize=["M", "M_TILES"])
 def _gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, d_ptr,
@@ -252,35 +292,10 @@ def _gemm_kernel(
     pid_n = tl.program_id(1)
     if EXPERTS:
         pid_m = pid_0
-        # Tile lookup over all experts at once (one lane per expert; BLOCK_E >= N_EXPERTS): a few
-        # vector ops on E integers, nothing next to the K loop. Offsets are clamped into [0, M] and
-        # made non-decreasing so that malformed device offsets (never checked on the host: that
-        # would sync) cannot address rows outside x and y; valid offsets pass unchanged.
-        lanes = tl.arange(0, BLOCK_E)
-        in_e = lanes < N_EXPERTS
-        lo = tl.load(offs_ptr + lanes, mask=in_e, other=0)
-        hi = tl.load(offs_ptr + lanes + 1, mask=in_e, other=0)
-        lo = tl.minimum(tl.maximum(lo, 0), M)
-        hi = tl.minimum(tl.maximum(hi, lo), M)
-        e_tiles = (hi - lo + (BLOCK_M - 1)) // BLOCK_M
-        e_tiles_end = tl.cumsum(e_tiles, axis=0)  # tile slots [end - tiles, end) belong to expert e
-        if pid_m >= tl.sum(e_tiles, axis=0):
+        n_tiles, expert, row0, row_end = expert_tile(offs_ptr, pid_m, M, N_EXPERTS, BLOCK_M, BLOCK_E)
+        if pid_m >= n_tiles:
             return  # a slot of the fixed upper-bound grid that no tile needs
-        # the expert of slot pid_m: the number of experts whose slots all lie before it
-        expert = tl.sum((e_tiles_end <= pid_m).to(tl.int32), axis=0)
-        here = lanes == expert
-        first_slot = tl.sum(tl.where(here, e_tiles_end - e_tiles, 0), axis=0)
-        row0 = tl.sum(tl.where(here, lo, 0), axis=0) + (pid_m - first_slot) * BLOCK_M
-        row_end = tl.sum(tl.where(here, hi, 0), axis=0)
-        if W_TABLE:
-            woff = tl.load(woff_ptr + expert)
-        else:
-            woff = expert.to(tl.int64) * stride_wg
-        if W_ALIGN > 1:
-            # Every expert's weight starts on a 16-byte boundary (W_ALIGN elements from the base):
-            # telling the compiler lets it vectorise the weight loads.
-            woff = tl.multiple_of(woff, W_ALIGN)
-        w_base = w_ptr + woff
+        w_base = w_ptr + expert_weight_offset(woff_ptr, expert, stride_wg, W_TABLE, W_ALIGN)
         x_base = x_ptr
         y_base = y_ptr
         d_base = d_ptr
