@@ -183,13 +183,19 @@ def linear_blockdiag(
     (default x.dtype). The LoRA use: the B factors of several adapters of one input applied to their
     A products side by side (``LoraAdapter.up_concat``), which the Triton backend runs as one launch.
     """
+    ks = check_blockdiag(x, weights)
+    return torch.cat([linear(xs, w, out_dtype=out_dtype) for xs, w in zip(x.split(ks, dim=-1), weights)], dim=-1)
+
+
+def check_blockdiag(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[int]:
+    """The blocks' widths K_s of a ``linear_blockdiag`` call, after checking that they tile x's columns."""
     if not weights:
         raise ValueError("linear_blockdiag: no weights")
     ks = [w.shape[-1] if w.dim() == 2 else -1 for w in weights]
     if min(ks) < 0 or sum(ks) != x.shape[-1]:
         raise ValueError(f"linear_blockdiag: x has {x.shape[-1]} features but the weights are "
                          f"{[tuple(w.shape) for w in weights]} (their K must sum to it)")
-    return torch.cat([linear(xs, w, out_dtype=out_dtype) for xs, w in zip(x.split(ks, dim=-1), weights)], dim=-1)
+    return ks
 
 
 @invariant_op

@@ -66,18 +66,18 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     adapted = [i for i, lin in enumerate(linears) if lin.adapter is not None]
     if not adapted:
         return list(linear_concat(x, weights).split(widths, dim=-1))
-    pieces = _adapter_deltas(x, [linears[i].adapter for i in adapted], [widths[i] for i in adapted])
+    a_weights, a_widths = [weights[i] for i in adapted], [widths[i] for i in adapted]
+    pieces = _adapter_deltas(x, [linears[i].adapter for i in adapted], a_widths)
     out: list[torch.Tensor | None] = [None] * len(linears)
     if all(d.dtype == torch.float32 for d in pieces):
         delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-        fused = linear_concat(x, [weights[i] for i in adapted], out_dtype=x.dtype, delta=delta)
-        for i, y in zip(adapted, fused.split([widths[i] for i in adapted], dim=-1)):
-            out[i] = y
-    else:  # a delta of another dtype: the fp32 sum in torch, as Linear.forward does
-        base = linear_concat(x, [weights[i] for i in adapted], out_dtype=torch.float32)
-        deltas = pieces if len(pieces) == len(adapted) else pieces[0].split([widths[i] for i in adapted], dim=-1)
-        for i, y, d in zip(adapted, base.split([widths[i] for i in adapted], dim=-1), deltas):
-            out[i] = (y + d).to(x.dtype)
+        outs = linear_concat(x, a_weights, out_dtype=x.dtype, delta=delta).split(a_widths, dim=-1)
+    else:  # a delta of another dtype (one per adapter: up_concat's joint delta is fp32): the fp32 sum in
+        # torch, as Linear.forward does
+        base = linear_concat(x, a_weights, out_dtype=torch.float32).split(a_widths, dim=-1)
+        outs = [(y + d).to(x.dtype) for y, d in zip(base, pieces, strict=True)]
+    for i, y in zip(adapted, outs):
+        out[i] = y
     plain = [i for i, lin in enumerate(linears) if lin.adapter is None]
     if plain:
         for i, y in zip(plain, linear_concat(x, [weights[i] for i in plain]).split([widths[i] for i in plain], -1)):

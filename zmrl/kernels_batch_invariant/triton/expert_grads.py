@@ -45,7 +45,8 @@ from .. import moe_gemm_grads as _grads
 from ..host import to_device_async
 from ..numerics import current_numerics
 from ._common import INTERPRET, cdiv, next_pow2
-from .matmul import _TL_DTYPE, GemmConfig, _expert_weight_table, expert_tile, expert_weight_offset, linear_config
+from .matmul import (_TL_DTYPE, GemmConfig, _expert_weight_table, dot_acc, expert_tile, expert_weight_offset,
+                     linear_config)
 
 _HALF = (torch.bfloat16, torch.float16)
 # The dW grid should cover the H100/H200's 132 SMs about twice (shape-derived, so fixed per shape).
@@ -105,18 +106,6 @@ def dw_config(n: int, k: int, n_experts: int, dtype: torch.dtype, precision: str
 
 # --------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _mma(acc, a, b, HALF: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc + a @ b with fp32 accumulation; a, b already in the compute class (16-bit, or fp32)."""
-    if INTERPRET:
-        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    elif HALF:
-        acc = tl.dot(a, b, acc)
-    else:
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
 def _to_class(v, CDT: tl.constexpr):
     """An operand tile in the compute class: 16-bit by round-to-nearest-even, fp32 exactly."""
     if v.dtype.primitive_bitwidth > CDT.primitive_bitwidth:
@@ -163,7 +152,7 @@ def _expert_dx_kernel(
         n_mask = offs_n < N - n0
         g = tl.load(g_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _mma(acc, _to_class(g, CDT), _to_class(w, CDT), HALF, PRECISION, INTERPRET)
+        acc = dot_acc(acc, _to_class(g, CDT), _to_class(w, CDT), HALF, PRECISION, INTERPRET)
         g_ptrs += BLOCK_N * stride_gn
         w_ptrs += BLOCK_N * stride_wn
     dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
@@ -208,7 +197,7 @@ def _expert_dw_kernel(
         r_mask = offs_r < hi - r0
         g = tl.load(g_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         xs = tl.load(x_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _mma(acc, _to_class(g, CDT), _to_class(xs, CDT), HALF, PRECISION, INTERPRET)
+        acc = dot_acc(acc, _to_class(g, CDT), _to_class(xs, CDT), HALF, PRECISION, INTERPRET)
         g_ptrs += BLOCK_R * stride_gm
         x_ptrs += BLOCK_R * stride_xm
     dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_de + offs_n.to(tl.int64)[:, None] * stride_dn

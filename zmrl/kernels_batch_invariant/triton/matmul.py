@@ -205,12 +205,16 @@ def _split_bf16(t):
 
 
 @triton.jit
-def _dot_acc(a, b, acc, INTERPRET: tl.constexpr):
-    """acc + a @ b for bf16 tiles with fp32 accumulation; under the interpreter an explicit fp32
-    product and sum over K (its bf16 dot is wrong, see the module doc)."""
+def dot_acc(acc, a, b, HALF: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ b with fp32 accumulation: 16-bit tiles (HALF) as tensor-core MMAs, fp32 tiles at
+    ``input_precision=PRECISION``. Under the interpreter an explicit fp32 product and sum over K: its bf16
+    dot is wrong, and numpy's matmul (its fp32 dot) computes tile rows with different BLAS micro-kernels
+    depending on their position in the tile, so invariance tests on CPU need every element in one order."""
     if INTERPRET:
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    return tl.dot(a, b, acc)
+    if HALF:
+        return tl.dot(a, b, acc)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -377,29 +381,24 @@ def _gemm_kernel(
             if SPLIT_W:
                 w_hi, w_mid, w_lo = _split_bf16(b)
             if SPLIT_X and SPLIT_W:
-                acc = _dot_acc(x_hi, w_hi, acc, INTERPRET)
-                acc = _dot_acc(x_hi, w_mid, acc, INTERPRET)
-                acc = _dot_acc(x_mid, w_hi, acc, INTERPRET)
-                acc = _dot_acc(x_hi, w_lo, acc, INTERPRET)
-                acc = _dot_acc(x_mid, w_mid, acc, INTERPRET)
-                acc = _dot_acc(x_lo, w_hi, acc, INTERPRET)
+                acc = dot_acc(acc, x_hi, w_hi, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, x_hi, w_mid, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, x_mid, w_hi, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, x_hi, w_lo, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, x_mid, w_mid, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, x_lo, w_hi, True, "ieee", INTERPRET)
             elif SPLIT_X:
-                acc = _dot_acc(x_hi, b, acc, INTERPRET)
-                acc = _dot_acc(x_mid, b, acc, INTERPRET)
-                acc = _dot_acc(x_lo, b, acc, INTERPRET)
+                acc = dot_acc(acc, x_hi, b, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, x_mid, b, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, x_lo, b, True, "ieee", INTERPRET)
             else:
-                acc = _dot_acc(a, w_hi, acc, INTERPRET)
-                acc = _dot_acc(a, w_mid, acc, INTERPRET)
-                acc = _dot_acc(a, w_lo, acc, INTERPRET)
-        elif INTERPRET:
-            # numpy's matmul (the interpreter's tl.dot) computes tile rows with different BLAS
-            # micro-kernels depending on their position in the tile; an explicit product + sum over
-            # K gives every element the same order, so the invariance tests are meaningful on CPU.
-            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-        elif F32_DOT:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                acc = dot_acc(acc, a, w_hi, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, a, w_mid, True, "ieee", INTERPRET)
+                acc = dot_acc(acc, a, w_lo, True, "ieee", INTERPRET)
+        elif F32_DOT:  # another mix with an fp32 operand (always so under the interpreter): IEEE fp32 dots
+            acc = dot_acc(acc, a.to(tl.float32), b.to(tl.float32), False, "ieee", INTERPRET)
         else:
-            acc = tl.dot(a, b, acc)
+            acc = dot_acc(acc, a, b, True, "ieee", INTERPRET)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -727,6 +726,12 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
     return y.reshape(*lead, n)
 
 
+def _one_segment_table(ws: list[torch.Tensor]) -> bool:
+    """Whether segment mode is worth it and can address these weights: more than one, one dtype and one
+    set of strides (the weight-offset table assumes both)."""
+    return len(ws) > 1 and all(w.dtype == ws[0].dtype and w.stride() == ws[0].stride() for w in ws)
+
+
 _COLS_CACHE: dict[tuple, torch.Tensor] = {}
 
 
@@ -825,7 +830,7 @@ def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
     if delta is not None:
         _ops.check_delta(delta, (*x.shape[:-1], sum(widths)))
         delta = delta.float()
-    if len(ws) == 1 or any(w.dtype != ws[0].dtype or w.stride() != ws[0].stride() for w in ws):
+    if not _one_segment_table(ws):
         # one weight, or weights the segment table cannot address: separate launches, same bits
         parts = [None] * len(ws) if delta is None else delta.split(widths, dim=-1)
         return torch.cat([linear_triton(x, w, None, out_dtype, d) for w, d in zip(ws, parts)], dim=-1)
@@ -872,17 +877,11 @@ def linear_blockdiag_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
     """Triton ``linear_blockdiag``: one launch (segment mode with per-segment x columns); column block
     s is bitwise Triton ``linear(x[..., block s], weights[s])``."""
     ws = list(weights)
-    if not ws:
-        raise ValueError("linear_blockdiag: no weights")
-    ks = [w.shape[-1] if w.dim() == 2 else -1 for w in ws]
-    if min(ks) < 0 or sum(ks) != x.shape[-1]:
-        raise ValueError(f"linear_blockdiag: x has {x.shape[-1]} features but the weights are "
-                         f"{[tuple(w.shape) for w in ws]} (their K must sum to it)")
+    ks = _ops.check_blockdiag(x, ws)
     if compute_in_fp64(x, *ws):
         return linear_blockdiag.impls["torch"](x, ws, out_dtype)
     out_dtype = out_dtype or x.dtype
-    if (len(ws) == 1 or any(w.dtype != ws[0].dtype or w.stride() != ws[0].stride() for w in ws)
-            or any(_k_chunk(x.dtype, ws[0].dtype, kk) for kk in ks)):
+    if not _one_segment_table(ws) or any(_k_chunk(x.dtype, ws[0].dtype, kk) for kk in ks):
         # one weight, weights the segment table cannot address, or a block whose K would be split
         # (fp32 weights with K_s > SPLIT_K_CHUNK): separate launches, same bits
         return torch.cat([linear_triton(xs, w, None, out_dtype) for xs, w in zip(x.split(ks, dim=-1), ws)], dim=-1)
