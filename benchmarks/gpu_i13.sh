@@ -24,7 +24,8 @@
 #   matmul        the GEMM tests (row invariance of the split and split-K products, sm_90 IR of every variant);
 #   expert_grads  the Triton MoE backward (vs float64, vs the torch path, timing);
 #   lora          lora_gemms.py;   decode_lora  the graph decode step with LoRA r = 32;
-#   parity        the bench-shape parity test;   bitwise  the ZMRL_TEST_DEVICE=cuda parity suite.
+#   parity        the bench-shape parity test;   bitwise  the ZMRL_TEST_DEVICE=cuda parity suite;
+#   rollout_rl    the RL-shaped rollout (64 prompts x 8 samples, 512-token prompts, <= 1024 new tokens).
 # T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
@@ -55,7 +56,7 @@ if [ -n "${AUTOTUNE_TGZ:-}" ] && [ -f "$AUTOTUNE_TGZ" ]; then
   tar xzf "$AUTOTUNE_TGZ" -C "$TRITON_CACHE_DIR" && echo "# restored $(tar tzf "$AUTOTUNE_TGZ" | wc -l) autotune results"
 fi
 
-if ! $PY -c "import fla.ops.kda, einops" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+if ! $PY -c "import fla.ops.kda, einops, xdist" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tee "$OUT/pip.log"
 fi
 {
@@ -81,6 +82,10 @@ step() {  # step NAME LIMIT_S CMD... : run under min(LIMIT_S, time left), log to
 }
 
 PYTEST="$PY -m pytest -p no:cacheprovider -m gpu -rA -v -s"
+# pytest-xdist (a wheel in .whl/ travels with the run) spreads the Triton compiles of the GEMM and
+# bitwise suites over the machine's cores; one GPU serves every worker (the tests are small).
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n ${XDIST_WORKERS:-8}"
 
 STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -113,7 +118,7 @@ has census && step trainer_op_census "${T_CENSUS:-120}" $PY benchmarks/trainer_o
 has rollout && step rollout_profile "${T_ROLLOUT:-150}" $PY benchmarks/rollout_profile.py --layers 16 --prompts 8 --n 8 \
   --prompt-len 512 --max-new 512 --profile-steps 5 ${ROLLOUT_ARGS:-} --out "$OUT/rollout_profile.json"
 
-has matmul && step gpu_tests_matmul "${T_MATMUL:-240}" $PYTEST tests/kernels/triton/test_matmul.py \
+has matmul && step gpu_tests_matmul "${T_MATMUL:-240}" $PYTEST $XDIST tests/kernels/triton/test_matmul.py \
   tests/kernels/triton/test_gemm_compiles_for_hopper.py tests/kernels/triton/test_moe_gemm_device_offsets.py
 
 has expert_grads && step gpu_tests_expert_grads "${T_EXPERT_GRADS:-200}" $PYTEST tests/kernels/triton/test_expert_grads.py \
@@ -128,8 +133,11 @@ has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decod
 has parity && step bench_parity "${T_PARITY:-240}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu \
   tests/bitwise/test_parity_gpu_bench.py
 
-has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider -q -rfEs \
+has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -q -rfEs \
   tests/bitwise -m "not slow and not gpu"
+
+has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.py --rollout-only --layers 16 --prompts 64 --n 8 \
+  --prompt-len 512 --max-new 1024 --out "$OUT/rollout_rl.json"
 
 has kda_bwd_small && step gpu_tests_kda_bwd_small 60 $PYTEST -k H4 tests/kernels/triton/test_kda_chunk_bwd_gpu.py
 
