@@ -3,7 +3,7 @@ activation-recompute policy, MFU, peak memory, bitwise vs fast kernels, and the 
 forward + backward next to fla-core's ``chunk_kda``.
 
     python benchmarks/trainer_throughput.py [--seq-lens 4096,4096,4096,4096] [--layers 16]
-        [--modes bitwise,fast] [--recompute none,layer,selective,attention] [--iters 3]
+        [--modes bitwise,fast] [--recompute none,layer,selective,attention] [--backward-precision tf32,bf16] [--iters 3]
         [--kda-tokens 8192,32768] [--out FILE.json] [--smoke]
 
 What is timed: one packed micro-batch (default 4 sequences x 4096 = 16K tokens, the second half of
@@ -36,7 +36,8 @@ import torch
 from _common import (OOM_ERRORS, build_on_device, cuda_time_ms, default_out, empty_cache, env, model_config,
                      pick_device, print_profile, profile_step, setup_logging, table, write_json)
 from _train_flops import expected_peak_memory, measured_matmul_peak_tflops, train_flops
-from zmrl.kernels_batch_invariant import kernel_mode
+from zmrl.kernels_batch_invariant import current_numerics, kernel_mode, numerics_scope
+from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters
 from zmrl.model import RECOMPUTE_POLICIES, apply_recompute
 from zmrl.trainer import compute_logprobs
@@ -108,14 +109,15 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
     rows: list[dict[str, Any]] = []
     for mode in a.modes:
         fwd_ms = None
-        for policy in (a.recompute if mode == "bitwise" else ["none"]):
-            row: dict[str, Any] = {"mode": mode, "recompute": policy, "tokens": tokens}
+        policies = a.recompute if mode == "bitwise" else ["none"]
+        for policy, precision in [(p, b) for p in policies for b in a.backward_precision]:
+            row: dict[str, Any] = {"mode": mode, "recompute": policy, "backward_precision": precision, "tokens": tokens}
             expected = expected_peak_memory(cfg, a.seq_lens, a.lora_r, policy, a.logprob_chunk or logit_rows, logit_rows)
             row["expected_peak_gib"] = expected.total / 2**30
             row["expected_peak_parts_gib"] = {k: v / 2**30 for k, v in expected.as_dict().items() if k != "policy"}
             apply_recompute(model, policy)
             try:  # one configuration failing must not hide the others
-                with kernel_mode(mode):
+                with kernel_mode(mode), numerics_scope(current_numerics().replace(backward_matmul_precision=precision)):
                     if fwd_ms is None:  # the forward does not depend on the policy
                         fwd_ms = cuda_time_ms(forward, warmup=a.warmup, iters=a.iters, setup=zero)["median_ms"]
                         log.info("%s: forward %.0f ms", mode, fwd_ms)
@@ -128,7 +130,8 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                 row["tflop_s"] = flops.total / (fb["median_ms"] * 1e-3) / 1e12
                 if peak_tflops:
                     row["mfu"] = row["tflop_s"] / peak_tflops
-                log.info("%s/%s: forward %.0f ms, forward+backward %.0f ms", mode, policy, fwd_ms, fb["median_ms"])
+                log.info("%s/%s/%s: forward %.0f ms, forward+backward %.0f ms", mode, policy, precision, fwd_ms,
+                         fb["median_ms"])
             except OOM_ERRORS:
                 row["error"] = "out of memory"
                 log.warning("%s/%s: out of memory", mode, policy)
@@ -158,7 +161,8 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
           f"({cfg.num_hidden_layers} layers) bf16, LoRA r={a.lora_r}, packed micro-batch "
           f"{'+'.join(map(str, a.seq_lens))} = {tokens} tokens; {flops.total / 1e12:.1f} TFLOP per fwd+bwd "
           f"(benchmarks/_train_flops.py); matmul peak {peak_tflops or float('nan'):.0f} TFLOP/s measured")
-    print(table(rows, [("mode", "mode", "s"), ("recompute", "recompute", "s"), ("fwd_ms", "fwd ms", ".0f"),
+    print(table(rows, [("mode", "mode", "s"), ("recompute", "recompute", "s"),
+                       ("backward_precision", "bwd GEMMs", "s"), ("fwd_ms", "fwd ms", ".0f"),
                        ("fwdbwd_ms", "fwd+bwd ms", ".0f"), ("tok_s", "tok/s", ".0f"),
                        ("tflop_s", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
                        ("expected_peak_gib", "expected GiB", ".1f"), ("error", "error", "s")]))
@@ -283,6 +287,8 @@ def main() -> int:
     ap.add_argument("--modes", default="bitwise,fast")
     ap.add_argument("--recompute", default=",".join(RECOMPUTE_POLICIES),
                     help=f"policies to time in bitwise mode (allowed: {', '.join(RECOMPUTE_POLICIES)})")
+    ap.add_argument("--backward-precision", default="tf32",
+                    help="backward_matmul_precision values to measure, comma-separated (tf32, bf16, ieee)")
     ap.add_argument("--logprob-chunk", type=int, default=1024,
                     help="rows per lm_head + log-prob chunk (TrainerConfig.logprob_chunk_tokens; 0 = unchunked)")
     ap.add_argument("--expected-memory", action="store_true",
@@ -304,6 +310,7 @@ def main() -> int:
     setup_logging()
     a.modes = _names(a.modes, ("bitwise", "fast"), "--modes")
     a.recompute = _names(a.recompute, RECOMPUTE_POLICIES, "--recompute")
+    a.backward_precision = _names(a.backward_precision, BACKWARD_MATMUL_PRECISIONS, "--backward-precision")
     a.logprob_chunk = a.logprob_chunk or None
     if a.expected_memory:
         print_expected_memory(a)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant import mla_attention_grads as M
 from zmrl.kernels_batch_invariant.mla_attention import dense_key_positions, mla_attention_ref
 
@@ -61,3 +62,24 @@ def test_only_requested_gradients(problem):
     part = M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps["sparse"], SCALE, DC, (False, False, True))
     assert part[0] is None and part[1] is None and torch.equal(part[2], full[2])
     assert not full[0][2].any() and not full[1][2].any()
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_bf16_operands(problem, kind):
+    """backward_matmul_precision="bf16" (FlashAttention's practice: the GEMMs take bf16 operands, the softmax and
+    every accumulation stay fp32). Each product's operands round to bf16, 2^-8 relative each; the gradients
+    sum hundreds of such terms whose errors partly cancel, and dS = P (dP - delta) subtracts two rounded
+    quantities, so the error is bounded relative to the largest gradient: 2^-5 (measured up to 8e-3 here),
+    while a wrong term (a dropped key, a missing rescale) is O(1e-1). The bf16 path must differ from the fp32
+    one (it was taken) and repeat bitwise."""
+    cache, bt, sidx, _, q_lat, q_pe, kps, go = problem
+    want = _reference(problem, kind)
+    exact = M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC, (True, True, True))
+    with numerics_scope(current_numerics().replace(backward_matmul_precision="bf16")):
+        got = M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC, (True, True, True))
+        again = M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC, (True, True, True))
+    for name, a, b, e in zip(("q_lat", "q_pe", "kv_cache"), got, want, exact):
+        assert a.dtype == torch.float32 and not torch.equal(a, e)
+        err = (a.double() - b).abs().max().item()
+        assert err <= 2.0 ** -5 * b.abs().max().item(), f"{kind} d{name}: {err:.2e}"
+    assert all(torch.equal(a, b) for a, b in zip(got, again))

@@ -150,3 +150,10 @@ def test_recompute_policy_is_validated():
     with pytest.raises(RecipeError, match=r"recipe key 'trainer.recompute': must be one of none, layer, "
                                           r"selective, attention, got 'full'"):
         load_recipe(str(RECIPE), ["trainer.recompute=full"])
+
+
+def test_backward_matmul_precision_is_validated():
+    assert load_recipe(str(RECIPE), ["trainer.backward_matmul_precision=bf16"]).trainer.backward_matmul_precision == "bf16"
+    with pytest.raises(RecipeError, match=r"recipe key 'trainer.backward_matmul_precision': must be one of tf32, bf16, "
+                                          r"ieee, got 'fp8'"):
+        load_recipe(str(RECIPE), ["trainer.backward_matmul_precision=fp8"])

@@ -86,3 +86,28 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
         assert child.seq.pages[1] != parent.seq.pages[1]  # the partial one is a copy
         assert call == ("fork", "p-0", child.request_id, parent.seq.pages[1], child.seq.pages[1])
     assert sched.blocks.ref_count[parent.seq.pages[0]] == 3
+
+
+def test_max_num_seqs_counts_the_samples_a_prompt_will_fork():
+    """A prompt with n samples takes n of the max_num_seqs slots (one decode batch never exceeds it, so it
+    fits the largest decode-graph bucket); a request wider than the engine runs alone instead of waiting forever."""
+    sched = Scheduler(EngineConfig(num_blocks=64, max_num_seqs=4, enable_prefix_caching=False), 1024, [0], FakeState())
+    sched.add("a", list(range(10)), SamplingParams(max_tokens=5, n=3))
+    sched.add("b", list(range(10)), SamplingParams(max_tokens=5, n=2))
+    batch = sched.schedule()
+    assert [r.request_id for r, _ in batch] == ["a-0"]  # 3 + 2 sequences > 4: b waits
+    _compute(batch)
+    sched.with_forks([batch[0][0]])
+    assert len(sched.running) == 3
+    assert [r.request_id for r, _ in sched.schedule()] == ["a-0", "a-1", "a-2"]
+    sched._drop(sched.running[0], "length")
+    batch = sched.schedule()  # two slots free: b (two samples) is admitted
+    assert [r.request_id for r, _ in batch] == ["a-1", "a-2", "b-0"]
+    _compute(batch)
+    sched.with_forks([batch[-1][0]])
+    assert len(sched.running) == 4
+
+    wide = Scheduler(EngineConfig(num_blocks=64, max_num_seqs=2, enable_prefix_caching=False), 1024, [0], FakeState())
+    wide.add("w", list(range(10)), SamplingParams(max_tokens=5, n=3))
+    wide.add("x", list(range(10)), SamplingParams(max_tokens=5))
+    assert [r.request_id for r, _ in wide.schedule()] == ["w-0"]

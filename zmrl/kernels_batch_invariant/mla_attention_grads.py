@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .mla_attention import cache_slots
-from .numerics import backward_matmuls
+from .numerics import backward_matmuls, current_numerics
 
 # Elements of one [G, H, U] fp32 buffer per chunk. ``_chunk_grads`` holds at most three of them at a
 # time (scores/probabilities and their gradient, updated in place), so chunks are as large as memory
@@ -87,26 +87,23 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
     The [G*H, U] buffers dominate the traffic, so each is made once and then updated in place: the
     softmax scale rides in the GEMMs' alpha (``addmm``), the latent and rope halves of q and k stay
     separate operands (two accumulating GEMMs instead of a concatenated copy of q), and the query
-    gradients are written by their GEMMs straight into the output rows."""
+    gradients are written by their GEMMs straight into the output rows. With the contract's
+    ``backward_matmul_precision="bf16"`` the products take bf16 operands (``_chunk_grads_bf16``)."""
+    if cdt == torch.float32 and current_numerics().backward_matmul_precision == "bf16":
+        _chunk_grads_bf16(go, q_lat, q_pe, flat, u, loc, scale, dc, g_ql, g_qr, g_kv)
+        return
     g, h, _ = q_lat.shape
     n_u = u.numel()
     if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
-        for t in (g_ql, g_qr):
-            if t is not None:
-                t.zero_()
+        _zero(g_ql, g_qr)
         return
-    mask = torch.zeros(g, n_u + 1, dtype=torch.bool, device=loc.device).scatter_(1, loc, True)[:, :n_u]
+    masked = _masked(loc, n_u)
     k = flat.index_select(0, u).to(cdt)  # [U, D]
     c, kr = k[:, :dc], k[:, dc:]  # [U, Dc] latents (also the values), [U, Dr] rope keys
     ql = q_lat.detach().to(cdt).reshape(g * h, dc)
     qr = q_pe.detach().to(cdt).reshape(g * h, -1)
     s = torch.mm(ql, c.t()).addmm_(qr, kr.t(), beta=scale, alpha=scale).view(g, h, n_u)  # scale * (q . k)
-    masked = ~mask.unsqueeze(1)  # [G, 1, U]
-    # Rows without any key become all -inf, their softmax NaN: the masked_fill below zeroes them (every
-    # entry of such a row is masked), and keeps the exact zeros softmax gives masked keys elsewhere.
-    p = torch.softmax(s.masked_fill_(masked, float("-inf")), dim=-1)
-    del s
-    p = p.masked_fill_(masked, 0.0).view(g * h, n_u)
+    p = _probabilities(s, masked).view(g * h, n_u)
     gof = go.to(cdt).reshape(g * h, dc)
     delta = (gof * (p @ c)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
     ds = torch.mm(gof, c.t()).sub_(delta).mul_(p)  # dS / scale, [G*H, U]
@@ -120,3 +117,83 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
         torch.addmm(torch.mm(p.t(), gof), ds.t(), ql, alpha=scale, out=dk[:, :dc])  # dK_latent + dV
         torch.addmm(dk[:, dc:], ds.t(), qr, beta=0, alpha=scale, out=dk[:, dc:])  # dK_rope
         g_kv.index_add_(0, u, dk)  # u is unique: one add per row
+
+
+def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
+                      loc: torch.Tensor, scale: float, dc: int,
+                      g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None) -> None:
+    """``_chunk_grads`` with bf16 GEMM operands and fp32 accumulation: the practice of FlashAttention's
+    backward (P and dS rounded to bf16 for the tensor cores). Twice the tensor-core rate of TF32 and half
+    the bytes per operand read; each operand rounds to 2^-9 relative (TF32: 2^-11), the softmax, the
+    row sums and every accumulation stay fp32. A bf16 cache's keys are exact. The scale is folded into
+    the (small) query operand once, so the [G*H, U] buffers see no extra pass for it."""
+    g, h, _ = q_lat.shape
+    n_u = u.numel()
+    if n_u == 0:
+        _zero(g_ql, g_qr)
+        return
+    bf = torch.bfloat16
+    masked = _masked(loc, n_u)
+    k = flat.index_select(0, u).to(bf)  # [U, D]
+    c = k[:, :dc]
+    qs = torch.cat([q_lat.detach(), q_pe.detach()], dim=-1).reshape(g * h, -1).to(torch.float32).mul_(scale).to(bf)
+    p = _probabilities(_mm_f32(qs, k.t()).view(g, h, n_u), masked).view(g * h, n_u)
+    go16 = go.reshape(g * h, dc).to(bf)
+    p16 = p.to(bf)
+    delta = (go16.float() * _mm_f32(p16, c)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
+    ds = _mm_f32(go16, c.t()).sub_(delta).mul_(p)  # dS / scale, [G*H, U]
+    del p
+    ds16 = ds.to(bf)
+    del ds
+    if g_ql is not None or g_qr is not None:
+        dq = _mm_f32(ds16, k).mul_(scale).view(g, h, -1)  # [G, H, D]
+        if g_ql is not None:
+            g_ql.copy_(dq[..., :dc])
+        if g_qr is not None:
+            g_qr.copy_(dq[..., dc:])
+    if g_kv is not None:
+        dk = _mm_f32(ds16.t(), qs)  # scale * dS^T q: dK (latent and rope)
+        dk[:, :dc] += _mm_f32(p16.t(), go16)  # + dV (the latents are the values)
+        g_kv.index_add_(0, u, dk)  # u is unique: one add per row
+
+
+def _zero(*bufs: torch.Tensor | None) -> None:
+    for t in bufs:
+        if t is not None:
+            t.zero_()
+
+
+def _masked(loc: torch.Tensor, n_u: int) -> torch.Tensor:
+    """[G, 1, U] True where a key column is not in the query's list (column U of ``loc`` is "no key")."""
+    g = loc.shape[0]
+    mask = torch.zeros(g, n_u + 1, dtype=torch.bool, device=loc.device).scatter_(1, loc, True)[:, :n_u]
+    return ~mask.unsqueeze(1)
+
+
+def _probabilities(s: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """softmax over the listed keys of scores s [G, H, U] (in place where it can): the unlisted get exact
+    zeros. Rows without any key become all -inf, their softmax NaN: the second masked_fill zeroes them
+    (every entry of such a row is masked)."""
+    p = torch.softmax(s.masked_fill_(masked, float("-inf")), dim=-1)
+    del s
+    return p.masked_fill_(masked, 0.0)
+
+
+_BF16_FP32_OUT_MM: bool | None = None  # whether this torch has the fp32-output bf16 GEMM on CUDA (probed once)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 operands, accumulated and returned in fp32: cuBLAS's bf16 GEMM with an fp32 output on
+    CUDA (torch's ``out_dtype``), the exact fp32 GEMM of the bf16 values elsewhere. A CUDA torch without
+    ``out_dtype`` rounds the output to bf16 (one more 2^-9 rounding)."""
+    global _BF16_FP32_OUT_MM
+    if not a.is_cuda:
+        return a.float() @ b.float()
+    if _BF16_FP32_OUT_MM is not False:
+        try:
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _BF16_FP32_OUT_MM = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _BF16_FP32_OUT_MM = False
+    return (a @ b).float()

@@ -25,7 +25,10 @@ Fields:
   AUTO branch, which is why the fingerprint records the CPU vendor.
 * ``backward_matmul_precision``: what the trainer's backward GEMMs with an fp32 operand run at on CUDA:
   "tf32" (default: tensor cores, operands rounded to TF32's 10-bit mantissa, relative rounding 2^-11,
-  fp32 accumulation) or "ieee" (fp32 FMA on CUDA cores, ~8x slower on the H200). The forward never reads
+  fp32 accumulation), "bf16" (operands rounded to bf16, 2^-9, fp32 accumulation, twice TF32's tensor-core
+  rate: FlashAttention's practice for P and dS; the backwards with a bf16 path -- the MLA attention
+  backward and the Triton MoE expert backward, on any device -- take it, the other torch GEMMs run TF32)
+  or "ieee" (fp32 FMA on CUDA cores, ~8x slower on the H200). The forward never reads
   it (no forward op uses a torch fp32 GEMM on CUDA in bitwise mode), so it is not part of the parity
   fingerprint; docs/numerics.md gives the backward this freedom (correct within tolerance against
   float64, deterministic run to run: cuBLAS picks the same kernel for the same shapes and flags).
@@ -54,7 +57,7 @@ from ._dispatch import Mode
 KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)
 KDA_DOT_PRECISIONS: tuple[str, ...] = ("tf32x3", "ieee", "tf32")
 CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
-BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "ieee")
+BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "bf16", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
 # Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
@@ -256,7 +259,8 @@ def backward_matmuls(device: torch.device) -> Iterator[None]:
     """Run the body's torch fp32 GEMMs on ``device`` at the contract's ``backward_matmul_precision``.
 
     For hand-written backwards only (their GEMMs need not be invariant). CUDA only: on CPU torch's
-    fp32 GEMMs are left at full precision. The previous setting is restored on exit."""
+    fp32 GEMMs are left at full precision. "bf16" runs them at TF32 too: the backwards that have a bf16
+    path round their operands themselves. The previous setting is restored on exit."""
     if device.type != "cuda" or _current.backward_matmul_precision == "ieee":
         yield
         return

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 from zmrl.extras import require
 
+from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
 from zmrl.model.recompute import RECOMPUTE_POLICIES
 
 
@@ -135,6 +136,10 @@ class TrainerSection:
     # Activation recompute of the training forward: none | layer | selective | attention
     # (zmrl/model/recompute.py). Changes memory and time, never the forward bits or the gradients.
     recompute: str = "none"
+    # Operands of the hand-written backwards' GEMMs on CUDA: tf32 | bf16 (the MLA attention and MoE expert
+    # backwards round fp32 operands to bf16, twice TF32's rate) | ieee (fp32 FMA). Gradient bits only: the
+    # forward, and so rollout/trainer parity, never reads it (zmrl/kernels_batch_invariant/numerics.py).
+    backward_matmul_precision: str = "tf32"
     # Rows per lm_head + log-prob chunk (bounds the logits memory; null = a micro-batch at once).
     logprob_chunk_tokens: int | None = 1024
 
@@ -437,6 +442,8 @@ def _validate(cfg: RecipeConfig) -> None:
          f"must be offline, online or disabled, got {cfg.logging.wandb_mode!r}")
     need(cfg.trainer.recompute in RECOMPUTE_POLICIES, "trainer.recompute",
          f"must be one of {', '.join(RECOMPUTE_POLICIES)}, got {cfg.trainer.recompute!r}")
+    need(cfg.trainer.backward_matmul_precision in BACKWARD_MATMUL_PRECISIONS, "trainer.backward_matmul_precision",
+         f"must be one of {', '.join(BACKWARD_MATMUL_PRECISIONS)}, got {cfg.trainer.backward_matmul_precision!r}")
     _validate_distributed(cfg.distributed)
 
 

@@ -67,7 +67,8 @@ class RLRunner:
         if tc.overwrite and (gone := clear_run(tc.out_dir)):
             log.warning("trainer.overwrite=true: deleted the previous run's %s in %s", ", ".join(gone), tc.out_dir)
         # The numerics contract of the run: this process's, carried to every Ray actor (ActorEnv).
-        self.numerics = current_numerics().replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=tc.num_threads)
+        self.numerics = current_numerics().replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=tc.num_threads,
+                                                   backward_matmul_precision=tc.backward_matmul_precision)
         apply_numerics(self.numerics)
         self.out_dir = Path(tc.out_dir).expanduser()
         self.out_dir.mkdir(parents=True, exist_ok=True)

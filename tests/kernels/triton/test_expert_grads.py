@@ -30,7 +30,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from zmrl.kernels_batch_invariant import current_numerics  # noqa: E402
+from zmrl.kernels_batch_invariant import current_numerics, numerics_scope  # noqa: E402
 from zmrl.kernels_batch_invariant import moe_gemm_grads  # noqa: E402
 from zmrl.kernels_batch_invariant.moe_gemm_grads import expert_linear_grads, expert_linear_grads_torch  # noqa: E402
 from zmrl.kernels_batch_invariant.triton.expert_grads import (  # noqa: E402
@@ -73,7 +73,11 @@ def _c_in(gy, x_dtype, w_dtype):
     cdt = compute_dtype(x_dtype, w_dtype)
     if cdt != torch.float32:
         return 0.0 if gy.dtype == cdt else 2.0 ** -8
-    if gy.is_cuda and current_numerics().backward_matmul_precision == "tf32":
+    precision = current_numerics().backward_matmul_precision
+    if precision == "bf16":  # both operands cast to bf16 (8 significant bits) on any device; the Triton
+        # interpreter's cast truncates (2^-7 relative), the GPU's rounds to nearest (2^-8)
+        return 2 * 2.0 ** -7 + 2.0 ** -14
+    if gy.is_cuda and precision == "tf32":
         return 2 * 2.0 ** -10
     return 0.0
 
@@ -108,6 +112,18 @@ def _ref_and_bounds(gy, x, ws, off, need_x, x_dtype, w_dtype):
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("tiles", ["default", "small"])
 def test_matches_float64_and_torch_path(device, mix, stacked, tiles):
+    _check_against_float64_and_torch(device, mix, stacked, tiles)
+
+
+@pytest.mark.parametrize("mix", [m for m, (x_dt, w_dt, _) in MIXES.items() if compute_dtype(x_dt, w_dt) == torch.float32])
+def test_bf16_operands_within_their_rounding(device, mix):
+    """backward_matmul_precision="bf16": the fp32 tiles round to bf16 for the MMAs; the error stays within the
+    bound with both operands' bf16 rounding (``_c_in``), and the bound is not vacuous."""
+    with numerics_scope(current_numerics().replace(backward_matmul_precision="bf16")):
+        _check_against_float64_and_torch(device, mix, True, "small")
+
+
+def _check_against_float64_and_torch(device, mix, stacked, tiles):
     gy, x, ws = _case(COUNTS, mix, stacked, device)
     off = _offsets(COUNTS)
     x_dt, w_dt = x.dtype, MIXES[mix][1]

@@ -207,12 +207,17 @@ def _split_bf16(t):
 @triton.jit
 def dot_acc(acc, a, b, HALF: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a @ b with fp32 accumulation: 16-bit tiles (HALF) as tensor-core MMAs, fp32 tiles at
-    ``input_precision=PRECISION``. Under the interpreter an explicit fp32 product and sum over K: its bf16
-    dot is wrong, and numpy's matmul (its fp32 dot) computes tile rows with different BLAS micro-kernels
-    depending on their position in the tile, so invariance tests on CPU need every element in one order."""
+    ``input_precision=PRECISION``, or rounded to bf16 MMAs when PRECISION is "bf16" (backward kernels
+    only: the contract's ``backward_matmul_precision``). Under the interpreter an explicit fp32 product and
+    sum over K: its bf16 dot is wrong, and numpy's matmul (its fp32 dot) computes tile rows with different
+    BLAS micro-kernels depending on their position in the tile, so invariance tests on CPU need every
+    element in one order."""
+    if not HALF and PRECISION == "bf16":
+        a = a.to(tl.bfloat16)
+        b = b.to(tl.bfloat16)
     if INTERPRET:
         return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    if HALF:
+    if HALF or PRECISION == "bf16":
         return tl.dot(a, b, acc)
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
