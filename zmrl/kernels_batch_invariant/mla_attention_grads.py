@@ -20,6 +20,8 @@ GEMMs, ``index_add_`` onto distinct rows, chunks in ascending order.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .mla_attention import cache_slots
@@ -97,7 +99,7 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
     if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
         _zero(g_ql, g_qr)
         return
-    masked = _masked(loc, n_u)
+    masked = ~_listed(loc, n_u).unsqueeze(1)  # [G, 1, U]
     k = flat.index_select(0, u).to(cdt)  # [U, D]
     c, kr = k[:, :dc], k[:, dc:]  # [U, Dc] latents (also the values), [U, Dr] rope keys
     ql = q_lat.detach().to(cdt).reshape(g * h, dc)
@@ -126,25 +128,22 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     backward (P and dS rounded to bf16 for the tensor cores). Twice the tensor-core rate of TF32 and half
     the bytes per operand read; each operand rounds to 2^-9 relative (TF32: 2^-11), the softmax, the
     row sums and every accumulation stay fp32. A bf16 cache's keys are exact. The scale is folded into
-    the (small) query operand once, so the [G*H, U] buffers see no extra pass for it."""
+    the (small) query operand once, so the [G*H, U] buffers see no extra pass for it; the two
+    elementwise stages between the GEMMs are one pass each on CUDA (triton/mla_attention_bwd.py)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
     if n_u == 0:
         _zero(g_ql, g_qr)
         return
+    softmax_bf16, ds_bf16 = _bf16_stages(loc.device)
     bf = torch.bfloat16
-    masked = _masked(loc, n_u)
     k = flat.index_select(0, u).to(bf)  # [U, D]
     c = k[:, :dc]
     qs = torch.cat([q_lat.detach(), q_pe.detach()], dim=-1).reshape(g * h, -1).to(torch.float32).mul_(scale).to(bf)
-    p = _probabilities(_mm_f32(qs, k.t()).view(g, h, n_u), masked).view(g * h, n_u)
+    p16 = softmax_bf16(_mm_f32(qs, k.t()), _listed(loc, n_u), h)  # [G*H, U]
     go16 = go.reshape(g * h, dc).to(bf)
-    p16 = p.to(bf)
     delta = (go16.float() * _mm_f32(p16, c)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
-    ds = _mm_f32(go16, c.t()).sub_(delta).mul_(p)  # dS / scale, [G*H, U]
-    del p
-    ds16 = ds.to(bf)
-    del ds
+    ds16 = ds_bf16(_mm_f32(go16, c.t()), p16, delta)  # dS / scale, [G*H, U]
     if g_ql is not None or g_qr is not None:
         dq = _mm_f32(ds16, k).mul_(scale).view(g, h, -1)  # [G, H, D]
         if g_ql is not None:
@@ -157,17 +156,45 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
         g_kv.index_add_(0, u, dk)  # u is unique: one add per row
 
 
+def _softmax_bf16_torch(s: torch.Tensor, listed: torch.Tensor, heads: int) -> torch.Tensor:
+    """P [G*H, U] bf16: softmax of the fp32 scores s [G*H, U] over each row's listed keys (listed [G, U])."""
+    rows, n_u = s.shape
+    return _probabilities(s.view(rows // heads, heads, n_u), ~listed.unsqueeze(1)).view(rows, n_u).to(torch.bfloat16)
+
+
+def _ds_bf16_torch(dp: torch.Tensor, p16: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """P (dP - delta) in bf16, from dP [R, U] fp32, P [R, U] bf16 and delta [R, 1] fp32 (dP is overwritten)."""
+    return dp.sub_(delta).mul_(p16).to(torch.bfloat16)
+
+
+SoftmaxBf16 = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+DsBf16 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_bf16_kernels: tuple[SoftmaxBf16, DsBf16, Callable[[torch.device], bool]] | None = None
+
+
+def register_bf16_kernels(softmax: SoftmaxBf16, ds: DsBf16, runs_on: Callable[[torch.device], bool]) -> None:
+    """Install fused kernels of the bf16 path's two elementwise stages for devices where ``runs_on(device)``
+    (triton/mla_attention_bwd.py); elsewhere the torch compositions above run."""
+    global _bf16_kernels
+    _bf16_kernels = (softmax, ds, runs_on)
+
+
+def _bf16_stages(device: torch.device) -> tuple[SoftmaxBf16, DsBf16]:
+    if _bf16_kernels is not None and _bf16_kernels[2](device):
+        return _bf16_kernels[0], _bf16_kernels[1]
+    return _softmax_bf16_torch, _ds_bf16_torch
+
+
 def _zero(*bufs: torch.Tensor | None) -> None:
     for t in bufs:
         if t is not None:
             t.zero_()
 
 
-def _masked(loc: torch.Tensor, n_u: int) -> torch.Tensor:
-    """[G, 1, U] True where a key column is not in the query's list (column U of ``loc`` is "no key")."""
+def _listed(loc: torch.Tensor, n_u: int) -> torch.Tensor:
+    """[G, U] True where a key column is in the query's list (column U of ``loc`` is "no key")."""
     g = loc.shape[0]
-    mask = torch.zeros(g, n_u + 1, dtype=torch.bool, device=loc.device).scatter_(1, loc, True)[:, :n_u]
-    return ~mask.unsqueeze(1)
+    return torch.zeros(g, n_u + 1, dtype=torch.bool, device=loc.device).scatter_(1, loc, True)[:, :n_u]
 
 
 def _probabilities(s: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:

@@ -84,3 +84,31 @@ def test_split_k_sum_builds_for_sm90():
         ptrs = {"p_ptr": "*fp32", "b_ptr": "*fp32", "d_ptr": "*fp32", "y_ptr": "*bf16"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _split_k_sum.arg_names}
         _build_ir(_split_k_sum, sig, consts)
+
+
+@compiled_only
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "ieee"])
+def test_expert_backward_builds_for_sm90(precision):
+    """The MoE expert backward's fp32 variants at every backward_matmul_precision (bf16 casts its tiles)."""
+    from zmrl.kernels_batch_invariant.triton.expert_grads import _expert_dw_kernel, _expert_dx_kernel
+    import triton.language as tl
+
+    common = dict(CDT=tl.float32, HALF=False, PRECISION=precision, INTERPRET=False)
+    dx_consts = dict(common, W_TABLE=True, W_ALIGN=4, BLOCK_M=32, BLOCK_K=64, BLOCK_N=32, BLOCK_E=64)
+    ptrs = {"gy_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*fp32", "offs_ptr": "*i32", "woff_ptr": "*i64"}
+    _build_ir(_expert_dx_kernel, {n: "constexpr" if n in dx_consts else ptrs.get(n, "i32")
+                                  for n in _expert_dx_kernel.arg_names}, dx_consts)
+    dw_consts = dict(common, BLOCK_N=32, BLOCK_K=64, BLOCK_R=32)
+    ptrs = {"gy_ptr": "*fp32", "x_ptr": "*fp32", "dw_ptr": "*fp32", "offs_ptr": "*i32"}
+    _build_ir(_expert_dw_kernel, {n: "constexpr" if n in dw_consts else ptrs.get(n, "i32")
+                                  for n in _expert_dw_kernel.arg_names}, dw_consts)
+
+
+@compiled_only
+def test_mla_backward_stages_build_for_sm90():
+    from zmrl.kernels_batch_invariant.triton.mla_attention_bwd import _ds_kernel, _masked_softmax_kernel
+
+    _build_ir(_masked_softmax_kernel, {"s_ptr": "*fp32", "keep_ptr": "*u8", "p_ptr": "*bf16", "H": "i32", "U": "i32",
+                                       "BLOCK": "constexpr"}, {"BLOCK": 1024})
+    _build_ir(_ds_kernel, {"dp_ptr": "*fp32", "p_ptr": "*bf16", "delta_ptr": "*fp32", "ds_ptr": "*bf16", "U": "i32",
+                           "N": "i32", "BLOCK": "constexpr"}, {"BLOCK": 2048})

@@ -172,10 +172,14 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
         if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
             return GemmConfig(64, 64, 64, 4, 4)
         return GemmConfig(64, 32, 64, 4, 4)
-    # fp32 IEEE dots run on the CUDA cores (FMA): smaller K steps keep the tiles in registers.
+    # The fp32 class: both operands split (fp32 x fp32, six bf16 MMAs per K step; _launch fixes their
+    # BLOCK_K) or IEEE FMA dots (smaller K steps keep the tiles in registers). BLOCK_M follows the rows:
+    # an MoE lora_B product at decode gives each expert ~8 rows (batch 64, top-8 of 64 experts), which a
+    # 64-row tile left 7/8 padding (45.9 us at batch 64 vs a 5.1 us weight read, 2026-12-01 lora_gemms).
+    block_m = 16 if bucket == -1 else 32 if bucket == 0 else 64
     if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
-        return GemmConfig(64, 64, 32, 4, 3)
-    return GemmConfig(64, 32, 32, 4, 3)
+        return GemmConfig(block_m, 64, 32, 4, 3)
+    return GemmConfig(block_m, 32, 32, 4, 3)
 
 
 def bmm_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -212,14 +216,18 @@ def dot_acc(acc, a, b, HALF: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: t
     sum over K: its bf16 dot is wrong, and numpy's matmul (its fp32 dot) computes tile rows with different
     BLAS micro-kernels depending on their position in the tile, so invariance tests on CPU need every
     element in one order."""
-    if not HALF and PRECISION == "bf16":
-        a = a.to(tl.bfloat16)
-        b = b.to(tl.bfloat16)
     if INTERPRET:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    if HALF or PRECISION == "bf16":
-        return tl.dot(a, b, acc)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        if not HALF and PRECISION == "bf16":
+            a = a.to(tl.bfloat16)
+            b = b.to(tl.bfloat16)
+        out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    elif HALF:
+        out = tl.dot(a, b, acc)
+    elif PRECISION == "bf16":
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
 
 
 @triton.jit

@@ -1,0 +1,82 @@
+"""The fused elementwise stages of the MLA backward's bf16 path (triton/mla_attention_bwd.py) against their
+torch compositions in kernels_batch_invariant/mla_attention_grads.py, and the whole bf16 backward with them
+against float64. Runs on CUDA, or on CPU under TRITON_INTERPRET=1.
+
+Tolerances. The softmax: both sides compute fp32 probabilities (exp, max, sum in different orders: a few
+fp32 ulps apart) and round them to bf16, so they differ by at most one bf16 ulp (2^-7 relative to the
+value, at a rounding boundary); unlisted keys and rows without keys are exact zeros on both. dS: the same
+two fp32 operations (subtract, multiply) and one rounding on both sides, so the bits are equal on CUDA
+(the interpreter's bf16 cast truncates: one bf16 ulp there). The
+end-to-end bound is test_mla_attention_grads.py's (2^-5 of the largest gradient) with its reasoning.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tests.kernels.test_mla_attention_grads import DC, SCALE, _reference  # noqa: E402
+from tests.kernels.test_mla_attention_grads import problem as problem  # noqa: E402,F401 (fixture)
+from zmrl.kernels_batch_invariant import current_numerics, numerics_scope  # noqa: E402
+from zmrl.kernels_batch_invariant import mla_attention_grads as M  # noqa: E402
+from zmrl.kernels_batch_invariant.triton.mla_attention_bwd import SOFTMAX_BLOCK, ds_bf16, masked_softmax_bf16  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.triton]
+
+
+def _scores(g, h, u, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    s = (torch.randn(g * h, u, generator=gen) * 4).to(device)
+    listed = (torch.rand(g, u, generator=gen) < 0.6).to(device)
+    listed[1] = False  # a query without keys
+    listed[2, 1:], listed[2, 0] = False, True  # a query with one key
+    return s, listed
+
+
+@pytest.mark.parametrize("u", [1, 37, SOFTMAX_BLOCK + 5])
+def test_masked_softmax_matches_torch(device, u):
+    g, h = 5, 3
+    s, listed = _scores(g, h, u, seed=u, device=device)
+    got = masked_softmax_bf16(s, listed, h)
+    want = M._softmax_bf16_torch(s.clone(), listed, h)
+    assert got.dtype == torch.bfloat16 and got.shape == s.shape
+    off = ~listed.repeat_interleave(h, 0)
+    assert not got[off].any() and not want[off].any(), "unlisted keys get exact zeros"
+    assert not got[h:2 * h].any(), "a query without keys gets zero probabilities"
+    if u > 1:
+        assert torch.equal(got[2 * h:3 * h, 0], torch.ones(h, dtype=torch.bfloat16, device=device))
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= 2.0 ** -7 * want.float().abs()).all()), float(err.max())
+    rows = got.float().sum(-1)
+    live = listed.any(-1).repeat_interleave(h, 0)
+    assert bool(((rows[live] - 1).abs() <= u * 2.0 ** -8).all())
+
+
+def test_ds_matches_torch_bitwise(device):
+    gen = torch.Generator().manual_seed(5)
+    dp = torch.randn(7, 300, generator=gen).to(device)
+    p16 = torch.rand(7, 300, generator=gen).to(device, torch.bfloat16)
+    delta = torch.randn(7, 1, generator=gen).to(device)
+    got = ds_bf16(dp, p16, delta)
+    want = M._ds_bf16_torch(dp.clone(), p16, delta)
+    if device.type == "cuda":
+        assert torch.equal(got, want)
+    else:  # the interpreter's fp32 -> bf16 cast truncates (torch's rounds to nearest): one bf16 ulp
+        assert bool(((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs()).all())
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_bf16_backward_with_the_kernels_matches_float64(device, problem, kind):  # noqa: F811
+    if device.type == "cpu":  # the CPU problem of the torch-path test, through the kernels under the interpreter
+        assert M._bf16_stages(device)[0] is masked_softmax_bf16
+    cache, bt, sidx, _, q_lat, q_pe, kps, go = (t.to(device) if isinstance(t, torch.Tensor) else
+                                                {k: v.to(device) for k, v in t.items()} for t in problem)
+    want = _reference(problem, kind)
+    with numerics_scope(current_numerics().replace(backward_matmul_precision="bf16")):
+        got = M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC, (True, True, True))
+        again = M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC, (True, True, True))
+    for name, a, b in zip(("q_lat", "q_pe", "kv_cache"), got, want):
+        err = (a.double().cpu() - b).abs().max().item()
+        assert err <= 2.0 ** -5 * b.abs().max().item(), f"{kind} d{name}: {err:.2e}"
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
