@@ -173,13 +173,13 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
             return GemmConfig(64, 64, 64, 4, 4)
         return GemmConfig(64, 32, 64, 4, 4)
     # The fp32 class: both operands split (fp32 x fp32, six bf16 MMAs per K step; _launch fixes their
-    # BLOCK_K) or IEEE FMA dots (smaller K steps keep the tiles in registers). BLOCK_M follows the rows:
-    # an MoE lora_B product at decode gives each expert ~8 rows (batch 64, top-8 of 64 experts), which a
-    # 64-row tile left 7/8 padding (45.9 us at batch 64 vs a 5.1 us weight read, 2026-12-01 lora_gemms).
-    block_m = 16 if bucket == -1 else 32 if bucket == 0 else 64
+    # BLOCK_K) or IEEE FMA dots (smaller K steps keep the tiles in registers). 64-row tiles in every bucket:
+    # 16/32-row tiles at decode (the MoE lora_B expert tiles hold ~8 rows) made the decode step's GEMMs
+    # slower on the H200, 4.45 -> 4.79 ms at batch 64 and 6.27 -> 7.08 ms at 256
+    # (benchmarks/results/2026-12-01_h200_summary.md, fifth session).
     if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
-        return GemmConfig(block_m, 64, 32, 4, 3)
-    return GemmConfig(block_m, 32, 32, 4, 3)
+        return GemmConfig(64, 64, 32, 4, 3)
+    return GemmConfig(64, 32, 32, 4, 3)
 
 
 def bmm_config(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
