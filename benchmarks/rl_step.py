@@ -48,7 +48,8 @@ import torch
 from _common import (build_on_device, copy_bandwidth_tb_s, decode_weight_bytes, default_out, env, kv_state_bytes_per_seq,
                      model_config, pick_device, setup_logging, table, write_json)
 from _train_flops import forward_flops, measured_matmul_peak_tflops, train_flops
-from zmrl.kernels_batch_invariant import set_mode
+from zmrl.kernels_batch_invariant import apply_numerics, current_numerics, set_mode
+from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
 from zmrl.model import RECOMPUTE_POLICIES, apply_recompute
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
@@ -202,6 +203,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256,
                     help="engine cap on running sequences (continuous batching admits the rest as others finish)")
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES)
+    ap.add_argument("--backward-precision", default="tf32", choices=BACKWARD_MATMUL_PRECISIONS,
+                    help="the trainer's backward_matmul_precision (recipe trainer.backward_matmul_precision)")
     ap.add_argument("--parity-pass", default="separate,fused",
                     help="one timed step per value: separate (no-grad parity forward, then training "
                          "forward) or fused (parity from the training forward)")
@@ -221,6 +224,7 @@ def main() -> int:
         a.prompts, a.n, a.prompt_len, a.max_new, a.micro_batch_tokens, a.max_batched_tokens = 2, 2, 24, 12, 64, 256
     t_start = time.perf_counter()
     set_mode("bitwise")
+    apply_numerics(current_numerics().replace(backward_matmul_precision=a.backward_precision))
     cfg = model_config(a.layers, a.smoke)
     trainer = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
     apply_lora(trainer, LoraConfig(r=a.lora_r, alpha=float(a.lora_r), init_b_std=0.02, init_seed=a.seed))
