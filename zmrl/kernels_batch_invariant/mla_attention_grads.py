@@ -206,21 +206,27 @@ def _probabilities(s: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     return p.masked_fill_(masked, 0.0)
 
 
-_BF16_FP32_OUT_MM: bool | None = None  # whether this torch has the fp32-output bf16 GEMM on CUDA (probed once)
+_FP32_OUT_BF16_MM: dict[torch.device, bool] = {}  # per CUDA device: does this torch's mm take out_dtype?
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b of bf16 operands, accumulated and returned in fp32: cuBLAS's bf16 GEMM with an fp32 output on
     CUDA (torch's ``out_dtype``), the exact fp32 GEMM of the bf16 values elsewhere. A CUDA torch without
     ``out_dtype`` rounds the output to bf16 (one more 2^-9 rounding)."""
-    global _BF16_FP32_OUT_MM
     if not a.is_cuda:
         return a.float() @ b.float()
-    if _BF16_FP32_OUT_MM is not False:
-        try:
-            out = torch.mm(a, b, out_dtype=torch.float32)
-            _BF16_FP32_OUT_MM = True
-            return out
-        except (TypeError, RuntimeError, NotImplementedError):
-            _BF16_FP32_OUT_MM = False
+    if _has_fp32_out_bf16_mm(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
     return (a @ b).float()
+
+
+def _has_fp32_out_bf16_mm(device: torch.device) -> bool:
+    """Probed once per device with a 1 x 1 product (so a failure of a real product, e.g. out of memory, is
+    never mistaken for a missing feature)."""
+    if device not in _FP32_OUT_BF16_MM:
+        one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+        try:
+            _FP32_OUT_BF16_MM[device] = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            _FP32_OUT_BF16_MM[device] = False
+    return _FP32_OUT_BF16_MM[device]
