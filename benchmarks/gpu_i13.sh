@@ -23,7 +23,8 @@
 #   rollout       rollout_profile.py at 8 prompts x 8;         kimi     the Kimi-Linear KDA layer vs fla's chunk_kda;
 #   matmul        the GEMM tests (row invariance of the split and split-K products, sm_90 IR of every variant);
 #   expert_grads  the Triton MoE backward (vs float64, vs the torch path, timing);
-#   lora          lora_gemms.py;   decode_lora  the graph decode step with LoRA r = 32;
+#   lora          lora_gemms.py;   lora_sweep  its tile-config sweep at decode sizes (bits checked);
+#   decode_lora   the graph decode step with LoRA r = 32;
 #   parity        the bench-shape parity test;   bitwise  the ZMRL_TEST_DEVICE=cuda parity suite;
 #   rollout_rl    the RL-shaped rollout (64 prompts x 8 samples, 512-token prompts, <= 1024 new tokens);
 #   bwd_bf16      the backward's bf16-operand paths (MLA attention stages, MLA backward, MoE expert backward).
@@ -127,6 +128,9 @@ has expert_grads && step gpu_tests_expert_grads "${T_EXPERT_GRADS:-200}" $PYTEST
 
 has lora && step lora_gemms "${T_LORA:-150}" $PY benchmarks/lora_gemms.py --compare-ieee --compare-whole-k \
   --out "$OUT/lora_gemms.json"
+
+has lora_sweep && step lora_sweep "${T_LORA_SWEEP:-240}" $PY benchmarks/lora_gemms.py --ms 1,64,256 --sweep \
+  --out "$OUT/lora_sweep.json"
 
 has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
   --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 --out "$OUT/decode_lora.json"

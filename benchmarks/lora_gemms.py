@@ -16,7 +16,11 @@ fp32 (TF32 off: the same accuracy class) and bf16 (a floor: what the bytes and F
 tensor cores), and the fraction of the bound max(bytes / copy bandwidth, FLOPs / matmul peak), both
 measured here.
 
-    python benchmarks/lora_gemms.py [--ms 1,64,256,16384] [--compare-ieee] [--compare-whole-k] [--out PATH]
+    python benchmarks/lora_gemms.py [--ms 1,64,256,16384] [--compare-ieee] [--compare-whole-k] [--sweep] [--out PATH]
+
+``--sweep`` times every product under each tile config of ``SWEEP_CONFIGS`` and checks its bits equal the
+default config's (the decode-step GEMM configs are picked from this: a config that helps one product can
+slow others, as 16/32-row fp32 tiles did, benchmarks/results/2026-12-01_h200_summary.md).
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ from benchmarks._common import (copy_bandwidth_tb_s, default_out, env, require_c
 from zmrl.model.presets import bench  # noqa: E402
 
 R = 32
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried by --sweep; a split product's BLOCK_K is fixed by _launch.
+SWEEP_CONFIGS = [(16, 32, 32, 4, 3), (16, 64, 32, 4, 3), (16, 128, 32, 4, 3), (32, 64, 32, 4, 3), (32, 128, 32, 4, 3),
+                 (64, 32, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 128, 32, 8, 3), (128, 64, 32, 8, 3)]
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ def main() -> None:
     ap.add_argument("--ms", default="1,64,256,16384", help="token counts (expert rows: top-k x tokens)")
     ap.add_argument("--compare-ieee", action="store_true", help="also time the IEEE fp32 dots the split replaced")
     ap.add_argument("--compare-whole-k", action="store_true", help="also time the split products without K chunks")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time each product under the tile configs of SWEEP_CONFIGS (bits checked equal to the default's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = require_cuda("lora_gemms.py")
@@ -139,6 +148,10 @@ def main() -> None:
                     finally:
                         for name, fn in saved.items():
                             setattr(tmm, name, fn)
+                if a.sweep:
+                    row["sweep"] = sweep(tmm, ours, time_us)
+                    best = min(row["sweep"], key=lambda r: r["us"] if r["same_bits"] else float("inf"))
+                    row["best_config"], row["best_us"] = best["config"], best["us"]
             row.update(cublas_fp32_us=time_us(cub32), cublas_bf16_us=time_us(cub16), bound_us=bound_us,
                        of_bound=bound_us / t_ours)
             row["vs_cublas_fp32"] = row["cublas_fp32_us"] / t_ours
@@ -151,11 +164,28 @@ def main() -> None:
     cols = [("shape", "shape", "s"), ("tokens", "tokens", "d"), ("ours_us", "ours us", ".1f"),
             ("ieee_us", "ieee us", ".1f"), ("whole_k_us", "whole-K us", ".1f"), ("cublas_fp32_us", "cuBLAS fp32 us", ".1f"),
             ("cublas_bf16_us", "cuBLAS bf16 us", ".1f"), ("vs_cublas_fp32", "cuBLAS32/ours", ".2f"),
-            ("of_bound", "of bound", ".3f")]
+            ("of_bound", "of bound", ".3f"), ("best_config", "best swept", "s"), ("best_us", "its us", ".1f")]
     print(table(rows, cols))
     out = write_json(a.out or default_out("lora_gemms"), {
         "env": env(), "copy_tb_s": bw / 1e12, "matmul_peak_tflops": peak / 1e12, "rank": R, "rows": rows})
     print(f"wrote {out}")
+
+
+def sweep(tmm, product, time_us) -> list[dict]:
+    """Time ``product`` with ``linear_config`` returning each of SWEEP_CONFIGS; each result is compared with
+    the default config's bits (tile shapes must not change them: module doc of triton/matmul.py)."""
+    want = product()
+    default = tmm.linear_config
+    out = []
+    try:
+        for c in SWEEP_CONFIGS:
+            cfg = tmm.GemmConfig(*c)
+            tmm.linear_config = lambda n, k, dtype, m=1, cfg=cfg: cfg
+            got = product()
+            out.append({"config": str(cfg), "us": time_us(product), "same_bits": bool(torch.equal(got, want))})
+    finally:
+        tmm.linear_config = default
+    return out
 
 
 if __name__ == "__main__":
