@@ -150,7 +150,8 @@ def main() -> None:
                             setattr(tmm, name, fn)
                 if a.sweep:
                     row["sweep"] = sweep(tmm, ours, time_us)
-                    best = min(row["sweep"], key=lambda r: r["us"] if r["same_bits"] else float("inf"))
+                    same = [r for r in row["sweep"] if r["same_bits"]]
+                    best = min(same, key=lambda r: r["us"]) if same else {"config": None, "us": None}
                     row["best_config"], row["best_us"] = best["config"], best["us"]
             row.update(cublas_fp32_us=time_us(cub32), cublas_bf16_us=time_us(cub16), bound_us=bound_us,
                        of_bound=bound_us / t_ours)

@@ -134,10 +134,10 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                          fb["median_ms"])
             except OOM_ERRORS:
                 row["error"] = "out of memory"
-                log.warning("%s/%s: out of memory", mode, policy)
+                log.warning("%s/%s/%s: out of memory", mode, policy, precision)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
-                log.exception("trainer benchmark %s/%s failed", mode, policy)
+                log.exception("trainer benchmark %s/%s/%s failed", mode, policy, precision)
             finally:
                 zero()
                 row["peak_gib"] = _peak_gib(dev)

@@ -142,3 +142,19 @@ def test_one_ulp_in_the_loop_turns_the_badge_red(tmp_path, monkeypatch):
     (rec,) = _records(broken)
     assert rec["mismatch/bitwise_equal_frac"] == 15 / 16 and 0 < rec["mismatch/max_abs_dlogp"] < 1e-6
     assert _badge_status(broken) == "mismatch"
+
+
+def test_backward_matmul_precision_reaches_the_numerics(tmp_path):
+    """trainer.backward_matmul_precision is part of the run's numerics contract (carried to Ray actors too)."""
+    from zmrl.kernels_batch_invariant import apply_numerics, current_numerics
+    from zmrl.rl.loop import RLRunner
+
+    before = current_numerics()
+    try:
+        runner = RLRunner(load_recipe(str(RECIPE), _overrides(tmp_path / "run", _tiny_model(tmp_path / "model")) +
+                                      ["trainer.backward_matmul_precision=bf16"]))
+        runner.close()
+        assert runner.numerics.backward_matmul_precision == "bf16"
+        assert current_numerics().backward_matmul_precision == "bf16"
+    finally:
+        apply_numerics(before)

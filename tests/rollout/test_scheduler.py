@@ -89,8 +89,9 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
 
 
 def test_max_num_seqs_counts_the_samples_a_prompt_will_fork():
-    """A prompt with n samples takes n of the max_num_seqs slots (one decode batch never exceeds it, so it
-    fits the largest decode-graph bucket); a request wider than the engine runs alone instead of waiting forever."""
+    """A prompt with n samples takes n of the max_num_seqs slots (a decode batch stays within it, so it fits
+    the largest decode-graph bucket); a request with more samples than that runs alone instead of waiting
+    forever (its batch exceeds max_num_seqs: decode without graphs)."""
     sched = Scheduler(EngineConfig(num_blocks=64, max_num_seqs=4, enable_prefix_caching=False), 1024, [0], FakeState())
     sched.add("a", list(range(10)), SamplingParams(max_tokens=5, n=3))
     sched.add("b", list(range(10)), SamplingParams(max_tokens=5, n=2))

@@ -13,7 +13,7 @@ exact and deterministic. The dense products do at most ~2x the sparse FLOPs (U <
 sequences up to twice the top-k) but on tensor cores: the fp32 products run at the numerics
 contract's ``backward_matmul_precision`` on CUDA (TF32 by default: bf16 operands are exact in TF32, fp32
 ones, such as the absorbed queries, are rounded to 2^-11 relative; the bf16 weights the gradients flow to
-round to 2^-9).
+round to 2^-8).
 
 Everything is deterministic run to run: sorted ``unique``, constant-value ``scatter_``, fixed-shape
 GEMMs, ``index_add_`` onto distinct rows, chunks in ascending order.
@@ -91,7 +91,7 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
     separate operands (two accumulating GEMMs instead of a concatenated copy of q), and the query
     gradients are written by their GEMMs straight into the output rows. With the contract's
     ``backward_matmul_precision="bf16"`` the products take bf16 operands (``_chunk_grads_bf16``)."""
-    if cdt == torch.float32 and current_numerics().backward_matmul_precision == "bf16":
+    if cdt == torch.float32 and current_numerics().backward_matmul_precision == "bf16" and _bf16_gemms(q_lat.device):
         _chunk_grads_bf16(go, q_lat, q_pe, flat, u, loc, scale, dc, g_ql, g_qr, g_kv)
         return
     g, h, _ = q_lat.shape
@@ -126,7 +126,7 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
                       g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None) -> None:
     """``_chunk_grads`` with bf16 GEMM operands and fp32 accumulation: the practice of FlashAttention's
     backward (P and dS rounded to bf16 for the tensor cores). Twice the tensor-core rate of TF32 and half
-    the bytes per operand read; each operand rounds to 2^-9 relative (TF32: 2^-11), the softmax, the
+    the bytes per operand read; each operand rounds to 2^-8 relative (TF32: 2^-11), the softmax, the
     row sums and every accumulation stay fp32. A bf16 cache's keys are exact. The scale is folded into
     the (small) query operand once, so the [G*H, U] buffers see no extra pass for it; the two
     elementwise stages between the GEMMs are one pass each on CUDA (triton/mla_attention_bwd.py)."""
@@ -209,20 +209,13 @@ def _probabilities(s: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
 _FP32_OUT_BF16_MM: dict[torch.device, bool] = {}  # per CUDA device: does this torch's mm take out_dtype?
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b of bf16 operands, accumulated and returned in fp32: cuBLAS's bf16 GEMM with an fp32 output on
-    CUDA (torch's ``out_dtype``), the exact fp32 GEMM of the bf16 values elsewhere. A CUDA torch without
-    ``out_dtype`` rounds the output to bf16 (one more 2^-9 rounding)."""
-    if not a.is_cuda:
-        return a.float() @ b.float()
-    if _has_fp32_out_bf16_mm(a.device):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
-
-
-def _has_fp32_out_bf16_mm(device: torch.device) -> bool:
-    """Probed once per device with a 1 x 1 product (so a failure of a real product, e.g. out of memory, is
-    never mistaken for a missing feature)."""
+def _bf16_gemms(device: torch.device) -> bool:
+    """Whether the bf16 path can run here: anywhere but on a CUDA torch whose ``mm`` has no fp32 output for
+    bf16 operands (there a bf16-rounded score or dP before the softmax / the dP - delta cancellation would
+    cost far more than the operands' rounding, so the fp32 path runs). Probed once per device with a 1 x 1
+    product, so a failing real product (e.g. out of memory) is never taken for a missing feature."""
+    if device.type != "cuda":
+        return True
     if device not in _FP32_OUT_BF16_MM:
         one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
         try:
@@ -230,3 +223,12 @@ def _has_fp32_out_bf16_mm(device: torch.device) -> bool:
         except (TypeError, RuntimeError, NotImplementedError):
             _FP32_OUT_BF16_MM[device] = False
     return _FP32_OUT_BF16_MM[device]
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bf16 operands, accumulated and returned in fp32: cuBLAS's bf16 GEMM with an fp32 output on
+    CUDA (torch's ``out_dtype``; ``_bf16_gemms`` says it exists), the exact fp32 GEMM of the bf16 values
+    elsewhere."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()

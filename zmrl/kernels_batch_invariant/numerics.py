@@ -25,9 +25,9 @@ Fields:
   AUTO branch, which is why the fingerprint records the CPU vendor.
 * ``backward_matmul_precision``: what the trainer's backward GEMMs with an fp32 operand run at on CUDA:
   "tf32" (default: tensor cores, operands rounded to TF32's 10-bit mantissa, relative rounding 2^-11,
-  fp32 accumulation), "bf16" (operands rounded to bf16, 2^-9, fp32 accumulation, twice TF32's tensor-core
+  fp32 accumulation), "bf16" (operands rounded to bf16, 2^-8 relative, fp32 accumulation, twice TF32's tensor-core
   rate: FlashAttention's practice for P and dS; the backwards with a bf16 path -- the MLA attention
-  backward and the Triton MoE expert backward, on any device -- take it, the other torch GEMMs run TF32)
+  backward on any device, the Triton MoE expert backward -- take it, the other GEMMs run as for "tf32")
   or "ieee" (fp32 FMA on CUDA cores, ~8x slower on the H200). The forward never reads
   it (no forward op uses a torch fp32 GEMM on CUDA in bitwise mode), so it is not part of the parity
   fingerprint; docs/numerics.md gives the backward this freedom (correct within tolerance against

@@ -136,9 +136,10 @@ class TrainerSection:
     # Activation recompute of the training forward: none | layer | selective | attention
     # (zmrl/model/recompute.py). Changes memory and time, never the forward bits or the gradients.
     recompute: str = "none"
-    # Operands of the hand-written backwards' GEMMs on CUDA: tf32 | bf16 (the MLA attention and MoE expert
-    # backwards round fp32 operands to bf16, twice TF32's rate) | ieee (fp32 FMA). Gradient bits only: the
-    # forward, and so rollout/trainer parity, never reads it (zmrl/kernels_batch_invariant/numerics.py).
+    # Operands of the hand-written backwards' GEMMs with an fp32 operand: tf32 (CUDA) | bf16 (the MLA attention
+    # backward on any device and the Triton MoE expert backward round them to bf16, twice TF32's rate; the
+    # rest runs TF32) | ieee (fp32 FMA). Gradient bits only: the forward, and so rollout/trainer parity, never
+    # reads it (zmrl/kernels_batch_invariant/numerics.py).
     backward_matmul_precision: str = "tf32"
     # Rows per lm_head + log-prob chunk (bounds the logits memory; null = a micro-batch at once).
     logprob_chunk_tokens: int | None = 1024

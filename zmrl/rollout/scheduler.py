@@ -65,6 +65,10 @@ class Scheduler:
             for j, rid in enumerate(ids):
                 self._finish(Request(rid, prompt, params, sample_index=j), "error", error=msg)
             return
+        if params.n > self.config.max_num_seqs:
+            log.warning("request %r has n=%d samples, more than max_num_seqs=%d: it runs alone (decode steps "
+                        "without CUDA graphs) and the requests queued after it wait for it", request_id, params.n,
+                        self.config.max_num_seqs)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:

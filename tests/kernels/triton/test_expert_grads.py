@@ -120,7 +120,10 @@ def test_bf16_operands_within_their_rounding(device, mix):
     """backward_matmul_precision="bf16": the fp32 tiles round to bf16 for the MMAs; the error stays within the
     bound with both operands' bf16 rounding (``_c_in``), and the bound is not vacuous."""
     with numerics_scope(current_numerics().replace(backward_matmul_precision="bf16")):
-        _check_against_float64_and_torch(device, mix, True, "small")
+        dx, dw = _check_against_float64_and_torch(device, mix, True, "small")
+    with numerics_scope(current_numerics().replace(backward_matmul_precision="ieee")):
+        dx_ieee, dw_ieee = _check_against_float64_and_torch(device, mix, True, "small")
+    assert not torch.equal(dx, dx_ieee) and not torch.equal(dw, dw_ieee), "the bf16 tiles were not taken"
 
 
 def _check_against_float64_and_torch(device, mix, stacked, tiles):
@@ -154,6 +157,7 @@ def _check_against_float64_and_torch(device, mix, stacked, tiles):
                 assert dws[e] is None and dws_t[e] is None, "an expert without rows gets no gradient"
         else:
             assert float(((ref_w[e].abs() > rel_w * sw[e]).float().mean())) > 0.8, ("the dW bound is vacuous", e)
+    return dx, dw
 
 
 @pytest.mark.parametrize("stacked", [False, True])

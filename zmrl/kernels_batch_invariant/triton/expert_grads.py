@@ -24,8 +24,9 @@ Compute class, as in the torch path (moe_gemm_grads.py): when x and the weights 
 the operands are that dtype (an fp32 output gradient is rounded to it in registers, to nearest even, as
 the Triton ``linear`` backward does with a cast) and the dots are tensor-core MMAs with fp32
 accumulation; anything else is computed in fp32 (16-bit operands upcast in registers, exactly) with dots
-at the numerics contract's ``backward_matmul_precision``: TF32 ("tf32", the default) or IEEE FMA
-("ieee"). Results are rounded once to x's dtype (dx) and the weights' dtype (dW).
+at the numerics contract's ``backward_matmul_precision``: TF32 ("tf32", the default), bf16 MMAs of the
+tiles rounded in registers ("bf16"; the tile configs are TF32's) or IEEE FMA ("ieee"). Results are rounded
+once to x's dtype (dx) and the weights' dtype (dW).
 
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) a dot is an explicit fp32 product and
 sum (the interpreter's bf16 dot is wrong), its fp32 -> 16-bit conversions truncate, so a 16-bit class

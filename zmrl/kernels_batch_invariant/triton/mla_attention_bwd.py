@@ -74,7 +74,11 @@ def _ds_kernel(dp_ptr, p_ptr, delta_ptr, ds_ptr, U, N, BLOCK: tl.constexpr):
 
 def masked_softmax_bf16(s: torch.Tensor, keep: torch.Tensor, heads: int) -> torch.Tensor:
     """s [G*H, U] fp32 (contiguous), keep [G, U] bool -> P [G*H, U] bf16."""
+    _check("masked_softmax_bf16", s, torch.float32)
     rows, u = s.shape
+    if keep.shape != (rows // heads, u) or rows % heads:
+        raise ValueError(f"masked_softmax_bf16: keep {tuple(keep.shape)} does not match s {tuple(s.shape)} "
+                         f"with {heads} heads")
     p = torch.empty(rows, u, dtype=torch.bfloat16, device=s.device)
     if rows and u:
         _masked_softmax_kernel[(rows,)](s, keep.contiguous().view(torch.uint8), p, heads, u,
@@ -84,12 +88,24 @@ def masked_softmax_bf16(s: torch.Tensor, keep: torch.Tensor, heads: int) -> torc
 
 def ds_bf16(dp: torch.Tensor, p: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """dP [R, U] fp32, P [R, U] bf16, delta [R, 1] fp32 (all contiguous) -> P (dP - delta) [R, U] bf16."""
+    _check("ds_bf16", dp, torch.float32)
+    _check("ds_bf16", p, torch.bfloat16)
     rows, u = dp.shape
+    if p.shape != dp.shape or delta.numel() != rows or delta.dtype != torch.float32:
+        raise ValueError(f"ds_bf16: P {tuple(p.shape)} / delta {tuple(delta.shape)} {delta.dtype} do not match "
+                         f"dP {tuple(dp.shape)}")
     ds = torch.empty(rows, u, dtype=torch.bfloat16, device=dp.device)
     n = rows * u
     if n:
         _ds_kernel[(triton.cdiv(n, DS_BLOCK),)](dp, p, delta.contiguous(), ds, u, n, BLOCK=DS_BLOCK, num_warps=4)
     return ds
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """The kernels address rows as ``row * U``: a 2-D contiguous tensor of the expected dtype."""
+    if t.dim() != 2 or not t.is_contiguous() or t.dtype != dtype:
+        raise ValueError(f"{name}: expected a contiguous 2-D {dtype} tensor, got {tuple(t.shape)} {t.dtype} "
+                         f"with strides {t.stride()}")
 
 
 def _runs_here(device: torch.device) -> bool:
