@@ -55,6 +55,9 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
     g_kv = torch.zeros((num_pages * page_size, d), dtype=cdt, device=dev) if need[2] else None
     # U is typically <= 2 L for trainer batches (a chunk's keys come from one or two sequences).
     chunk = max(1, CHUNK_ELEMS // (h * 2 * width))
+    # the bf16 path (backward_matmul_precision="bf16") and its elementwise stages, decided once per call
+    bf16_stages = (_bf16_stages(dev) if cdt == torch.float32 and current_numerics().backward_matmul_precision == "bf16"
+                   and _bf16_gemms(dev) else None)
     with backward_matmuls(dev):
         c0 = 0
         while c0 < nq:
@@ -71,9 +74,16 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
             if c1 - c0 > 1 and (c1 - c0) * h * n_u > 2 * CHUNK_ELEMS:
                 chunk = max(1, chunk // 2)  # keys spread wider than expected: smaller chunks
                 continue
-            loc = inv[:-1].view(valid.shape)
-            _chunk_grads(grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u[:n_u], loc, softmax_scale, dc, cdt,
-                         None if g_ql is None else g_ql[c0:c1], None if g_qr is None else g_qr[c0:c1], g_kv)
+            q_rows = [None if t is None else t[c0:c1] for t in (g_ql, g_qr)]
+            if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
+                _zero(*q_rows)
+            else:
+                args = (grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u[:n_u], inv[:-1].view(valid.shape),
+                        softmax_scale, dc, *q_rows, g_kv)
+                if bf16_stages is None:
+                    _chunk_grads(*args, cdt)
+                else:
+                    _chunk_grads_bf16(*args, *bf16_stages)
             c0 = c1
     return (None if g_ql is None else g_ql.to(q_lat.dtype),
             None if g_qr is None else g_qr.to(q_pe.dtype),
@@ -81,24 +91,18 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
 
 
 def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
-                 loc: torch.Tensor, scale: float, dc: int, cdt: torch.dtype,
-                 g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None) -> None:
-    """One chunk of G queries over its U unique key slots ``u`` (``loc`` [G, L]: each key-list entry's
+                 loc: torch.Tensor, scale: float, dc: int,
+                 g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None, cdt: torch.dtype) -> None:
+    """One chunk of G queries over its U >= 1 unique key slots ``u`` (``loc`` [G, L]: each key-list entry's
     column in ``u``, U for an entry without key); writes into the gradient buffers.
 
     The [G*H, U] buffers dominate the traffic, so each is made once and then updated in place: the
     softmax scale rides in the GEMMs' alpha (``addmm``), the latent and rope halves of q and k stay
     separate operands (two accumulating GEMMs instead of a concatenated copy of q), and the query
     gradients are written by their GEMMs straight into the output rows. With the contract's
-    ``backward_matmul_precision="bf16"`` the products take bf16 operands (``_chunk_grads_bf16``)."""
-    if cdt == torch.float32 and current_numerics().backward_matmul_precision == "bf16" and _bf16_gemms(q_lat.device):
-        _chunk_grads_bf16(go, q_lat, q_pe, flat, u, loc, scale, dc, g_ql, g_qr, g_kv)
-        return
+    ``backward_matmul_precision="bf16"`` the products take bf16 operands instead (``_chunk_grads_bf16``)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
-    if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
-        _zero(g_ql, g_qr)
-        return
     masked = ~_listed(loc, n_u).unsqueeze(1)  # [G, 1, U]
     k = flat.index_select(0, u).to(cdt)  # [U, D]
     c, kr = k[:, :dc], k[:, dc:]  # [U, Dc] latents (also the values), [U, Dr] rope keys
@@ -123,19 +127,17 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
 
 def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
                       loc: torch.Tensor, scale: float, dc: int,
-                      g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None) -> None:
+                      g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None,
+                      softmax_bf16: "SoftmaxBf16", ds_bf16: "DsBf16") -> None:
     """``_chunk_grads`` with bf16 GEMM operands and fp32 accumulation: the practice of FlashAttention's
     backward (P and dS rounded to bf16 for the tensor cores). Twice the tensor-core rate of TF32 and half
     the bytes per operand read; each operand rounds to 2^-8 relative (TF32: 2^-11), the softmax, the
     row sums and every accumulation stay fp32. A bf16 cache's keys are exact. The scale is folded into
     the (small) query operand once, so the [G*H, U] buffers see no extra pass for it; the two
-    elementwise stages between the GEMMs are one pass each on CUDA (triton/mla_attention_bwd.py)."""
+    elementwise stages between the GEMMs (``softmax_bf16``, ``ds_bf16``) are one pass each on CUDA
+    (triton/mla_attention_bwd.py)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
-    if n_u == 0:
-        _zero(g_ql, g_qr)
-        return
-    softmax_bf16, ds_bf16 = _bf16_stages(loc.device)
     bf = torch.bfloat16
     k = flat.index_select(0, u).to(bf)  # [U, D]
     c = k[:, :dc]
