@@ -139,7 +139,7 @@ has parity && step bench_parity "${T_PARITY:-240}" $PY -m pytest -p no:cacheprov
   tests/bitwise/test_parity_gpu_bench.py
 
 # -v: with xdist a test is named when it finishes, so a run cut by the limit shows which ones were still running
-has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -v -rfEs \
+has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -v -rfEs --durations=25 \
   tests/bitwise -m "not slow and not gpu"
 
 has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.py --rollout-only --layers 16 --prompts 64 --n 8 \
