@@ -27,7 +27,8 @@
 #   decode_lora   the graph decode step with LoRA r = 32;
 #   parity        the bench-shape parity test;   bitwise  the ZMRL_TEST_DEVICE=cuda parity suite;
 #   rollout_rl    the RL-shaped rollout (64 prompts x 8 samples, 512-token prompts, <= 1024 new tokens);
-#   bwd_bf16      the backward's bf16-operand paths (MLA attention stages, MLA backward, MoE expert backward).
+#   bwd_bf16      the backward's bf16-operand paths (MLA attention stages, MLA backward, MoE expert backward);
+#   rl_full       the whole RL step at 64 prompts x 8 (rollout, fused parity forward, backward, optimizer, weight push).
 # T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
@@ -144,6 +145,11 @@ has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $
 
 has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.py --rollout-only --layers 16 --prompts 64 --n 8 \
   --prompt-len 512 --max-new 1024 --out "$OUT/rollout_rl.json"
+
+# The whole RL step at the RL-shaped batch: rollout, one training forward per update (parity log-probs taken
+# from it), backward with bf16 operands, optimizer step, weight push.
+has rl_full && step rl_full "${T_RL_FULL:-420}" $PY benchmarks/rl_step.py --layers 16 --prompts 64 --n 8 --prompt-len 512 \
+  --max-new 1024 --micro-batch-tokens 16384 --parity-pass fused --backward-precision "${RL_BWD:-bf16}" --out "$OUT/rl_full.json"
 
 has bwd_bf16 && step gpu_tests_bwd_bf16 "${T_BWD_BF16:-120}" $PYTEST tests/kernels/triton/test_mla_attention_bwd.py \
   tests/kernels/triton/test_mla_attention_grads_gpu.py tests/kernels/triton/test_expert_grads.py
