@@ -1,0 +1,168 @@
+"""Registers, spills and reduction layouts of the KDA Triton kernels, built for sm_90 on a machine without a GPU.
+
+Why: a kernel's bits depend on the layouts Triton gives its reductions (``tl.sum``, ``tl.cumsum``: the
+combine tree follows the layout), and its speed at decode sizes on how many programs fit an SM (registers
+per thread x threads). Both are decided by the compiler, not the source, and both can be read from a CPU
+build: the TTGIR names the layout of every ``tt.scan`` / ``tt.reduce``, the cubin's resource usage the
+registers and the spill stack. Before spending device time on a kernel change, compare this report with the
+one of the tree before it: the same reduction layouts (and the same MMA instruction shapes) mean the same
+bits; fewer registers mean more resident programs.
+
+Build with the Triton the GPU runs (the layouts differ between Triton versions): put its wheel's package
+directory first on ``PYTHONPATH``, e.g. ``pip install --no-deps --target /tmp/t36 triton==3.6.0`` and
+``PYTHONPATH=/tmp/t36 python benchmarks/kernel_resources.py``.
+
+    python benchmarks/kernel_resources.py [--dk 128] [--dv 128] [--kernels intra,intra_decode,...] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TARGET_ARCH = 90
+
+
+@dataclass
+class Reduction:
+    op: str  # "scan" or "reduce"
+    axis: int
+    shape: str  # e.g. "64x128xf32"
+    layout: str  # the full layout attribute, e.g. "#ttg.blocked<{sizePerThread = [1, 1], ...}>"
+
+
+@dataclass
+class KernelReport:
+    name: str
+    num_warps: int
+    registers: int
+    spill_stack_bytes: int
+    shared_bytes: int
+    reductions: list[Reduction]
+
+
+def _layout_table(ttgir: str) -> dict[str, str]:
+    """'#blocked1' -> its attribute text, from the TTGIR's alias lines."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(#[\w.]+) = (#ttg\.[^\n]+)$", ttgir, re.M)}
+
+
+def reductions(ttgir: str) -> list[Reduction]:
+    """Every tt.scan / tt.reduce of a TTGIR module, with its axis and its input's shape and layout."""
+    aliases = _layout_table(ttgir)
+    found = []
+    for m in re.finditer(r'"tt\.(scan|reduce)"\([^)]*\) <\{axis = (\d+) : i32[^}]*\}>.*?\}\) : \(tensor<([^,]+), ([^>]+>?)>',
+                         ttgir, re.S):
+        layout = m.group(4).rstrip(">") if m.group(4).startswith("#ttg") else m.group(4)
+        found.append(Reduction(m.group(1), int(m.group(2)), m.group(3), aliases.get(layout, layout)))
+    return found
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
+    return int(fields["REG"]), int(fields["STACK"]), int(fields["SHARED"])
+
+
+def build(name: str, fn, pointer_types: dict[str, str], scalar_types: dict[str, str], constexprs: dict[str, object],
+          num_warps: int) -> KernelReport:
+    """Compile ``fn`` for sm_90 (no device needed) and report its resources and reductions."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**pointer_types, **scalar_types, **{k: "constexpr" for k in constexprs}}
+    missing = [a for a in fn.arg_names if a not in signature]
+    if missing:
+        raise ValueError(f"{name}: no type for {missing}")
+    src = ASTSource(fn=fn, signature={a: signature[a] for a in fn.arg_names}, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
+                              options={"num_warps": num_warps, "num_stages": 1})
+    regs, stack, shared = _resource_usage(compiled.asm["cubin"])
+    return KernelReport(name, num_warps, regs, stack, shared, reductions(compiled.asm["ttgir"]))
+
+
+def kda_reports(dk: int, dv: int, kernels: list[str]) -> list[KernelReport]:
+    """The KDA chunk / decode kernels at the launch configuration ``_launch_config`` picks for (dk, dv)."""
+    from zmrl.kernels_batch_invariant.numerics import kda_dot_precision
+    from zmrl.kernels_batch_invariant.triton import kda_chunk as K
+
+    cfg = K._launch_config(dk, dv)
+    prec = kda_dot_precision()
+    f32 = "*fp32"
+    intra_ptrs = {"q_ptr": f32, "k_ptr": f32, "v_ptr": "*bf16", "g_ptr": f32, "beta_ptr": f32, "info_ptr": "*i32",
+                  "qg_ptr": f32, "kd_ptr": f32, "aqk_ptr": f32, "w_ptr": f32, "u_ptr": f32, "dec_ptr": f32, "tt_ptr": f32}
+    intra_const = dict(DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=K.CHUNK_SIZE,
+                       BC=K._SUB, DOT_PREC=prec)
+    scratch = {n: f32 for n in ("qg_ptr", "kd_ptr", "aqk_ptr", "w_ptr", "u_ptr", "dec_ptr", "ve_ptr")}
+    out = []
+    if "intra" in kernels:
+        out.append(build("kda_intra (chunk)", K._kda_intra_kernel, intra_ptrs, {"scale": "fp32", "H": "i32"},
+                         {**intra_const, "DECODE": False}, cfg["intra_warps"]))
+    if "intra_decode" in kernels:
+        out.append(build("kda_intra (decode)", K._kda_intra_kernel, intra_ptrs, {"scale": "fp32", "H": "i32"},
+                         {**intra_const, "DECODE": True}, cfg["intra_warps"]))
+    if "inter" in kernels:
+        ptrs = {**scratch, "h0_ptr": f32, "o_ptr": "*bf16", "ht_ptr": f32, "cs_ptr": f32, "cinfo_ptr": "*i32",
+                "sinfo_ptr": "*i32"}
+        out.append(build("kda_inter (chunk)", K._kda_inter_kernel, ptrs, {"H": "i32"},
+                         dict(DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=K.CHUNK_SIZE,
+                              HAS_H0=True, STORE_CS=False, DOT_PREC=prec), cfg["inter_warps"]))
+    if "inter_decode" in kernels:
+        ptrs = {**scratch, "st_ptr": f32, "o_ptr": "*bf16", "cinfo_ptr": "*i32"}
+        out.append(build("kda_inter (decode)", K._kda_decode_inter_kernel, ptrs, {"H": "i32"},
+                         dict(DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["decode_BV"], C=K.CHUNK_SIZE,
+                              BC=K._SUB, DOT_PREC=prec), cfg["decode_inter_warps"]))
+    return out
+
+
+KERNELS = ("intra", "intra_decode", "inter", "inter_decode")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dk", type=int, default=128)
+    ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, from {', '.join(KERNELS)}")
+    ap.add_argument("--out", default=None, help="JSON report (default: print only)")
+    a = ap.parse_args()
+    kernels = [k for k in a.kernels.split(",") if k]
+    bad = [k for k in kernels if k not in KERNELS]
+    if bad:
+        raise SystemExit(f"--kernels: unknown {bad} (allowed: {', '.join(KERNELS)})")
+    try:
+        import triton
+    except ImportError:
+        raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
+    reports = kda_reports(a.dk, a.dv, kernels)
+    print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")
+    for r in reports:
+        print(f"{r.name}: {r.num_warps} warps, {r.registers} registers/thread, {r.spill_stack_bytes} B spill stack, "
+              f"{r.shared_bytes} B static shared")
+        for red in r.reductions:
+            print(f"    {red.op:6s} axis {red.axis} {red.shape:12s} {red.layout}")
+    if a.out:
+        import json
+
+        Path(a.out).write_text(json.dumps({"triton": triton.__version__, "arch": TARGET_ARCH, "dk": a.dk, "dv": a.dv,
+                                           "kernels": [asdict(r) for r in reports]}, indent=1))
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
