@@ -238,7 +238,7 @@ def run(shapes: list[Shape], ms: list[int], forced: str | None, sweep: bool, dev
     default_config = tmm.linear_config
     if forced:
         cfg = tmm.GemmConfig.parse(forced)
-        tmm.linear_config = lambda n, k, dtype, m=1: cfg
+        tmm.linear_config = lambda n, k, dtype, m=1, experts=False: cfg
     rows, sweep_rows = [], []
     try:
         for shape in shapes:
@@ -265,7 +265,7 @@ def run(shapes: list[Shape], ms: list[int], forced: str | None, sweep: bool, dev
             for shape in shapes:
                 for text in configs:
                     cfg = tmm.GemmConfig.parse(text)
-                    tmm.linear_config = lambda n, k, dtype, m=1, cfg=cfg: cfg
+                    tmm.linear_config = lambda n, k, dtype, m=1, experts=False, cfg=cfg: cfg
                     for m in sweep_ms:
                         inv, _, _, flops, _ = _cases(shape, m, dev, gen)
                         try:

@@ -28,7 +28,8 @@
 #   parity        the bench-shape parity test;   bitwise  the ZMRL_TEST_DEVICE=cuda parity suite;
 #   rollout_rl    the RL-shaped rollout (64 prompts x 8 samples, 512-token prompts, <= 1024 new tokens);
 #   bwd_bf16      the backward's bf16-operand paths (MLA attention stages, MLA backward, MoE expert backward);
-#   rl_full       the whole RL step at 64 prompts x 8 (rollout, fused parity forward, backward, optimizer, weight push).
+#   rl_full       the whole RL step at 64 prompts x 8 (rollout, fused parity forward, backward, optimizer, weight push);
+#   kda_sweep     kda_decode_vs_fla.py --sweep (launch and column-block configs) + the GPU KDA decode tests.
 # T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
@@ -150,6 +151,13 @@ has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.
 # from it), backward with bf16 operands, optimizer step, weight push.
 has rl_full && step rl_full "${T_RL_FULL:-420}" $PY benchmarks/rl_step.py --layers 16 --prompts 64 --n 8 --prompt-len 512 \
   --max-new 1024 --micro-batch-tokens 16384 --parity-pass fused --backward-precision "${RL_BWD:-bf16}" --out "$OUT/rl_full.json"
+
+# The KDA decode step vs fla's recurrent step, and its launch / column-block sweep (decode == chunk checked
+# per configuration, the chunk forward timed), with the GPU decode tests (every row vs kda_chunk).
+has kda_sweep && step kda_decode_sweep "${T_KDA_SWEEP:-200}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 --sweep \
+  --out "$OUT/kda_decode_vs_fla.json"
+has kda_sweep && step gpu_tests_kda_decode "${T_KDA_DECODE_TESTS:-150}" $PYTEST tests/kernels/triton/test_kda_decode_step.py \
+  tests/kernels/triton/test_kda_chunk_step.py
 
 has bwd_bf16 && step gpu_tests_bwd_bf16 "${T_BWD_BF16:-120}" $PYTEST tests/kernels/triton/test_mla_attention_bwd.py \
   tests/kernels/triton/test_mla_attention_grads_gpu.py tests/kernels/triton/test_expert_grads.py

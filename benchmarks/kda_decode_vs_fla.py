@@ -17,9 +17,11 @@ device-to-device copy bandwidth measured in the same run.
     python benchmarks/kda_decode_vs_fla.py [--batches 1 64 256] [--out FILE.json] [--sweep]
 
 ``--sweep`` (largest batch only) times the step under other launch configurations (warps of the two
-kernels, the recurrence's state tile width BV) over one whole chunk of positions and says whether every
-output row is bitwise the default configuration's (a configuration that changes bits would have to
-change the prefill/trainer launch too).
+kernels, the recurrence's state tile width BV, the intra kernel's register cap) over one whole chunk of
+positions and says whether every output row is bitwise the default configuration's; it also times
+configurations of the intra kernel's column blocks (BK, BVI), which are shared numerics (prefill, trainer and
+decode change bits together): for every row it checks that decoded rows equal ``kda_chunk``'s under the same
+configuration and times the chunk forward over a 16K-token micro-batch.
 """
 from __future__ import annotations
 
@@ -61,15 +63,63 @@ def inputs(b: int, dev: torch.device, gen: torch.Generator):
     return q, k, v, g, beta
 
 
-SWEEP_KDA = ({"decode_inter_warps": 2}, {"decode_BV": 64}, {"decode_BV": 64, "decode_inter_warps": 2},
-             {"decode_BV": 16, "decode_inter_warps": 2}, {"decode_BV": 128, "decode_inter_warps": 4},
-             {"decode_BV": 128, "decode_inter_warps": 8}, {"decode_intra_maxnreg": 128}, {"decode_intra_maxnreg": 168},
-             {"decode_intra_maxnreg": 128, "decode_BV": 64, "decode_inter_warps": 2}, {"intra_warps": 4})
+SWEEP_KDA = ({"decode_inter_warps": 2}, {"decode_BV": 32}, {"decode_BV": 128, "decode_inter_warps": 8},
+             {"decode_intra_maxnreg": 128}, {"intra_warps": 4}, {"decode_inter_maxnreg": 168},
+             {"decode_BV": 32, "decode_inter_maxnreg": 168},
+             # The intra kernel's dk / dv column blocks are shared numerics (the chunk kernel's K blocking of its
+             # products): the bits move for prefill and decode together, so these rows are judged by
+             # "decode == chunk" and by the chunk forward's time, not by "same bits as the default".
+             {"BK": 32, "BVI": 32}, {"BK": 16, "BVI": 16}, {"BK": 32, "BVI": 32, "decode_intra_maxnreg": 128},
+             {"BK": 16, "BVI": 16, "decode_intra_maxnreg": 128}, {"BK": 16, "BVI": 16, "decode_intra_maxnreg": 168})
+SHARED_NUMERICS_KEYS = {"BK", "BVI"}
+CHUNK_TOKENS = (4096, 4096, 4096, 4096)  # the chunk forward timed per configuration: a 16K-token micro-batch
+
+
+def decode_matches_chunk(dev: torch.device, gen: torch.Generator, n: int = 8, t: int = 80) -> bool:
+    """n sequences decoded from position 0 for t steps: every output row bitwise the Triton ``kda_chunk``
+    row of the same sequences in one pass (under whatever ``_launch_config`` is in force)."""
+    from zmrl.kernels_batch_invariant.kda import kda_chunk
+
+    q = F.normalize(torch.randn(n, t, H, DK, generator=gen), dim=-1).to(dev)
+    k = F.normalize(torch.randn(n, t, H, DK, generator=gen), dim=-1).to(dev)
+    v = torch.randn(n, t, H, DV, generator=gen).to(dev, torch.bfloat16)
+    g = (-0.05 * torch.rand(n, t, H, DK, generator=gen)).to(dev)
+    beta = torch.sigmoid(torch.randn(n, t, H, generator=gen)).to(dev)
+    cache = KDADecodeCache.allocate(n, H, DK, DV, torch.bfloat16, torch.float32, dev)
+    slots = torch.arange(n, device=dev)
+    with torch.no_grad():
+        triton_impl(kda_decode_prime)(slots, torch.zeros_like(slots), cache)
+        rows = [triton_impl(kda_decode_step)(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i],
+                                              torch.full((n,), i, device=dev), slots, cache) for i in range(t)]
+        cu = torch.arange(0, n * t + 1, t, device=dev, dtype=torch.int32)
+        o, _, _ = triton_impl(kda_chunk)(*(x.reshape(n * t, *x.shape[2:]) for x in (q, k, v, g, beta)), cu)
+    return torch.equal(torch.stack(rows, dim=1).reshape(n * t, H, DV), o)
+
+
+def chunk_forward_us(dev: torch.device, gen: torch.Generator) -> float:
+    """The Triton ``kda_chunk`` forward over CHUNK_TOKENS packed sequences (CUDA events)."""
+    from zmrl.kernels_batch_invariant.kda import kda_chunk
+
+    t = sum(CHUNK_TOKENS)
+    q = F.normalize(torch.randn(t, H, DK, generator=gen), dim=-1).to(dev)
+    k = F.normalize(torch.randn(t, H, DK, generator=gen), dim=-1).to(dev)
+    v = torch.randn(t, H, DV, generator=gen).to(dev, torch.bfloat16)
+    g = (-0.05 * torch.rand(t, H, DK, generator=gen)).to(dev)
+    beta = torch.sigmoid(torch.randn(t, H, generator=gen)).to(dev)
+    cu = torch.tensor([0, *torch.tensor(CHUNK_TOKENS).cumsum(0).tolist()], device=dev, dtype=torch.int32)
+    fwd = triton_impl(kda_chunk)
+
+    def run() -> None:
+        with torch.no_grad():
+            fwd(q, k, v, g, beta, cu)
+
+    return events_ms(run, 10) * 1e3
 
 
 def sweep_rows(b: int, dev: torch.device, gen: torch.Generator) -> list[dict[str, Any]]:
-    """Each SWEEP_KDA override of ``_launch_config``: mean step time over one chunk of positions and
-    whether all outputs equal the default configuration's bitwise."""
+    """Each SWEEP_KDA override of ``_launch_config``: mean step time over one chunk of positions, whether all
+    outputs equal the default configuration's bitwise, whether decoded rows equal ``kda_chunk``'s under the
+    same configuration, and the chunk forward's time at CHUNK_TOKENS."""
     from zmrl.kernels_batch_invariant.triton import kda_chunk as tk
 
     default = tk._launch_config
@@ -80,7 +130,7 @@ def sweep_rows(b: int, dev: torch.device, gen: torch.Generator) -> list[dict[str
     step = triton_impl(kda_decode_step)
     prime = triton_impl(kda_decode_prime)
 
-    def run(overrides: dict[str, Any]) -> tuple[float, torch.Tensor]:
+    def run(overrides: dict[str, Any]) -> dict[str, Any]:
         tk._launch_config = lambda dk, dv: {**default(dk, dv), **overrides}
         try:
             cache = KDADecodeCache.allocate(b, H, DK, DV, torch.bfloat16, torch.float32, dev)
@@ -93,17 +143,21 @@ def sweep_rows(b: int, dev: torch.device, gen: torch.Generator) -> list[dict[str
                 for i in range(C):
                     step(q, k, v, g, beta, pos0 + C + i, slots, cache)
                 torch.cuda.synchronize()
-            return (time.perf_counter() - t0) / C * 1e6, torch.stack(outs)
+            us = (time.perf_counter() - t0) / C * 1e6
+            return {"step_us": us, "out": torch.stack(outs), "decode_equals_chunk": decode_matches_chunk(dev, gen),
+                    "chunk_fwd_us": chunk_forward_us(dev, gen)}
         finally:
             tk._launch_config = default
 
-    base_us, base_out = run({})
-    rows = [{"batch": b, "config": "default", "step_us": base_us, "bitwise_equal": True}]
+    base = run({})
+    base_out = base.pop("out")
+    rows = [{"batch": b, "config": "default", "bitwise_equal": True, **base}]
     for ov in SWEEP_KDA:
-        row: dict[str, Any] = {"batch": b, "config": ",".join(f"{key}={val}" for key, val in ov.items())}
+        row: dict[str, Any] = {"batch": b, "config": ",".join(f"{key}={val}" for key, val in ov.items()),
+                               "shared_numerics": bool(SHARED_NUMERICS_KEYS & set(ov))}
         try:
-            us, out = run(ov)
-            row.update(step_us=us, bitwise_equal=bool(torch.equal(out, base_out)))
+            res = run(ov)
+            row.update(bitwise_equal=bool(torch.equal(res.pop("out"), base_out)), **res)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:200]
         rows.append(row)
@@ -194,7 +248,8 @@ def main() -> int:
     sweep = sweep_rows(max(a.batches), dev, gen) if a.sweep else []
     if sweep:
         print(table(sweep, [("config", "config", "s"), ("step_us", "step us (host-timed)", ".1f"),
-                            ("bitwise_equal", "same bits", "s")]))
+                            ("bitwise_equal", "same bits", "s"), ("decode_equals_chunk", "decode == chunk", "s"),
+                            ("chunk_fwd_us", "chunk fwd us", ".1f")]))
     write_json(a.out or default_out("kda_decode_vs_fla"),
                {"benchmark": "kda_decode_vs_fla", **env(), "copy_bandwidth_tb_s": bw, "heads": H, "dk": DK, "dv": DV,
                 "fla_error": fla_error, "results": rows, "sweep": sweep, "time": time.time()})

@@ -79,7 +79,7 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
 
 
 def build(name: str, fn, pointer_types: dict[str, str], scalar_types: dict[str, str], constexprs: dict[str, object],
-          num_warps: int) -> KernelReport:
+          num_warps: int, maxnreg: int | None = None) -> KernelReport:
     """Compile ``fn`` for sm_90 (no device needed) and report its resources and reductions."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -91,13 +91,15 @@ def build(name: str, fn, pointer_types: dict[str, str], scalar_types: dict[str, 
         raise ValueError(f"{name}: no type for {missing}")
     src = ASTSource(fn=fn, signature={a: signature[a] for a in fn.arg_names}, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
-                              options={"num_warps": num_warps, "num_stages": 1})
+                              options={"num_warps": num_warps, "num_stages": 1,
+                                       **({} if maxnreg is None else {"maxnreg": maxnreg})})
     regs, stack, shared = _resource_usage(compiled.asm["cubin"])
     return KernelReport(name, num_warps, regs, stack, shared, reductions(compiled.asm["ttgir"]))
 
 
-def kda_reports(dk: int, dv: int, kernels: list[str]) -> list[KernelReport]:
-    """The KDA chunk / decode kernels at the launch configuration ``_launch_config`` picks for (dk, dv)."""
+def kda_reports(dk: int, dv: int, kernels: list[str], maxnreg: int | None = None) -> list[KernelReport]:
+    """The KDA chunk / decode kernels at the launch configuration ``_launch_config`` picks for (dk, dv);
+    ``maxnreg`` caps the registers per thread (what fits more programs on an SM: 65,536 / (32 x warps x programs))."""
     from zmrl.kernels_batch_invariant.numerics import kda_dot_precision
     from zmrl.kernels_batch_invariant.triton import kda_chunk as K
 
@@ -112,21 +114,21 @@ def kda_reports(dk: int, dv: int, kernels: list[str]) -> list[KernelReport]:
     out = []
     if "intra" in kernels:
         out.append(build("kda_intra (chunk)", K._kda_intra_kernel, intra_ptrs, {"scale": "fp32", "H": "i32"},
-                         {**intra_const, "DECODE": False}, cfg["intra_warps"]))
+                         {**intra_const, "DECODE": False}, cfg["intra_warps"], maxnreg))
     if "intra_decode" in kernels:
         out.append(build("kda_intra (decode)", K._kda_intra_kernel, intra_ptrs, {"scale": "fp32", "H": "i32"},
-                         {**intra_const, "DECODE": True}, cfg["intra_warps"]))
+                         {**intra_const, "DECODE": True}, cfg["intra_warps"], maxnreg))
     if "inter" in kernels:
         ptrs = {**scratch, "h0_ptr": f32, "o_ptr": "*bf16", "ht_ptr": f32, "cs_ptr": f32, "cinfo_ptr": "*i32",
                 "sinfo_ptr": "*i32"}
         out.append(build("kda_inter (chunk)", K._kda_inter_kernel, ptrs, {"H": "i32"},
                          dict(DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=K.CHUNK_SIZE,
-                              HAS_H0=True, STORE_CS=False, DOT_PREC=prec), cfg["inter_warps"]))
+                              HAS_H0=True, STORE_CS=False, DOT_PREC=prec), cfg["inter_warps"], maxnreg))
     if "inter_decode" in kernels:
         ptrs = {**scratch, "st_ptr": f32, "o_ptr": "*bf16", "cinfo_ptr": "*i32"}
         out.append(build("kda_inter (decode)", K._kda_decode_inter_kernel, ptrs, {"H": "i32"},
                          dict(DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["decode_BV"], C=K.CHUNK_SIZE,
-                              BC=K._SUB, DOT_PREC=prec), cfg["decode_inter_warps"]))
+                              BC=K._SUB, DOT_PREC=prec), cfg["decode_inter_warps"], maxnreg))
     return out
 
 
@@ -138,6 +140,7 @@ def main() -> int:
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
     ap.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, from {', '.join(KERNELS)}")
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (default: the compiler's)")
     ap.add_argument("--out", default=None, help="JSON report (default: print only)")
     a = ap.parse_args()
     kernels = [k for k in a.kernels.split(",") if k]
@@ -148,7 +151,7 @@ def main() -> int:
         import triton
     except ImportError:
         raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
-    reports = kda_reports(a.dk, a.dv, kernels)
+    reports = kda_reports(a.dk, a.dv, kernels, a.maxnreg)
     print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")
     for r in reports:
         print(f"{r.name}: {r.num_warps} warps, {r.registers} registers/thread, {r.spill_stack_bytes} B spill stack, "

@@ -72,3 +72,18 @@ def test_cuda_graph_capture(device, interpret):
         graph.replay()
         assert torch.equal(out, eager[p]), f"position {p}"
     assert torch.equal(cache.state, eager_cache.state)
+
+
+@pytest.mark.parametrize("blocks", [32, 16])
+def test_rows_equal_kda_chunk_under_other_column_blocks(device, interpret, monkeypatch, blocks):
+    """The intra kernel's dk / dv column blocks (BK, BVI) are shared numerics: with other blocks the chunk
+    kernel's bits move, and the decode rows must move with them (benchmarks/kda_decode_vs_fla.py --sweep
+    times these candidates)."""
+    if interpret:
+        pytest.skip("bench dims only (the interpreter's tiny dk is one block already)")
+    from zmrl.kernels_batch_invariant.triton import kda_chunk as tk
+
+    default = tk._launch_config
+    monkeypatch.setattr(tk, "_launch_config", lambda dk, dv: {**default(dk, dv), "BK": blocks, "BVI": blocks})
+    decode_scenario(triton_impl(kda_decode_step), device, h=16, dk=128, dv=128, lengths=[200, 131, 70],
+                    starts=[0, 62, 5], seed=13, v_dtype=torch.bfloat16, pad_rows=2, reset_every=7)

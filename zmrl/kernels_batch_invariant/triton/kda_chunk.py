@@ -451,6 +451,7 @@ def _launch_config(dk: int, dv: int) -> dict[str, int]:
         # this one and the two above change no arithmetic: benchmarks/kda_decode_vs_fla.py --sweep times
         # alternatives and checks their outputs are the default's bits.
         "decode_intra_maxnreg": None,
+        "decode_inter_maxnreg": None,  # the same for the decode step's recurrence kernel
     }
 
 
@@ -693,6 +694,7 @@ def kda_decode_step_triton(
         qg, kd, a_qk, w, u, dec, cache.v_e, cache.state, o, info[0], h,
         DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["decode_BV"], C=c, BC=_SUB, DOT_PREC=kda_dot_precision(),
         num_warps=cfg["decode_inter_warps"], num_stages=1,
+        **({} if cfg["decode_inter_maxnreg"] is None else {"maxnreg": cfg["decode_inter_maxnreg"]}),
     )
     return o
 

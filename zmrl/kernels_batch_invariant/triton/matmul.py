@@ -143,22 +143,29 @@ def _bucket(m: int) -> int:
     return -1 if m <= SMALL_M else 0 if m <= DECODE_M else 1 if m <= BATCH_M else 2 if m < LARGE_M else 3
 
 
-def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> GemmConfig:
+def linear_config(n: int, k: int, dtype: torch.dtype, m: int = 1, experts: bool = False) -> GemmConfig:
     """Tiles for ``y[m, n] = x[m, k] @ W[n, k]^T`` with operands of ``dtype`` (the compute dtype:
     bf16/fp16 for tensor-core dots, fp32 for IEEE dots). ``m`` only selects a bucket (decode-sized or
-    not), which changes which program computes an element, not its bits (module doc).
+    not), which changes which program computes an element, not its bits (module doc); for a grouped
+    expert product (``experts``) ``m`` is the mean rows per expert.
 
     Benchmarks may replace this module-level function to try other configs; it is looked up at
     every call.
     """
-    return _linear_config(n, dtype, _bucket(m))
+    return _linear_config(n, dtype, _bucket(m), experts)
 
 
 @functools.lru_cache(maxsize=1024)
-def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
+def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = False) -> GemmConfig:
+    # Decode-sized tiles were picked per product from benchmarks/lora_gemms.py --sweep (every config the
+    # same bits; benchmarks/results/2026-12-01_lora_sweep_dbdebaf_h200.json): narrow outputs (the LoRA A
+    # products, N = r) and the grouped fp32 LoRA B expert products (~8-32 rows per expert) run fastest on
+    # 16/32-row tiles, the B expert products on wide column tiles.
     if dtype in _HALF:
         if bucket == -1:
             return GemmConfig(16, 32, 128, 4, 4)
+        if bucket in (0, 1) and n <= 64:  # A hidden -> r at 64 / 256 rows: 10.8 -> 9.4 / 11.7 -> 9.6 us
+            return GemmConfig(16, 32, 64, 4, 4)
         if bucket == 3:
             return GemmConfig(256, 128, 64, 8, 3)
         if bucket == 2:
@@ -173,10 +180,17 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int) -> GemmConfig:
             return GemmConfig(64, 64, 64, 4, 4)
         return GemmConfig(64, 32, 64, 4, 4)
     # The fp32 class: both operands split (fp32 x fp32, six bf16 MMAs per K step; _launch fixes their
-    # BLOCK_K) or IEEE FMA dots (smaller K steps keep the tiles in registers). 64-row tiles in every bucket:
-    # 16/32-row tiles at decode (the MoE lora_B expert tiles hold ~8 rows) made the decode step's GEMMs
+    # BLOCK_K) or IEEE FMA dots (smaller K steps keep the tiles in registers). 64-row tiles above one row
+    # for dense products: 16/32-row tiles for every fp32 product at decode made the decode step's GEMMs
     # slower on the H200, 4.45 -> 4.79 ms at batch 64 and 6.27 -> 7.08 ms at 256
-    # (benchmarks/results/2026-12-01_h200_summary.md, fifth session).
+    # (benchmarks/results/2026-12-01_h200_summary.md, fifth session); the expert rule above is per product.
+    if experts and bucket in (-1, 0):  # B expert r -> hidden at 8 / 32 rows per expert: 45.9 -> 23.3 / 49.9 -> 34.3 us
+        wide = n >= 1024
+        if bucket == -1:
+            return GemmConfig(16, 128, 32, 4, 3) if wide else GemmConfig(16, 64, 32, 4, 3)
+        return GemmConfig(32, 128, 32, 4, 3) if wide else GemmConfig(16, 128, 32, 4, 3)
+    if bucket == -1:  # B r -> hidden at one row: 3.2 -> 2.5 us
+        return GemmConfig(16, 32, 32, 4, 3)
     if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
         return GemmConfig(64, 64, 32, 4, 3)
     return GemmConfig(64, 32, 32, 4, 3)
@@ -1121,7 +1135,7 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
     w_dtype = weights.dtype if isinstance(weights, torch.Tensor) else weights[0].dtype
     # The config follows model dims and the bucket of the mean rows per expert (host shapes only), as
     # for linear: at batch 256 an expert sees ~32 of the 2048 routed rows, a decode-sized tile.
-    cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), cdiv(m, e))
+    cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), cdiv(m, e), experts=True)
     w3, woff, align = _expert_weight_table(weights, x.device)
     if dev is None:
         n_tiles = _expert_tiles(offsets, cfg.block_m)
