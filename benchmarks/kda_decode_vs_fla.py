@@ -63,15 +63,14 @@ def inputs(b: int, dev: torch.device, gen: torch.Generator):
     return q, k, v, g, beta
 
 
-SWEEP_KDA = ({"decode_inter_warps": 2}, {"decode_BV": 32}, {"decode_BV": 128, "decode_inter_warps": 8},
-             {"decode_intra_maxnreg": 128}, {"intra_warps": 4}, {"decode_inter_maxnreg": 168},
+SWEEP_KDA = ({"decode_inter_warps": 2}, {"decode_BV": 32}, {"decode_intra_maxnreg": 128},
              {"decode_BV": 32, "decode_inter_maxnreg": 168},
-             # The intra kernel's dk / dv column blocks are shared numerics (the chunk kernel's K blocking of its
-             # products): the bits move for prefill and decode together, so these rows are judged by
+             # Shared numerics: the intra kernel's warps (its reductions' layouts) and its dk / dv column blocks (the
+             # K blocking of its products) move the bits of prefill and decode together, so these rows are judged by
              # "decode == chunk" and by the chunk forward's time, not by "same bits as the default".
-             {"BK": 32, "BVI": 32}, {"BK": 16, "BVI": 16}, {"BK": 32, "BVI": 32, "decode_intra_maxnreg": 128},
-             {"BK": 16, "BVI": 16, "decode_intra_maxnreg": 128}, {"BK": 16, "BVI": 16, "decode_intra_maxnreg": 168})
-SHARED_NUMERICS_KEYS = {"BK", "BVI"}
+             {"intra_warps": 8}, {"intra_warps": 2}, {"BK": 32, "BVI": 32},
+             {"BK": 32, "BVI": 32, "decode_intra_maxnreg": 128})
+SHARED_NUMERICS_KEYS = {"BK", "BVI", "intra_warps"}
 CHUNK_TOKENS = (4096, 4096, 4096, 4096)  # the chunk forward timed per configuration: a 16K-token micro-batch
 
 

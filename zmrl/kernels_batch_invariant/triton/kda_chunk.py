@@ -429,8 +429,8 @@ def _launch_config(dk: int, dv: int) -> dict[str, int]:
     """Tile sizes and warps from the head dims only (never from T, N or the chunk count)."""
     dkp, dvp = _pow2(dk), _pow2(dv)
     big = dkp >= 128 or dvp >= 128
-    # Warps and BV were picked by register spills of the sm_90 build (ptxas -v, Triton 3.9): both
-    # kernels sit at the 255-register cap; these choices spill least at dk = dv = 64 and 128.
+    # The recurrence's warps and BV were picked by register spills of the sm_90 build (ptxas -v, Triton 3.9;
+    # benchmarks/kernel_resources.py reports them): both kernels sit at the 255-register cap.
     # The recurrence holds the state as one or two [BK, BV] row blocks (dk <= 128: blocks of <= 64).
     bk_state = dkp if dkp <= 64 else max(64, dkp // 2)
     return {
@@ -442,7 +442,11 @@ def _launch_config(dk: int, dv: int) -> dict[str, int]:
         "TWO": dkp > bk_state,
         # State tile [dk, BV]: a small BV keeps it in registers and gives more programs.
         "BV": min(dvp, 32),
-        "intra_warps": 8 if big or dkp >= 64 else 4,
+        # The intra kernel's warps are shared numerics (its reductions' layouts follow them): prefill, trainer and
+        # decode change bits together. At dk = dv = 128, 4 warps spill more than 8 but run faster on the H200:
+        # decode step at batch 256 1073 -> 861 us, chunk forward at 16K tokens 6.43 -> 5.90 ms, decoded rows
+        # still kda_chunk's (benchmarks/kda_decode_vs_fla.py --sweep, results/2026-12-01_kda_decode_sweep_5e4be1c_h200.json).
+        "intra_warps": 4 if big else 8 if dkp >= 64 else 4,
         "inter_warps": 8 if big else 4,
         # the decode step's new-row recurrence (16-row products, one [dk, BV] state tile per program)
         "decode_inter_warps": 4,
