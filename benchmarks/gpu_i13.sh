@@ -137,6 +137,13 @@ has lora_sweep && step lora_sweep "${T_LORA_SWEEP:-240}" $PY benchmarks/lora_gem
 has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
   --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 --out "$OUT/decode_lora.json"
 
+# The KDA decode step vs fla's recurrent step, and its launch / column-block sweep (decode == chunk checked
+# per configuration, the chunk forward timed), with the GPU decode tests (every row vs kda_chunk).
+has kda_sweep && step kda_decode_sweep "${T_KDA_SWEEP:-200}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 --sweep \
+  --out "$OUT/kda_decode_vs_fla.json"
+has kda_sweep && step gpu_tests_kda_decode "${T_KDA_DECODE_TESTS:-150}" $PYTEST tests/kernels/triton/test_kda_decode_step.py \
+  tests/kernels/triton/test_kda_chunk_step.py
+
 has parity && step bench_parity "${T_PARITY:-240}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu \
   tests/bitwise/test_parity_gpu_bench.py
 
@@ -151,13 +158,6 @@ has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.
 # from it), backward with bf16 operands, optimizer step, weight push.
 has rl_full && step rl_full "${T_RL_FULL:-420}" $PY benchmarks/rl_step.py --layers 16 --prompts 64 --n 8 --prompt-len 512 \
   --max-new 1024 --micro-batch-tokens 16384 --parity-pass fused --backward-precision "${RL_BWD:-bf16}" --out "$OUT/rl_full.json"
-
-# The KDA decode step vs fla's recurrent step, and its launch / column-block sweep (decode == chunk checked
-# per configuration, the chunk forward timed), with the GPU decode tests (every row vs kda_chunk).
-has kda_sweep && step kda_decode_sweep "${T_KDA_SWEEP:-200}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 --sweep \
-  --out "$OUT/kda_decode_vs_fla.json"
-has kda_sweep && step gpu_tests_kda_decode "${T_KDA_DECODE_TESTS:-150}" $PYTEST tests/kernels/triton/test_kda_decode_step.py \
-  tests/kernels/triton/test_kda_chunk_step.py
 
 has bwd_bf16 && step gpu_tests_bwd_bf16 "${T_BWD_BF16:-120}" $PYTEST tests/kernels/triton/test_mla_attention_bwd.py \
   tests/kernels/triton/test_mla_attention_grads_gpu.py tests/kernels/triton/test_expert_grads.py
