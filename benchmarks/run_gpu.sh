@@ -158,9 +158,11 @@ for s in "${steps[@]}"; do
     trainer)
       run_step trainer "${T_TRAINER:-100}" $PY benchmarks/trainer_throughput.py --out "$OUT/trainer_throughput.json" \
         ${TRAINER_ARGS:-} ;;
-    rl-step)  # one RL step on one GPU, phase by phase (8 prompts x n=8 by default here; RL_STEP_ARGS to change)
-      run_step rl-step "${T_RL_STEP:-150}" $PY benchmarks/rl_step.py --out "$OUT/rl_step.json" \
-        ${RL_STEP_ARGS:---prompts 8 --n 8 --max-new 512} ;;
+    rl-step)  # one RL step on one GPU at the RL-shaped batch (64 prompts x n=8, <= 1024 new tokens), phase by phase,
+      # one training forward per update, bf16 backward operands; ~320 s with its warm-up step. RL_STEP_ARGS to change,
+      # e.g. "--prompts 8 --n 8 --max-new 512 --parity-pass separate,fused" for the separate parity pass's cost.
+      run_step rl-step "${T_RL_STEP:-420}" $PY benchmarks/rl_step.py --out "$OUT/rl_step.json" \
+        ${RL_STEP_ARGS:---parity-pass fused --backward-precision bf16} ;;
     rollout)  # the RL-shaped rollout alone: 64 prompts x n=8, prompt 512, up to 1024 new tokens
       run_step rollout "${T_ROLLOUT:-300}" $PY benchmarks/rl_step.py --rollout-only --out "$OUT/rollout.json" \
         ${ROLLOUT_ARGS:-} ;;
