@@ -77,7 +77,7 @@ def env() -> dict[str, Any]:
         triton_version = None
     out: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": git_commit(), "torch": torch.__version__, "triton": triton_version,
+        "commit": git_commit(), "source_sha": source_sha(), "torch": torch.__version__, "triton": triton_version,
         "cuda": torch.version.cuda, "argv": sys.argv,
     }
     if torch.cuda.is_available():
@@ -85,6 +85,18 @@ def env() -> dict[str, Any]:
         out.update(gpu=torch.cuda.get_device_name(0), gpu_memory_gib=round(p.total_memory / 2**30, 1),
                    sm_count=p.multi_processor_count)
     return out
+
+
+def source_sha() -> str:
+    """sha256 (12 hex digits) of the Python sources of zmrl/ and benchmarks/ as they are on disk: names the
+    code a result came from where the git commit cannot (a copied working tree whose .git is stale or absent,
+    uncommitted edits). Compare with ``python -c "from benchmarks._common import source_sha; print(source_sha())"``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted([*(REPO / "zmrl").rglob("*.py"), *(REPO / "benchmarks").glob("*.py")]):
+        h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def device_slug() -> str:

@@ -29,7 +29,8 @@
 #   rollout_rl    the RL-shaped rollout (64 prompts x 8 samples, 512-token prompts, <= 1024 new tokens);
 #   bwd_bf16      the backward's bf16-operand paths (MLA attention stages, MLA backward, MoE expert backward);
 #   rl_full       the whole RL step at 64 prompts x 8 (rollout, fused parity forward, backward, optimizer, weight push);
-#   kda_sweep     kda_decode_vs_fla.py --sweep (launch and column-block configs) + the GPU KDA decode tests.
+#   kda_sweep     kda_decode_vs_fla.py --sweep (launch and column-block configs) + the GPU KDA decode tests;
+#   rollout_rl_fine  the RL-shaped rollout with finer decode-graph batch buckets (GRAPH_SIZES).
 # T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
@@ -153,6 +154,11 @@ has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $
 
 has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.py --rollout-only --layers 16 --prompts 64 --n 8 \
   --prompt-len 512 --max-new 1024 --out "$OUT/rollout_rl.json"
+
+# The same rollout with finer decode-graph batch buckets (a draining rollout pads less; more graphs captured).
+has rollout_rl_fine && step rollout_rl_fine "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.py --rollout-only --layers 16 \
+  --prompts 64 --n 8 --prompt-len 512 --max-new 1024 \
+  --graph-batch-sizes "${GRAPH_SIZES:-1,2,4,8,16,32,48,64,96,128,160,192,224}" --out "$OUT/rollout_rl_fine.json"
 
 # The whole RL step at the RL-shaped batch: rollout, one training forward per update (parity log-probs taken
 # from it), backward with bf16 operands, optimizer step, weight push.

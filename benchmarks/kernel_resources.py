@@ -35,46 +35,79 @@ class Reduction:
     op: str  # "scan" or "reduce"
     axis: int
     shape: str  # e.g. "64x128xf32"
-    layout: str  # the full layout attribute, e.g. "#ttg.blocked<{sizePerThread = [1, 1], ...}>"
+    layout: str  # the layout attribute with every alias spelled out, e.g. "#ttg.blocked<{sizePerThread = ...}>"
 
 
 @dataclass
 class KernelReport:
     name: str
     num_warps: int
+    maxnreg: int | None
     registers: int
-    spill_stack_bytes: int
+    stack_bytes: int  # the per-thread stack frame: register spills and local arrays
     shared_bytes: int
     reductions: list[Reduction]
 
 
-def _layout_table(ttgir: str) -> dict[str, str]:
-    """'#blocked1' -> its attribute text, from the TTGIR's alias lines."""
-    return {m.group(1): m.group(2) for m in re.finditer(r"^(#[\w.]+) = (#ttg\.[^\n]+)$", ttgir, re.M)}
+def _balanced(text: str, start: int) -> int:
+    """Index just past the ``<...>`` group that opens at ``text[start] == "<"`` (nested groups included)."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "<":
+            depth += 1
+        elif text[i] == ">":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    raise ValueError(f"unbalanced '<' at {start}: {text[start:start + 80]!r}")
+
+
+def _resolve(layout: str, aliases: dict[str, str]) -> str:
+    """Replace every alias (#blocked1, #mma, ...) inside a layout by its definition, recursively: alias
+    names are numbered per module, so two builds compare only with the names spelled out."""
+    return re.sub(r"#[A-Za-z_][\w.]*(?![\w.<])", lambda m: _resolve(aliases[m.group(0)], aliases)
+                  if m.group(0) in aliases else m.group(0), layout)
 
 
 def reductions(ttgir: str) -> list[Reduction]:
-    """Every tt.scan / tt.reduce of a TTGIR module, with its axis and its input's shape and layout."""
-    aliases = _layout_table(ttgir)
+    """Every tt.scan / tt.reduce of a TTGIR module, in order, with its axis and its input's shape and layout."""
+    aliases = {m.group(1): m.group(2) for m in re.finditer(r"^(#[\w.]+) = (#ttg\.[^\n]+)$", ttgir, re.M)}
     found = []
-    for m in re.finditer(r'"tt\.(scan|reduce)"\([^)]*\) <\{axis = (\d+) : i32[^}]*\}>.*?\}\) : \(tensor<([^,]+), ([^>]+>?)>',
-                         ttgir, re.S):
-        layout = m.group(4).rstrip(">") if m.group(4).startswith("#ttg") else m.group(4)
-        found.append(Reduction(m.group(1), int(m.group(2)), m.group(3), aliases.get(layout, layout)))
+    ops = list(re.finditer(r'"tt\.(scan|reduce)"\(', ttgir))
+    for op in ops:
+        axis = re.compile(r"axis = (\d+) : i32").search(ttgir, op.end())
+        # the op's type signature: "}) : (tensor<SHAPE, LAYOUT>" after its region
+        sig = re.compile(r"\}\) : \(tensor<").search(ttgir, op.end())
+        if axis is None or sig is None:
+            raise ValueError(f"cannot read the tt.{op.group(1)} at offset {op.start()}")
+        start = sig.end() - 1  # the "<" of tensor<
+        body = ttgir[start + 1:_balanced(ttgir, start) - 1]
+        shape, layout = body.split(", ", 1)
+        found.append(Reduction(op.group(1), int(axis.group(1)), shape, _resolve(layout, aliases)))
+    if len(found) != len(ops):  # pragma: no cover - guarded above
+        raise ValueError(f"read {len(found)} of {len(ops)} scans / reductions")
     return found
 
 
-def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
+def _tool(name: str) -> Path:
     import triton
 
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise SystemExit(f"kernel_resources.py: this Triton has no {name} ({path}); it needs Triton's NVIDIA backend")
+    return path
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        done = subprocess.run([str(_tool("cuobjdump")), "-res-usage", f.name], capture_output=True, text=True)
     finally:
         os.unlink(f.name)
-    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", text))
+    fields = dict(re.findall(r"(REG|STACK|SHARED):(\d+)", done.stdout))
+    if done.returncode != 0 or not {"REG", "STACK", "SHARED"} <= set(fields):
+        raise RuntimeError(f"cuobjdump -res-usage gave no REG/STACK/SHARED: {done.stderr[-500:] or done.stdout[-500:]}")
     return int(fields["REG"]), int(fields["STACK"]), int(fields["SHARED"])
 
 
@@ -94,12 +127,13 @@ def build(name: str, fn, pointer_types: dict[str, str], scalar_types: dict[str, 
                               options={"num_warps": num_warps, "num_stages": 1,
                                        **({} if maxnreg is None else {"maxnreg": maxnreg})})
     regs, stack, shared = _resource_usage(compiled.asm["cubin"])
-    return KernelReport(name, num_warps, regs, stack, shared, reductions(compiled.asm["ttgir"]))
+    return KernelReport(name, num_warps, maxnreg, regs, stack, shared, reductions(compiled.asm["ttgir"]))
 
 
-def kda_reports(dk: int, dv: int, kernels: list[str], maxnreg: int | None = None) -> list[KernelReport]:
-    """The KDA chunk / decode kernels at the launch configuration ``_launch_config`` picks for (dk, dv);
-    ``maxnreg`` caps the registers per thread (what fits more programs on an SM: 65,536 / (32 x warps x programs))."""
+def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None = None) -> list[KernelReport]:
+    """The KDA chunk / decode kernels as ``_launch_config`` launches them for (dk, dv) (the decode kernels with
+    its register caps); ``decode_maxnreg`` replaces those caps, to see what a cap would cost in spills (a
+    program count per SM needs 65,536 / (32 x warps x programs) registers per thread or fewer)."""
     from zmrl.kernels_batch_invariant.numerics import kda_dot_precision
     from zmrl.kernels_batch_invariant.triton import kda_chunk as K
 
@@ -114,21 +148,23 @@ def kda_reports(dk: int, dv: int, kernels: list[str], maxnreg: int | None = None
     out = []
     if "intra" in kernels:
         out.append(build("kda_intra (chunk)", K._kda_intra_kernel, intra_ptrs, {"scale": "fp32", "H": "i32"},
-                         {**intra_const, "DECODE": False}, cfg["intra_warps"], maxnreg))
+                         {**intra_const, "DECODE": False}, cfg["intra_warps"]))
     if "intra_decode" in kernels:
         out.append(build("kda_intra (decode)", K._kda_intra_kernel, intra_ptrs, {"scale": "fp32", "H": "i32"},
-                         {**intra_const, "DECODE": True}, cfg["intra_warps"], maxnreg))
+                         {**intra_const, "DECODE": True}, cfg["intra_warps"],
+                         decode_maxnreg or cfg["decode_intra_maxnreg"]))
     if "inter" in kernels:
         ptrs = {**scratch, "h0_ptr": f32, "o_ptr": "*bf16", "ht_ptr": f32, "cs_ptr": f32, "cinfo_ptr": "*i32",
                 "sinfo_ptr": "*i32"}
         out.append(build("kda_inter (chunk)", K._kda_inter_kernel, ptrs, {"H": "i32"},
                          dict(DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=K.CHUNK_SIZE,
-                              HAS_H0=True, STORE_CS=False, DOT_PREC=prec), cfg["inter_warps"], maxnreg))
+                              HAS_H0=True, STORE_CS=False, DOT_PREC=prec), cfg["inter_warps"]))
     if "inter_decode" in kernels:
         ptrs = {**scratch, "st_ptr": f32, "o_ptr": "*bf16", "cinfo_ptr": "*i32"}
         out.append(build("kda_inter (decode)", K._kda_decode_inter_kernel, ptrs, {"H": "i32"},
                          dict(DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["decode_BV"], C=K.CHUNK_SIZE,
-                              BC=K._SUB, DOT_PREC=prec), cfg["decode_inter_warps"], maxnreg))
+                              BC=K._SUB, DOT_PREC=prec), cfg["decode_inter_warps"],
+                         decode_maxnreg or cfg["decode_inter_maxnreg"]))
     return out
 
 
@@ -140,7 +176,8 @@ def main() -> int:
     ap.add_argument("--dk", type=int, default=128)
     ap.add_argument("--dv", type=int, default=128)
     ap.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, from {', '.join(KERNELS)}")
-    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (default: the compiler's)")
+    ap.add_argument("--decode-maxnreg", type=int, default=None,
+                    help="register cap per thread of the two decode kernels (default: _launch_config's)")
     ap.add_argument("--out", default=None, help="JSON report (default: print only)")
     a = ap.parse_args()
     kernels = [k for k in a.kernels.split(",") if k]
@@ -151,11 +188,12 @@ def main() -> int:
         import triton
     except ImportError:
         raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
-    reports = kda_reports(a.dk, a.dv, kernels, a.maxnreg)
+    reports = kda_reports(a.dk, a.dv, kernels, a.decode_maxnreg)
     print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")
     for r in reports:
-        print(f"{r.name}: {r.num_warps} warps, {r.registers} registers/thread, {r.spill_stack_bytes} B spill stack, "
-              f"{r.shared_bytes} B static shared")
+        cap = "" if r.maxnreg is None else f" (cap {r.maxnreg})"
+        print(f"{r.name}: {r.num_warps} warps, {r.registers} registers/thread{cap}, {r.stack_bytes} B stack "
+              f"(spills), {r.shared_bytes} B static shared")
         for red in r.reductions:
             print(f"    {red.op:6s} axis {red.axis} {red.shape:12s} {red.layout}")
     if a.out:

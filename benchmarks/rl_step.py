@@ -202,6 +202,9 @@ def main() -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=16384, help="engine prefill token budget per step")
     ap.add_argument("--max-num-seqs", type=int, default=256,
                     help="engine cap on running sequences (continuous batching admits the rest as others finish)")
+    ap.add_argument("--graph-batch-sizes", default=None,
+                    help="comma-separated decode-graph batch buckets (EngineConfig.decode_graph_batch_sizes; "
+                         "default 1, 2, 4, ... max-num-seqs)")
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES)
     ap.add_argument("--backward-precision", default="tf32", choices=BACKWARD_MATMUL_PRECISIONS,
                     help="the trainer's backward_matmul_precision (recipe trainer.backward_matmul_precision)")
@@ -216,6 +219,10 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, tiny sizes: checks the script runs")
     a = ap.parse_args()
     setup_logging()
+    try:
+        graph_sizes = None if a.graph_batch_sizes is None else tuple(int(b) for b in a.graph_batch_sizes.split(",") if b)
+    except ValueError:
+        raise SystemExit(f"--graph-batch-sizes: {a.graph_batch_sizes!r} (comma-separated integers >= 1)") from None
     passes = [p for p in a.parity_pass.split(",") if p]
     if not passes or any(p not in PARITY_PASSES for p in passes):
         raise SystemExit(f"--parity-pass: {a.parity_pass!r} (allowed, comma-separated: {', '.join(PARITY_PASSES)})")
@@ -242,7 +249,7 @@ def main() -> int:
     engine = RolloutEngine(engine_model, EngineConfig(
         num_blocks=n_seqs * per_seq_blocks + 16, max_num_seqs=min(n_seqs, a.max_num_seqs),
         max_num_batched_tokens=a.max_batched_tokens,
-        enable_prefix_caching=True, kernel_mode="bitwise"))
+        enable_prefix_caching=True, kernel_mode="bitwise", decode_graph_batch_sizes=graph_sizes))
     g = torch.Generator().manual_seed(a.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     log.info("models and engine ready in %.1fs", time.perf_counter() - t_start)

@@ -58,6 +58,10 @@ def test_malformed_recipe(tmp_path):
     with pytest.raises(RecipeError, match="rollout.decode_graphs.*auto, off, static or cuda"):
         load_recipe(str(RECIPE), ["rollout.decode_graphs=yes"])
     assert load_recipe(str(RECIPE), ["rollout.decode_graphs=static"]).rollout.decode_graphs == "static"
+    with pytest.raises(RecipeError, match="rollout.decode_graph_batch_sizes.*integers >= 1, got \\[0, 2\\]"):
+        load_recipe(str(RECIPE), ["rollout.decode_graph_batch_sizes=[0,2]"])
+    sized = load_recipe(str(RECIPE), ["rollout.decode_graph_batch_sizes=[1,2,4,8,12,16]"]).rollout
+    assert sized.engine_config("bitwise").decode_graph_batch_sizes == (1, 2, 4, 8, 12, 16)
 
 
 def test_missing_data_file(tmp_path, bootstrap_dir):

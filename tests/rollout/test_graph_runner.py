@@ -71,6 +71,9 @@ def test_buckets():
     assert buckets(6) == [1, 2, 4, 6]
     assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
     assert bucket_of(3, buckets(6)) == 4 and bucket_of(5, buckets(6)) == 6
+    # chosen sizes: those below the limit, sorted and unique, then the limit itself
+    assert buckets(256, [24, 8, 1, 16, 8, 300, 256]) == [1, 8, 16, 24, 256]
+    assert buckets(6, [4]) == [4, 6] and bucket_of(2, buckets(6, [4])) == 4
 
 
 def test_static_decode_equals_eager(model, prompts, eager):
@@ -87,6 +90,15 @@ def test_padding_buckets_and_alone(model, prompts, eager):
     for i, p in enumerate(prompts[:2]):
         alone, _ = _run(model, [p], _params(len(prompts))[i:i + 1], ids=[str(i)], decode_graphs=GRAPHS)
         _assert_same({str(i): eager[str(i)]}, alone)
+
+
+def test_chosen_batch_buckets(model, prompts, eager):
+    """EngineConfig.decode_graph_batch_sizes: batches run at the chosen buckets (here 2 and 5, a one-row batch
+    padded to 2), with the eager batch's tokens and log-probs."""
+    out, engine = _run(model, prompts, _params(len(prompts)), decode_graphs=GRAPHS, max_num_seqs=5,
+                       decode_graph_batch_sizes=(2,))
+    assert engine.graphs.batch_sizes == [2, 5]
+    _assert_same(eager, out)
 
 
 def test_preemption_forks_and_staggered_arrivals(model, prompts):
@@ -152,6 +164,9 @@ def test_pool_load_store_round_trip(model):
 def test_config_validation():
     with pytest.raises(ValueError, match="decode_graphs"):
         EngineConfig(decode_graphs="yes").validate()
+    for sizes in ((), (0, 4), (2.5,), (True,)):
+        with pytest.raises(ValueError, match="decode_graph_batch_sizes"):
+            EngineConfig(decode_graph_batch_sizes=sizes).validate()
     tiny = build_model(ModelConfig.preset("tiny"), seed=0, device=TEST_DEVICE)
     if not ON_CUDA:
         with pytest.raises(ValueError, match="CUDA device"):

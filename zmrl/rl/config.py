@@ -77,6 +77,8 @@ class RolloutSection:
     # With the fixed-shape decode: steps whose rows share one temperature and no top-k / top-p draw their tokens
     # inside the decode graph (EngineConfig.sample_in_graph); false samples eagerly. Same bits either way.
     sample_in_graph: bool = True
+    # Batch sizes of the decode graphs (EngineConfig.decode_graph_batch_sizes); null: 1, 2, 4, ... max_num_seqs.
+    decode_graph_batch_sizes: list[int] | None = None
     # A step where more than this fraction of the rollouts ended in an error (non-finite logits, a
     # request that cannot fit the cache) stops the run with the first error; 1.0 never stops.
     max_error_frac: float = 0.5
@@ -89,7 +91,9 @@ class RolloutSection:
                             enable_prefix_caching=self.enable_prefix_caching,
                             prefix_cache_kda_gib=self.prefix_cache_kda_gib, latent_format=self.latent_format,
                             kernel_mode=kernel_mode, decode_graphs=self.decode_graphs,
-                            sample_in_graph=self.sample_in_graph)
+                            sample_in_graph=self.sample_in_graph,
+                            decode_graph_batch_sizes=(None if self.decode_graph_batch_sizes is None
+                                                      else tuple(self.decode_graph_batch_sizes)))
 
     def sampling(self, seed: int, stop_token_ids: tuple[int, ...]) -> "SamplingParams":
         from zmrl.rollout import SamplingParams
@@ -397,6 +401,10 @@ def _validate(cfg: RecipeConfig) -> None:
     need(r.latent_format in ("native", "fp8"), "rollout.latent_format", f"must be native or fp8, got {r.latent_format!r}")
     need(r.decode_graphs in ("auto", "off", "static", "cuda"), "rollout.decode_graphs",
          f"must be auto, off, static or cuda, got {r.decode_graphs!r}")
+    sizes = r.decode_graph_batch_sizes
+    need(sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) > 0
+                           and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)),
+         "rollout.decode_graph_batch_sizes", f"must be null or a non-empty list of integers >= 1, got {sizes!r}")
     need(0.0 <= r.max_error_frac <= 1.0, "rollout.max_error_frac", f"must be in [0, 1], got {r.max_error_frac}")
     need(r.prefix_cache_kda_gib >= 0, "rollout.prefix_cache_kda_gib",
          f"must be >= 0 (GiB of KDA snapshots; 0 = none), got {r.prefix_cache_kda_gib}")

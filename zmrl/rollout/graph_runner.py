@@ -26,6 +26,7 @@ compare the two token by token. ``mode="static"`` runs the same fixed-shape code
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -48,13 +49,17 @@ DecodeGraphs = Literal["auto", "off", "static", "cuda"]
 DECODE_GRAPH_MODES: tuple[str, ...] = ("auto", "off", "static", "cuda")
 
 
-def buckets(limit: int) -> list[int]:
-    """1, 2, 4, ... up to ``limit`` (``limit`` itself is always a bucket)."""
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return out + [limit]
+def buckets(limit: int, sizes: Sequence[int] | None = None) -> list[int]:
+    """The bucket sizes up to ``limit``: ``sizes`` (those below ``limit``), by default 1, 2, 4, ...; ``limit``
+    itself is always a bucket. A batch runs at the smallest bucket that holds it, its other rows padding:
+    finer buckets pad less (a draining RL rollout passes through every batch size) but capture more graphs."""
+    if sizes is None:
+        out, b = [], 1
+        while b < limit:
+            out.append(b)
+            b *= 2
+        return out + [limit]
+    return sorted({s for s in sizes if s < limit}) + [limit]
 
 
 def bucket_of(n: int, sizes: list[int]) -> int:
@@ -78,7 +83,7 @@ class DecodeGraphRunner:
     """Runs decode batches through the static path: captured graphs (``mode="cuda"``) or eagerly."""
 
     def __init__(self, model, store: PagedLatentStore, scratch_page: int, max_num_seqs: int, max_pages: int,
-                 mode: DecodeGraphs, latent_format: str = "native"):
+                 mode: DecodeGraphs, latent_format: str = "native", batch_sizes: Sequence[int] | None = None):
         if mode not in ("static", "cuda"):
             raise ValueError(f"DecodeGraphRunner mode must be 'static' or 'cuda', got {mode!r}")
         self.device = model.device
@@ -87,7 +92,7 @@ class DecodeGraphRunner:
         self.model, self.store, self.mode, self.latent_format = model, store, mode, latent_format
         self.page_size = store.page_size
         self.scratch_page = scratch_page
-        self.batch_sizes = buckets(max_num_seqs)
+        self.batch_sizes = buckets(max_num_seqs, batch_sizes)
         self.page_counts = buckets(max_pages)
         self.pool = KDAStatePool(model, max_num_seqs, self.device)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))

@@ -70,6 +70,7 @@ class ModelRunner:
             model, self.store, scratch_page=config.num_blocks, max_num_seqs=config.max_num_seqs,
             max_pages=min(config.num_blocks, -(-max_model_len // self.block_size)),
             mode=decode_graphs, latent_format=config.latent_format,  # type: ignore[arg-type]
+            batch_sizes=config.decode_graph_batch_sizes,
         ) if graphs else None)
         # Keys of the per-request KDA states: the layer index, or (layer, virtual shard) for a model
         # sharded by zmrl.parallel (each shard of heads keeps its own state).

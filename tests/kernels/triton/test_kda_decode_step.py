@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant.kda import KDADecodeCache, kda_decode_step
+from zmrl.kernels_batch_invariant.kda import KDADecodeCache, kda_chunk, kda_decode_step
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
 from ..test_kda_decode_step import decode_scenario, sequence_inputs
@@ -83,7 +83,16 @@ def test_rows_equal_kda_chunk_under_other_column_blocks(device, interpret, monke
         pytest.skip("bench dims only (the interpreter's tiny dk is one block already)")
     from zmrl.kernels_batch_invariant.triton import kda_chunk as tk
 
+    gen = torch.Generator().manual_seed(3)
+    seq = tuple(x.to(device) for x in sequence_inputs(130, 16, 128, 128, gen, torch.bfloat16))
+    cu = torch.tensor([0, 130], device=device)
+    chunk = triton_impl(kda_chunk)
+    with torch.no_grad():
+        default_rows = chunk(*seq, cu)[0]
     default = tk._launch_config
     monkeypatch.setattr(tk, "_launch_config", lambda dk, dv: {**default(dk, dv), "BK": blocks, "BVI": blocks})
+    with torch.no_grad():
+        # the candidate is in force: it moves the chunk kernel's bits (else this test would compare nothing new)
+        assert not torch.equal(chunk(*seq, cu)[0], default_rows)
     decode_scenario(triton_impl(kda_decode_step), device, h=16, dk=128, dv=128, lengths=[200, 131, 70],
                     starts=[0, 62, 5], seed=13, v_dtype=torch.bfloat16, pad_rows=2, reset_every=7)

@@ -46,8 +46,8 @@ from .. import moe_gemm_grads as _grads
 from ..host import to_device_async
 from ..numerics import current_numerics
 from ._common import INTERPRET, cdiv, next_pow2
-from .matmul import (_TL_DTYPE, GemmConfig, _expert_weight_table, dot_acc, expert_tile, expert_weight_offset,
-                     linear_config)
+from . import matmul as _matmul  # linear_config looked up at every call (benchmarks may replace it)
+from .matmul import _TL_DTYPE, GemmConfig, _expert_weight_table, dot_acc, expert_tile, expert_weight_offset
 
 _HALF = (torch.bfloat16, torch.float16)
 # The dW grid should cover the H100/H200's 132 SMs about twice (shape-derived, so fixed per shape).
@@ -82,7 +82,7 @@ def dx_config(k_out: int, n_red: int, dtype: torch.dtype, rows_per_expert: int, 
     product (``linear_config``); fp32 at TF32: 128-row tiles with a 32-wide step; IEEE: the forward's fp32
     tiles. Each dim is cut to the extent's power of two (a 32-wide LoRA factor gets no 128-wide tile)."""
     if dtype in _HALF or precision == "ieee":
-        cfg = linear_config(k_out, n_red, dtype, rows_per_expert, experts=True)
+        cfg = _matmul.linear_config(k_out, n_red, dtype, rows_per_expert, experts=True)
     else:
         cfg = GemmConfig(128 if rows_per_expert > 64 else 64, 64, 32, 4, 3)
     return GemmConfig(cfg.block_m, _clamp_pow2(k_out, cfg.block_n), _clamp_pow2(n_red, cfg.block_k),

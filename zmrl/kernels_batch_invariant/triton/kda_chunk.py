@@ -429,8 +429,8 @@ def _launch_config(dk: int, dv: int) -> dict[str, int]:
     """Tile sizes and warps from the head dims only (never from T, N or the chunk count)."""
     dkp, dvp = _pow2(dk), _pow2(dv)
     big = dkp >= 128 or dvp >= 128
-    # The recurrence's warps and BV were picked by register spills of the sm_90 build (ptxas -v, Triton 3.9;
-    # benchmarks/kernel_resources.py reports them): both kernels sit at the 255-register cap.
+    # The recurrence's warps and BV were first picked by the register spills of the sm_90 build (Triton 3.9;
+    # benchmarks/kernel_resources.py reports registers and spills): both kernels sit at the 255-register cap.
     # The recurrence holds the state as one or two [BK, BV] row blocks (dk <= 128: blocks of <= 64).
     bk_state = dkp if dkp <= 64 else max(64, dkp // 2)
     return {
@@ -445,12 +445,15 @@ def _launch_config(dk: int, dv: int) -> dict[str, int]:
         # The intra kernel's warps are shared numerics (its reductions' layouts follow them): prefill, trainer and
         # decode change bits together. At dk = dv = 128, 4 warps spill more than 8 but run faster on the H200:
         # decode step at batch 256 1073 -> 861 us, chunk forward at 16K tokens 6.43 -> 5.90 ms, decoded rows
-        # still kda_chunk's (benchmarks/kda_decode_vs_fla.py --sweep, results/2026-12-01_kda_decode_sweep_5e4be1c_h200.json).
-        "intra_warps": 4 if big else 8 if dkp >= 64 else 4,
+        # still kda_chunk's (benchmarks/kda_decode_vs_fla.py --sweep,
+        # benchmarks/results/2026-12-01_kda_decode_sweep_5e4be1c_h200.json). Other head dims are not measured
+        # at 4 warps and keep the earlier rule.
+        "intra_warps": 4 if (dkp, dvp) == (128, 128) else 8 if big or dkp >= 64 else 4,
         "inter_warps": 8 if big else 4,
         # the decode step's new-row recurrence (16-row products, one [dk, BV] state tile per program)
         "decode_inter_warps": 4,
-        "decode_BV": min(dvp, 64),  # fastest of 16 / 32 / 64 / 128 at batch 256: kda_decode_vs_fla.py --sweep
+        # fastest of 16 / 32 / 64 / 128 at batch 256 (benchmarks/results/2026-12-01_kda_decode_sweep_fef595f_h200.json)
+        "decode_BV": min(dvp, 64),
         # register cap of the decode step's intra kernel (None: the compiler's choice). Launch options like
         # this one and the two above change no arithmetic: benchmarks/kda_decode_vs_fla.py --sweep times
         # alternatives and checks their outputs are the default's bits.

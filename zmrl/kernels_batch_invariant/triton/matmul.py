@@ -18,7 +18,7 @@ in fp32 and rounds once to the output dtype. Products with an fp32 weight and K 
 * M (and the per-tile row bounds of the grouped mode) are runtime values that Triton must not
   specialise on (``do_not_specialize``), so M=1 does not compile a different kernel.
 * ``expert_linear`` runs the same kernel body over expert tiles (each tile's expert and row range;
-  tiles never straddle two experts) with the config of ``linear`` for the expert's (N, K): a row's
+  tiles never straddle two experts) with ``linear_config(..., experts=True)`` for the expert's (N, K): a row's
   result equals Triton ``linear(row, weights[e])`` bitwise. Each program finds its tile from the
   E+1 row offsets in the kernel (no host-built table), so the offsets may stay on the device: the
   grid is then the fixed upper bound ``M // BLOCK_M + min(E, M)`` tiles and programs past the live
@@ -164,7 +164,10 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
     if dtype in _HALF:
         if bucket == -1:
             return GemmConfig(16, 32, 128, 4, 4)
-        if bucket in (0, 1) and n <= 64:  # A hidden -> r at 64 / 256 rows: 10.8 -> 9.4 / 11.7 -> 9.6 us
+        if bucket in (0, 1) and n <= 64:
+            # A hidden -> r at 64 / 256 rows: 10.8 -> 9.4 / 11.7 -> 9.6 us on the sweep's 16x32x32, 3 stages; a
+            # split product's K step is 64 whatever the config (_launch), and the decode step was measured with
+            # this config (benchmarks/results/2026-12-01_decode_lora_5765b33_h200.json).
             return GemmConfig(16, 32, 64, 4, 4)
         if bucket == 3:
             return GemmConfig(256, 128, 64, 8, 3)
@@ -183,9 +186,9 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
     # BLOCK_K) or IEEE FMA dots (smaller K steps keep the tiles in registers). 64-row tiles above one row
     # for dense products: 16/32-row tiles for every fp32 product at decode made the decode step's GEMMs
     # slower on the H200, 4.45 -> 4.79 ms at batch 64 and 6.27 -> 7.08 ms at 256
-    # (benchmarks/results/2026-12-01_h200_summary.md, fifth session); the expert rule above is per product.
+    # (benchmarks/results/2026-12-01_h200_summary.md, fifth session); the expert rule below is per product.
     if experts and bucket in (-1, 0):  # B expert r -> hidden at 8 / 32 rows per expert: 45.9 -> 23.3 / 49.9 -> 34.3 us
-        wide = n >= 1024
+        wide = n >= 1024  # measured at N = 256 (r -> inter) and N = 2048 (r -> hidden) only
         if bucket == -1:
             return GemmConfig(16, 128, 32, 4, 3) if wide else GemmConfig(16, 64, 32, 4, 3)
         return GemmConfig(32, 128, 32, 4, 3) if wide else GemmConfig(16, 128, 32, 4, 3)
