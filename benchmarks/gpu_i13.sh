@@ -30,7 +30,8 @@
 #   bwd_bf16      the backward's bf16-operand paths (MLA attention stages, MLA backward, MoE expert backward);
 #   rl_full       the whole RL step at 64 prompts x 8 (rollout, fused parity forward, backward, optimizer, weight push);
 #   kda_sweep     kda_decode_vs_fla.py --sweep (launch and column-block configs) + the GPU KDA decode tests;
-#   rollout_rl_fine  the RL-shaped rollout with finer decode-graph batch buckets (GRAPH_SIZES).
+#   rollout_rl_fine  the RL-shaped rollout with finer decode-graph batch buckets (GRAPH_SIZES);
+#   kda_phases    kda_decode_phases.py: the KDA decode step with one intra-kernel phase cut out at a time.
 # T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
@@ -142,6 +143,8 @@ has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decod
 # per configuration, the chunk forward timed), with the GPU decode tests (every row vs kda_chunk).
 has kda_sweep && step kda_decode_sweep "${T_KDA_SWEEP:-200}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 --sweep \
   --out "$OUT/kda_decode_vs_fla.json"
+has kda_phases && step kda_decode_phases "${T_KDA_PHASES:-150}" $PY benchmarks/kda_decode_phases.py --batch 256 \
+  --out "$OUT/kda_decode_phases.json"
 has kda_sweep && step gpu_tests_kda_decode "${T_KDA_DECODE_TESTS:-150}" $PYTEST tests/kernels/triton/test_kda_decode_step.py \
   tests/kernels/triton/test_kda_chunk_step.py
 
