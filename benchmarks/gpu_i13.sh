@@ -159,7 +159,7 @@ has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.
   --prompt-len 512 --max-new 1024 --out "$OUT/rollout_rl.json"
 
 # The same rollout with finer decode-graph batch buckets (a draining rollout pads less; more graphs captured).
-has rollout_rl_fine && step rollout_rl_fine "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.py --rollout-only --layers 16 \
+has rollout_rl_fine && step rollout_rl_fine "${T_ROLLOUT_RL_FINE:-260}" $PY benchmarks/rl_step.py --rollout-only --layers 16 \
   --prompts 64 --n 8 --prompt-len 512 --max-new 1024 \
   --graph-batch-sizes "${GRAPH_SIZES:-1,2,4,8,16,32,48,64,96,128,160,192,224}" --out "$OUT/rollout_rl_fine.json"
 

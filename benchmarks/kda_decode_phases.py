@@ -14,8 +14,11 @@ the full step's minus the variant's. Phases:
 * ``u``: U's products over the block's rows;
 * ``w``: W's products, the decay factors and the read-out factors.
 
-Each variant is built from anchors in the kernel source; an anchor that is not found stops the script (the
-kernel changed: update the anchors here).
+The deltas are indicative, not a partition: they overlap and need not add up to the step (the compiler drops
+work a cut phase fed, e.g. cutting ``solve`` drops the A_kk diagonal reduction too, and each variant spills
+differently), and each phase is cut at its main work (``scan`` keeps the store and the barrier). Variants are
+timed in interleaved rounds, the median kept. Each variant is built from anchors in the kernel source; an
+anchor that is not found stops the script (the kernel changed: update the anchors here).
 
     python benchmarks/kda_decode_phases.py [--batch 256] [--out FILE.json]
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import statistics
 import sys
 import tempfile
 import time
@@ -40,12 +44,15 @@ from zmrl.kernels_batch_invariant.triton import kda_chunk as tk  # noqa: E402
 from zmrl.kernels_batch_invariant.triton import triton_impl  # noqa: E402
 
 H, DK, DV, C = 16, 128, 128, CHUNK_SIZE
+_SOURCES = tempfile.TemporaryDirectory(prefix="kda_phases_")  # the variants' source files, removed at exit
 
 # phase -> (anchor, replacement) pairs applied to the kernel's source
 PHASES: dict[str, list[tuple[str, str]]] = {
     "scan": [("gc = tl.cumsum(g.to(tl.float32), axis=0)", "gc = g.to(tl.float32)")],
     "offdiag": [("        if blk > 0:\n", "        if False:\n")],
-    "diag": [("        if DECODE:\n            # Only row r = nr - 1 is new", "        if False:\n            # Only row r = nr - 1 is new")],
+    # both branches: with only the decode branch cut, Triton would compile the general per-column loop instead
+    "diag": [("        if DECODE:\n            # Only row r = nr - 1 is new", "        if False:\n            # Only row r = nr - 1 is new"),
+             ("        else:\n            m16 = ", "        elif False:\n            m16 = ")],
     "solve": [("for ii in range(tl.maximum(row0 - lo, 0), n_real):", "for ii in range(0, 0):")],
     "u": [("for vb in range(0, DVP // BVI):", "for vb in range(0, 0):")],
     "w": [("for kb in range(0, DKP // BK):", "for kb in range(0, 0):")],
@@ -63,7 +70,7 @@ def variant_kernel(cut: str | None):
             raise SystemExit(f"kda_decode_phases.py: anchor of phase {cut!r} not in _kda_intra_kernel: {anchor!r}")
         src = src.replace(anchor, repl, 1)
     header = "import triton\nimport triton.language as tl\n\n\n"
-    path = Path(tempfile.mkdtemp()) / f"kda_intra_without_{cut}.py"
+    path = Path(_SOURCES.name) / f"kda_intra_without_{cut}.py"
     path.write_text(header + src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
@@ -108,18 +115,25 @@ def step_us(b: int, dev: torch.device, kernel, reps: int = 2) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=2, help="whole chunks of positions timed per variant")
+    ap.add_argument("--reps", type=int, default=2, help="whole chunks of positions timed per variant and round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (the median is kept)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     setup_logging()
     if not torch.cuda.is_available():
         raise SystemExit("kda_decode_phases.py needs a CUDA device (timings of Triton kernels)")
     dev = torch.device("cuda")
-    full = step_us(a.batch, dev, variant_kernel(None), a.reps)
-    rows: list[dict[str, Any]] = [{"variant": "full step", "step_us": full}]
+    kernels = {cut: variant_kernel(cut) for cut in (None, *PHASES)}
+    times: dict[str | None, list[float]] = {cut: [] for cut in kernels}
+    for _ in range(a.rounds):  # interleaved: a drift of the machine spreads over every variant alike
+        for cut, kernel in kernels.items():
+            times[cut].append(step_us(a.batch, dev, kernel, a.reps))
+    full = statistics.median(times[None])
+    rows: list[dict[str, Any]] = [{"variant": "full step", "step_us": full, "rounds_us": times[None]}]
     for cut in PHASES:
-        us = step_us(a.batch, dev, variant_kernel(cut), a.reps)
-        rows.append({"variant": f"without {cut}", "step_us": us, "phase_us": full - us, "phase_share": (full - us) / full})
+        us = statistics.median(times[cut])
+        rows.append({"variant": f"without {cut}", "step_us": us, "phase_us": full - us, "phase_share": (full - us) / full,
+                     "rounds_us": times[cut]})
     print(f"\nKDA decode step, batch {a.batch}, H={H} dk={DK} dv={DV} (host-timed, all three launches)")
     print(table(rows, [("variant", "variant", "s"), ("step_us", "step us", ".1f"), ("phase_us", "phase us", ".1f"),
                        ("phase_share", "share", ".1%")]))

@@ -72,20 +72,23 @@ def _resolve(layout: str, aliases: dict[str, str]) -> str:
 def reductions(ttgir: str) -> list[Reduction]:
     """Every tt.scan / tt.reduce of a TTGIR module, in order, with its axis and its input's shape and layout."""
     aliases = {m.group(1): m.group(2) for m in re.finditer(r"^(#[\w.]+) = (#ttg\.[^\n]+)$", ttgir, re.M)}
-    found = []
     ops = list(re.finditer(r'"tt\.(scan|reduce)"\(', ttgir))
-    for op in ops:
-        axis = re.compile(r"axis = (\d+) : i32").search(ttgir, op.end())
-        # the op's type signature: "}) : (tensor<SHAPE, LAYOUT>" after its region
-        sig = re.compile(r"\}\) : \(tensor<").search(ttgir, op.end())
+    found = []
+    for i, op in enumerate(ops):
+        # the op's text runs to the next scan / reduction: its attributes, its region, then its signature
+        # "}) : (tensor<SHAPE, LAYOUT>"
+        end = ops[i + 1].start() if i + 1 < len(ops) else len(ttgir)
+        text = ttgir[op.start():end]
+        axis = re.search(r"^\"tt\.\w+\"\([^)]*\) <\{axis = (\d+) : i32", text)
+        sig = re.search(r"\}\) : \(tensor<", text)
         if axis is None or sig is None:
-            raise ValueError(f"cannot read the tt.{op.group(1)} at offset {op.start()}")
+            raise ValueError(f"cannot read the tt.{op.group(1)} at offset {op.start()}: {text[:120]!r}")
         start = sig.end() - 1  # the "<" of tensor<
-        body = ttgir[start + 1:_balanced(ttgir, start) - 1]
+        body = text[start + 1:_balanced(text, start) - 1]
+        if ", " not in body:
+            raise ValueError(f"the tt.{op.group(1)} at offset {op.start()} has no layout: tensor<{body}>")
         shape, layout = body.split(", ", 1)
         found.append(Reduction(op.group(1), int(axis.group(1)), shape, _resolve(layout, aliases)))
-    if len(found) != len(ops):  # pragma: no cover - guarded above
-        raise ValueError(f"read {len(found)} of {len(ops)} scans / reductions")
     return found
 
 
@@ -130,15 +133,18 @@ def build(name: str, fn, pointer_types: dict[str, str], scalar_types: dict[str, 
     return KernelReport(name, num_warps, maxnreg, regs, stack, shared, reductions(compiled.asm["ttgir"]))
 
 
-def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None = None) -> list[KernelReport]:
+def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None = None,
+                intra_kernel=None) -> list[KernelReport]:
     """The KDA chunk / decode kernels as ``_launch_config`` launches them for (dk, dv) (the decode kernels with
     its register caps); ``decode_maxnreg`` replaces those caps, to see what a cap would cost in spills (a
-    program count per SM needs 65,536 / (32 x warps x programs) registers per thread or fewer)."""
+    program count per SM needs 65,536 / (32 x warps x programs) registers per thread or fewer). ``intra_kernel``
+    replaces ``_kda_intra_kernel`` (a variant with the same signature, e.g. from benchmarks/kda_decode_phases.py)."""
     from zmrl.kernels_batch_invariant.numerics import kda_dot_precision
     from zmrl.kernels_batch_invariant.triton import kda_chunk as K
 
     cfg = K._launch_config(dk, dv)
     prec = kda_dot_precision()
+    intra = K._kda_intra_kernel if intra_kernel is None else intra_kernel
     f32 = "*fp32"
     intra_ptrs = {"q_ptr": f32, "k_ptr": f32, "v_ptr": "*bf16", "g_ptr": f32, "beta_ptr": f32, "info_ptr": "*i32",
                   "qg_ptr": f32, "kd_ptr": f32, "aqk_ptr": f32, "w_ptr": f32, "u_ptr": f32, "dec_ptr": f32, "tt_ptr": f32}
@@ -147,12 +153,12 @@ def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None
     scratch = {n: f32 for n in ("qg_ptr", "kd_ptr", "aqk_ptr", "w_ptr", "u_ptr", "dec_ptr", "ve_ptr")}
     out = []
     if "intra" in kernels:
-        out.append(build("kda_intra (chunk)", K._kda_intra_kernel, intra_ptrs, {"scale": "fp32", "H": "i32"},
+        out.append(build("kda_intra (chunk)", intra, intra_ptrs, {"scale": "fp32", "H": "i32"},
                          {**intra_const, "DECODE": False}, cfg["intra_warps"]))
     if "intra_decode" in kernels:
-        out.append(build("kda_intra (decode)", K._kda_intra_kernel, intra_ptrs, {"scale": "fp32", "H": "i32"},
+        out.append(build("kda_intra (decode)", intra, intra_ptrs, {"scale": "fp32", "H": "i32"},
                          {**intra_const, "DECODE": True}, cfg["intra_warps"],
-                         decode_maxnreg or cfg["decode_intra_maxnreg"]))
+                         cfg["decode_intra_maxnreg"] if decode_maxnreg is None else decode_maxnreg))
     if "inter" in kernels:
         ptrs = {**scratch, "h0_ptr": f32, "o_ptr": "*bf16", "ht_ptr": f32, "cs_ptr": f32, "cinfo_ptr": "*i32",
                 "sinfo_ptr": "*i32"}
@@ -164,7 +170,7 @@ def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None
         out.append(build("kda_inter (decode)", K._kda_decode_inter_kernel, ptrs, {"H": "i32"},
                          dict(DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["decode_BV"], C=K.CHUNK_SIZE,
                               BC=K._SUB, DOT_PREC=prec), cfg["decode_inter_warps"],
-                         decode_maxnreg or cfg["decode_inter_maxnreg"]))
+                         cfg["decode_inter_maxnreg"] if decode_maxnreg is None else decode_maxnreg))
     return out
 
 

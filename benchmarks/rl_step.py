@@ -222,7 +222,10 @@ def main() -> int:
     try:
         graph_sizes = None if a.graph_batch_sizes is None else tuple(int(b) for b in a.graph_batch_sizes.split(",") if b)
     except ValueError:
-        raise SystemExit(f"--graph-batch-sizes: {a.graph_batch_sizes!r} (comma-separated integers >= 1)") from None
+        graph_sizes = ()
+    if graph_sizes is not None and (not graph_sizes or min(graph_sizes) < 1 or max(graph_sizes) > a.max_num_seqs):
+        raise SystemExit(f"--graph-batch-sizes: {a.graph_batch_sizes!r} (comma-separated integers in "
+                         f"[1, --max-num-seqs = {a.max_num_seqs}])")
     passes = [p for p in a.parity_pass.split(",") if p]
     if not passes or any(p not in PARITY_PASSES for p in passes):
         raise SystemExit(f"--parity-pass: {a.parity_pass!r} (allowed, comma-separated: {', '.join(PARITY_PASSES)})")

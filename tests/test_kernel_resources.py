@@ -49,5 +49,10 @@ def test_renamed_aliases_compare_equal():
 
 
 def test_unreadable_op_is_an_error():
+    """An op whose signature cannot be read is an error, not the next op's shape and layout."""
     with pytest.raises(ValueError, match="cannot read"):
         reductions('"tt.reduce"(%x) with no signature')
+    broken = TTGIR.replace("}) : (tensor<64xf32, #ttg.slice<{dim = 1, parent = #blocked1}>>) -> f32", "}) -> f32")
+    assert broken != TTGIR
+    with pytest.raises(ValueError, match="cannot read the tt.reduce"):
+        reductions(broken)

@@ -58,8 +58,11 @@ def test_malformed_recipe(tmp_path):
     with pytest.raises(RecipeError, match="rollout.decode_graphs.*auto, off, static or cuda"):
         load_recipe(str(RECIPE), ["rollout.decode_graphs=yes"])
     assert load_recipe(str(RECIPE), ["rollout.decode_graphs=static"]).rollout.decode_graphs == "static"
-    with pytest.raises(RecipeError, match="rollout.decode_graph_batch_sizes.*integers >= 1, got \\[0, 2\\]"):
-        load_recipe(str(RECIPE), ["rollout.decode_graph_batch_sizes=[0,2]"])
+    for bad in ("[0,2]", "[100000]"):
+        with pytest.raises(RecipeError, match=r"rollout.decode_graph_batch_sizes.*integers in \[1, rollout.max_num_seqs"):
+            load_recipe(str(RECIPE), [f"rollout.decode_graph_batch_sizes={bad}"])
+    with pytest.raises(RecipeError, match=r"recipe key 'rollout.decode_graph_batch_sizes': .*list"):
+        load_recipe(str(RECIPE), ["rollout.decode_graph_batch_sizes=16"])
     sized = load_recipe(str(RECIPE), ["rollout.decode_graph_batch_sizes=[1,2,4,8,12,16]"]).rollout
     assert sized.engine_config("bitwise").decode_graph_batch_sizes == (1, 2, 4, 8, 12, 16)
 

@@ -98,6 +98,7 @@ def test_chosen_batch_buckets(model, prompts, eager):
     out, engine = _run(model, prompts, _params(len(prompts)), decode_graphs=GRAPHS, max_num_seqs=5,
                        decode_graph_batch_sizes=(2,))
     assert engine.graphs.batch_sizes == [2, 5]
+    assert sorted(engine.graphs._inputs) == [2, 5]  # both buckets ran
     _assert_same(eager, out)
 
 
@@ -164,7 +165,7 @@ def test_pool_load_store_round_trip(model):
 def test_config_validation():
     with pytest.raises(ValueError, match="decode_graphs"):
         EngineConfig(decode_graphs="yes").validate()
-    for sizes in ((), (0, 4), (2.5,), (True,)):
+    for sizes in ((), (0, 4), (2.5,), (True,), 16, (65,)):  # 65 > max_num_seqs (64)
         with pytest.raises(ValueError, match="decode_graph_batch_sizes"):
             EngineConfig(decode_graph_batch_sizes=sizes).validate()
     tiny = build_model(ModelConfig.preset("tiny"), seed=0, device=TEST_DEVICE)

@@ -402,9 +402,10 @@ def _validate(cfg: RecipeConfig) -> None:
     need(r.decode_graphs in ("auto", "off", "static", "cuda"), "rollout.decode_graphs",
          f"must be auto, off, static or cuda, got {r.decode_graphs!r}")
     sizes = r.decode_graph_batch_sizes
-    need(sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) > 0
-                           and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)),
-         "rollout.decode_graph_batch_sizes", f"must be null or a non-empty list of integers >= 1, got {sizes!r}")
+    need(sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) > 0 and all(
+        isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= r.max_num_seqs for b in sizes)),
+         "rollout.decode_graph_batch_sizes",
+         f"must be null or a non-empty list of integers in [1, rollout.max_num_seqs = {r.max_num_seqs}], got {sizes!r}")
     need(0.0 <= r.max_error_frac <= 1.0, "rollout.max_error_frac", f"must be in [0, 1], got {r.max_error_frac}")
     need(r.prefix_cache_kda_gib >= 0, "rollout.prefix_cache_kda_gib",
          f"must be >= 0 (GiB of KDA snapshots; 0 = none), got {r.prefix_cache_kda_gib}")

@@ -45,7 +45,7 @@ class EngineConfig:
     # Batch sizes the fixed-shape decode path captures (each also per context bucket): a batch runs at the
     # smallest one that holds it, padded. None: 1, 2, 4, ... up to max_num_seqs. Finer sizes (e.g. multiples
     # of 16 above 64) pad a draining rollout less and capture more graphs (time at first use, one logits
-    # buffer each). max_num_seqs is always one; larger sizes are ignored. Same bits for any choice.
+    # buffer each). Each size is at most max_num_seqs, which is always a bucket. Same bits for any choice.
     decode_graph_batch_sizes: tuple[int, ...] | None = None
 
     def validate(self) -> "EngineConfig":
@@ -61,10 +61,10 @@ class EngineConfig:
                              f"{', '.join(map(repr, KERNEL_MODES))} ('bitwise' = rollout/trainer log-prob parity), "
                              f"got {self.kernel_mode!r}")
         sizes = self.decode_graph_batch_sizes
-        if sizes is not None and (not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1
-                                                   for b in sizes)):
+        if sizes is not None and not (isinstance(sizes, (list, tuple)) and sizes and all(
+                isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= self.max_num_seqs for b in sizes)):
             raise ValueError(f"EngineConfig.decode_graph_batch_sizes must be None or a non-empty list of integers "
-                             f">= 1, got {sizes!r}")
+                             f"in [1, max_num_seqs = {self.max_num_seqs}], got {sizes!r}")
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(f"EngineConfig.decode_graphs must be one of {', '.join(map(repr, DECODE_GRAPH_MODES))}, "
                              f"got {self.decode_graphs!r}")
