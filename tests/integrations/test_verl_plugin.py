@@ -85,6 +85,13 @@ def test_settings_errors_name_the_setting(checkpoint):
         RolloutSettings.from_rollout_config(_rollout_config(block_sise=16), model)
     with pytest.raises(ZmrlSettingError, match=r"engine_kwargs\.zmrl.*num_blocks"):
         RolloutSettings.from_rollout_config(_rollout_config(num_blocks=0), model)
+    with pytest.raises(ZmrlSettingError, match=r"engine_kwargs\.zmrl.*decode_graph_batch_sizes.*got 16"):
+        RolloutSettings.from_rollout_config(_rollout_config(decode_graph_batch_sizes=16), model)
+    from omegaconf import OmegaConf  # verl hands its settings over as OmegaConf containers
+
+    sizes = OmegaConf.create({"s": [1, 2, 8]}).s
+    engine = RolloutSettings.from_rollout_config(_rollout_config(decode_graph_batch_sizes=sizes), model).engine
+    assert engine.decode_graph_batch_sizes == (1, 2, 8)
 
 
 def test_unloadable_model_path_names_the_setting(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zmrl.kernels_batch_invariant._dispatch import Mode
@@ -61,10 +62,12 @@ class EngineConfig:
                              f"{', '.join(map(repr, KERNEL_MODES))} ('bitwise' = rollout/trainer log-prob parity), "
                              f"got {self.kernel_mode!r}")
         sizes = self.decode_graph_batch_sizes
-        if sizes is not None and not (isinstance(sizes, (list, tuple)) and sizes and all(
-                isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= self.max_num_seqs for b in sizes)):
-            raise ValueError(f"EngineConfig.decode_graph_batch_sizes must be None or a non-empty list of integers "
-                             f"in [1, max_num_seqs = {self.max_num_seqs}], got {sizes!r}")
+        if sizes is not None:  # any sequence (a list from YAML, an OmegaConf ListConfig from verl), kept as a tuple
+            if not (isinstance(sizes, Sequence) and not isinstance(sizes, str) and len(sizes) > 0 and all(
+                    isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= self.max_num_seqs for b in sizes)):
+                raise ValueError(f"EngineConfig.decode_graph_batch_sizes must be None or a non-empty list of integers "
+                                 f"in [1, max_num_seqs = {self.max_num_seqs}], got {sizes!r}")
+            self.decode_graph_batch_sizes = tuple(sizes)
         if self.decode_graphs not in DECODE_GRAPH_MODES:
             raise ValueError(f"EngineConfig.decode_graphs must be one of {', '.join(map(repr, DECODE_GRAPH_MODES))}, "
                              f"got {self.decode_graphs!r}")
