@@ -1,4 +1,5 @@
-"""Registers, spills and reduction layouts of the KDA Triton kernels, built for sm_90 on a machine without a GPU.
+"""Registers, spills and reduction layouts of the KDA (and sparse MLA) Triton kernels, built for sm_90 on a machine
+without a GPU.
 
 Why: a kernel's bits depend on the layouts Triton gives its reductions (``tl.sum``, ``tl.cumsum``: the
 combine tree follows the layout), and its speed at decode sizes on how many programs fit an SM (registers
@@ -174,7 +175,27 @@ def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None
     return out
 
 
-KERNELS = ("intra", "intra_decode", "inter", "inter_decode")
+def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | None = None,
+               num_warps: int | None = None) -> KernelReport:
+    """The sparse MLA split kernel (bf16 latent cache, split keys) at ``kernel_config``'s launch for the head
+    count and latent dims (bench preset by default), or with ``block_h`` / ``num_warps`` replaced."""
+    from zmrl.kernels_batch_invariant.mla_attention import KEY_BLOCK
+    from zmrl.kernels_batch_invariant.triton import mla_attention as M
+
+    cfg = M.kernel_config(num_heads, dc, dr)
+    bh = cfg.block_h if block_h is None else block_h
+    ptrs = {"q_ptr": "*fp32", "qh_ptr": "*bf16", "ql_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i64",
+            "seq_ptr": "*i64", "kp_ptr": "*i64", "qpos_ptr": "*i64", "out_ptr": "*fp32", "m_ptr": "*fp32",
+            "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    scalars = {"scale": "fp32", "H": "i32", "page_size": "i32", "bt_stride": "i32", "kp_stride": "i32", "L": "i32",
+               "num_splits": "i32"}
+    consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, 1 << (dr - 1).bit_length()),
+                  BLOCK_H=bh, BLOCK_N=KEY_BLOCK, SPLIT=M.SPLIT_KEYS, DENSE=False, DIRECT=False, SPLIT_BF16=True)
+    return build(f"mla_split (H={num_heads}, BLOCK_H={bh})", M._mla_split_kernel, ptrs, scalars, consts,
+                 cfg.num_warps if num_warps is None else num_warps)
+
+
+KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla")
 
 
 def main() -> int:
@@ -184,6 +205,8 @@ def main() -> int:
     ap.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, from {', '.join(KERNELS)}")
     ap.add_argument("--decode-maxnreg", type=int, default=None,
                     help="register cap per thread of the two decode kernels (default: _launch_config's)")
+    ap.add_argument("--mla-block-h", type=int, default=None, help="heads per program of the MLA kernel (default: its config's)")
+    ap.add_argument("--mla-warps", type=int, default=None, help="warps of the MLA kernel (default: its config's)")
     ap.add_argument("--out", default=None, help="JSON report (default: print only)")
     a = ap.parse_args()
     kernels = [k for k in a.kernels.split(",") if k]
@@ -194,7 +217,9 @@ def main() -> int:
         import triton
     except ImportError:
         raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
-    reports = kda_reports(a.dk, a.dv, kernels, a.decode_maxnreg)
+    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k != "mla"], a.decode_maxnreg)
+    if "mla" in kernels:
+        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps))
     print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")
     for r in reports:
         cap = "" if r.maxnreg is None else f" (cap {r.maxnreg})"

@@ -64,3 +64,18 @@ def test_decode_variant_reduces_like_the_chunk_kernel(tmp_path):
             extra.append(key)
     assert i == len(want), f"the decode variant lacks {want[i]} (or has it with another layout)"
     assert [k[:3] for k in extra] == [("reduce", 0, "16x64xf32")] * 2, extra
+
+
+def test_mla_kernel_report_builds():
+    """The sparse MLA kernel's report (kernel_resources.mla_report) builds with the kernel's current signature
+    and launch configuration; its online softmax holds a row max and a row sum per key block."""
+    if not (TOOLS / "ptxas").exists() or not (TOOLS / "cuobjdump").exists():
+        pytest.skip(f"this Triton has no NVIDIA toolchain in {TOOLS} (ptxas, cuobjdump)")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the compiler, not the interpreter")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernel_resources
+
+    report = kernel_resources.mla_report()
+    assert report.registers > 0 and report.name.startswith("mla_split")
+    assert sum(r.op == "reduce" and r.axis == 1 for r in report.reductions) >= 2

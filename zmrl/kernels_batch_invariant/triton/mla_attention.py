@@ -109,7 +109,8 @@ def kernel_config(num_heads: int, dc: int, dr: int) -> MLAKernelConfig:
     dc_p = max(16, _next_pow2(dc))
     if dc_p <= 128:
         return MLAKernelConfig(block_h=block_h, n_chunks=1, chunk=dc_p, num_warps=4, num_stages=1)
-    # 8 warps: at Dc = 512 the bf16 kernel needs ~176 registers/thread at 16 heads and no spills (4 warps spill).
+    # 8 warps: 4 spill more. The sm_90 build of the chosen 32 heads x 8 warps still spills (Triton 3.6: 255
+    # registers/thread and 1.2 KB of stack; 64 heads: 4.4 KB), `python benchmarks/kernel_resources.py --kernels mla`.
     return MLAKernelConfig(block_h=block_h, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=1)
 
 
