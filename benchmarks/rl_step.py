@@ -220,18 +220,24 @@ def main() -> int:
     a = ap.parse_args()
     setup_logging()
     try:
-        graph_sizes = None if a.graph_batch_sizes is None else tuple(int(b) for b in a.graph_batch_sizes.split(",") if b)
+        graph_sizes = None if a.graph_batch_sizes is None else [int(b) for b in a.graph_batch_sizes.split(",") if b]
     except ValueError:
-        graph_sizes = ()
-    if graph_sizes is not None and (not graph_sizes or min(graph_sizes) < 1 or max(graph_sizes) > a.max_num_seqs):
-        raise SystemExit(f"--graph-batch-sizes: {a.graph_batch_sizes!r} (comma-separated integers in "
-                         f"[1, --max-num-seqs = {a.max_num_seqs}])")
+        raise SystemExit(f"--graph-batch-sizes: {a.graph_batch_sizes!r} (comma-separated integers)") from None
     passes = [p for p in a.parity_pass.split(",") if p]
     if not passes or any(p not in PARITY_PASSES for p in passes):
         raise SystemExit(f"--parity-pass: {a.parity_pass!r} (allowed, comma-separated: {', '.join(PARITY_PASSES)})")
     dev = pick_device("rl_step.py", a.smoke)
     if a.smoke:
         a.prompts, a.n, a.prompt_len, a.max_new, a.micro_batch_tokens, a.max_batched_tokens = 2, 2, 24, 12, 64, 256
+    n_seqs = a.prompts * a.n
+    per_seq_blocks = -(-(a.prompt_len + a.max_new) // 64)
+    try:  # checked before the models are built (minutes on a GPU)
+        engine_config = EngineConfig(
+            num_blocks=n_seqs * per_seq_blocks + 16, max_num_seqs=min(n_seqs, a.max_num_seqs),
+            max_num_batched_tokens=a.max_batched_tokens, enable_prefix_caching=True, kernel_mode="bitwise",
+            decode_graph_batch_sizes=graph_sizes).validate()
+    except ValueError as e:
+        raise SystemExit(f"rl_step.py: {e}") from None
     t_start = time.perf_counter()
     set_mode("bitwise")
     apply_numerics(current_numerics().replace(backward_matmul_precision=a.backward_precision))
@@ -247,12 +253,7 @@ def main() -> int:
         for p in lora_parameters(trainer):
             p.requires_grad_(True)
         optimizer = make_optimizer(trainer, lr=a.lr)
-    n_seqs = a.prompts * a.n
-    per_seq_blocks = -(-(a.prompt_len + a.max_new) // 64)
-    engine = RolloutEngine(engine_model, EngineConfig(
-        num_blocks=n_seqs * per_seq_blocks + 16, max_num_seqs=min(n_seqs, a.max_num_seqs),
-        max_num_batched_tokens=a.max_batched_tokens,
-        enable_prefix_caching=True, kernel_mode="bitwise", decode_graph_batch_sizes=graph_sizes))
+    engine = RolloutEngine(engine_model, engine_config)
     g = torch.Generator().manual_seed(a.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     log.info("models and engine ready in %.1fs", time.perf_counter() - t_start)

@@ -92,8 +92,7 @@ class RolloutSection:
                             prefix_cache_kda_gib=self.prefix_cache_kda_gib, latent_format=self.latent_format,
                             kernel_mode=kernel_mode, decode_graphs=self.decode_graphs,
                             sample_in_graph=self.sample_in_graph,
-                            decode_graph_batch_sizes=(None if self.decode_graph_batch_sizes is None
-                                                      else tuple(self.decode_graph_batch_sizes)))
+                            decode_graph_batch_sizes=self.decode_graph_batch_sizes).validate()
 
     def sampling(self, seed: int, stop_token_ids: tuple[int, ...]) -> "SamplingParams":
         from zmrl.rollout import SamplingParams
@@ -401,10 +400,10 @@ def _validate(cfg: RecipeConfig) -> None:
     need(r.latent_format in ("native", "fp8"), "rollout.latent_format", f"must be native or fp8, got {r.latent_format!r}")
     need(r.decode_graphs in ("auto", "off", "static", "cuda"), "rollout.decode_graphs",
          f"must be auto, off, static or cuda, got {r.decode_graphs!r}")
+    from zmrl.rollout.config import valid_graph_batch_sizes  # lazily, as the section's engine_config
+
     sizes = r.decode_graph_batch_sizes
-    need(sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) > 0 and all(
-        isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= r.max_num_seqs for b in sizes)),
-         "rollout.decode_graph_batch_sizes",
+    need(sizes is None or valid_graph_batch_sizes(sizes, r.max_num_seqs), "rollout.decode_graph_batch_sizes",
          f"must be null or a non-empty list of integers in [1, rollout.max_num_seqs = {r.max_num_seqs}], got {sizes!r}")
     need(0.0 <= r.max_error_frac <= 1.0, "rollout.max_error_frac", f"must be in [0, 1], got {r.max_error_frac}")
     need(r.prefix_cache_kda_gib >= 0, "rollout.prefix_cache_kda_gib",

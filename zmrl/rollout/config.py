@@ -12,6 +12,13 @@ from .graph_runner import DECODE_GRAPH_MODES
 KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)  # ("bitwise", "fast")
 
 
+def valid_graph_batch_sizes(sizes: object, max_num_seqs: int) -> bool:
+    """Whether ``sizes`` can be ``EngineConfig.decode_graph_batch_sizes``: a non-empty sequence (a list from YAML,
+    an OmegaConf ListConfig from verl) of integers in [1, max_num_seqs]."""
+    return (isinstance(sizes, Sequence) and not isinstance(sizes, str) and len(sizes) > 0
+            and all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= max_num_seqs for b in sizes))
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 64
@@ -62,9 +69,8 @@ class EngineConfig:
                              f"{', '.join(map(repr, KERNEL_MODES))} ('bitwise' = rollout/trainer log-prob parity), "
                              f"got {self.kernel_mode!r}")
         sizes = self.decode_graph_batch_sizes
-        if sizes is not None:  # any sequence (a list from YAML, an OmegaConf ListConfig from verl), kept as a tuple
-            if not (isinstance(sizes, Sequence) and not isinstance(sizes, str) and len(sizes) > 0 and all(
-                    isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= self.max_num_seqs for b in sizes)):
+        if sizes is not None:
+            if not valid_graph_batch_sizes(sizes, self.max_num_seqs):
                 raise ValueError(f"EngineConfig.decode_graph_batch_sizes must be None or a non-empty list of integers "
                                  f"in [1, max_num_seqs = {self.max_num_seqs}], got {sizes!r}")
             self.decode_graph_batch_sizes = tuple(sizes)

@@ -50,15 +50,11 @@ DECODE_GRAPH_MODES: tuple[str, ...] = ("auto", "off", "static", "cuda")
 
 
 def buckets(limit: int, sizes: Sequence[int] | None = None) -> list[int]:
-    """The bucket sizes up to ``limit``: ``sizes`` (those below ``limit``; EngineConfig refuses larger ones), by
-    default 1, 2, 4, ...; ``limit`` itself is always a bucket. A batch runs at the smallest bucket that holds it, its other rows padding:
-    finer buckets pad less (a draining RL rollout passes through every batch size) but capture more graphs."""
+    """The bucket sizes up to ``limit``: ``sizes`` (by default 1, 2, 4, ...) below ``limit``, then ``limit``
+    itself. A batch runs at the smallest bucket that holds it, its other rows padding: finer buckets pad less
+    (a draining RL rollout passes through every batch size) but capture more graphs."""
     if sizes is None:
-        out, b = [], 1
-        while b < limit:
-            out.append(b)
-            b *= 2
-        return out + [limit]
+        sizes = [1 << i for i in range(limit.bit_length())]
     return sorted({s for s in sizes if s < limit}) + [limit]
 
 
