@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import default_out, env, setup_logging, table, write_json  # noqa: E402
+from kda_decode_vs_fla import DK, DV, H, inputs  # noqa: E402  (this directory: the script's own)
 from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_decode_prime, kda_decode_step  # noqa: E402
 from zmrl.kernels_batch_invariant.triton import kda_chunk as tk  # noqa: E402
 from zmrl.kernels_batch_invariant.triton import triton_impl  # noqa: E402
 
-H, DK, DV, C = 16, 128, 128, CHUNK_SIZE
+C = CHUNK_SIZE
 _SOURCES = tempfile.TemporaryDirectory(prefix="kda_phases_")  # the variants' source files, removed at exit
 
 # phase -> (anchor, replacement) pairs applied to the kernel's source
@@ -79,17 +79,18 @@ def variant_kernel(cut: str | None):
     return module._kda_intra_kernel
 
 
-def step_us(b: int, dev: torch.device, kernel, reps: int = 2) -> float:
-    """Mean time of one decode step (all three launches) over ``reps`` passes of a whole chunk of positions,
-    sequences spread over every chunk row, with ``kernel`` as the intra kernel."""
+def step_inputs(b: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """q, k, v, g, beta of ``b`` sequences, their cache slots and first positions (spread over every chunk row)."""
     gen = torch.Generator().manual_seed(0)
-    q = F.normalize(torch.randn(b, H, DK, generator=gen), dim=-1).to(dev)
-    k = F.normalize(torch.randn(b, H, DK, generator=gen), dim=-1).to(dev)
-    v = torch.randn(b, H, DV, generator=gen).to(dev, torch.bfloat16)
-    g = (-0.05 * torch.rand(b, H, DK, generator=gen)).to(dev)
-    beta = torch.sigmoid(torch.randn(b, H, generator=gen)).to(dev)
-    slots = torch.randperm(b, generator=gen).to(dev)
-    pos0 = torch.randint(0, C, (b,), generator=gen).to(dev)
+    q, k, v, g, beta = inputs(b, dev, gen)
+    return q, k, v, g, beta, torch.randperm(b, generator=gen).to(dev), torch.randint(0, C, (b,), generator=gen).to(dev)
+
+
+def step_us(step_in: tuple[torch.Tensor, ...], dev: torch.device, kernel, reps: int = 2) -> float:
+    """Mean time of one decode step (all three launches) on ``step_in`` (``step_inputs``) over ``reps`` passes of
+    a whole chunk of positions, with ``kernel`` as the intra kernel."""
+    q, k, v, g, beta, slots, pos0 = step_in
+    b = q.shape[0]
     step, prime = triton_impl(kda_decode_step), triton_impl(kda_decode_prime)
     original = tk._kda_intra_kernel
     tk._kda_intra_kernel = kernel
@@ -124,10 +125,11 @@ def main() -> int:
         raise SystemExit("kda_decode_phases.py needs a CUDA device (timings of Triton kernels)")
     dev = torch.device("cuda")
     kernels = {cut: variant_kernel(cut) for cut in (None, *PHASES)}
+    step_in = step_inputs(a.batch, dev)
     times: dict[str | None, list[float]] = {cut: [] for cut in kernels}
     for _ in range(a.rounds):  # interleaved: a drift of the machine spreads over every variant alike
         for cut, kernel in kernels.items():
-            times[cut].append(step_us(a.batch, dev, kernel, a.reps))
+            times[cut].append(step_us(step_in, dev, kernel, a.reps))
     full = statistics.median(times[None])
     rows: list[dict[str, Any]] = [{"variant": "full step", "step_us": full, "rounds_us": times[None]}]
     for cut in PHASES:
