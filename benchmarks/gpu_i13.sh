@@ -155,18 +155,18 @@ has parity && step bench_parity "${T_PARITY:-240}" $PY -m pytest -p no:cacheprov
 has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -v -rfEs --durations=25 \
   tests/bitwise -m "not slow and not gpu"
 
-has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.py --rollout-only --layers 16 --prompts 64 --n 8 \
-  --prompt-len 512 --max-new 1024 --out "$OUT/rollout_rl.json"
+# The RL-shaped batch of the rollout and RL-step benchmarks: 64 prompts x 8 samples, 512-token prompts, <= 1024 new.
+RL_SHAPE="--layers 16 --prompts 64 --n 8 --prompt-len 512 --max-new 1024"
+has rollout_rl && step rollout_rl "${T_ROLLOUT_RL:-240}" $PY benchmarks/rl_step.py --rollout-only $RL_SHAPE \
+  --out "$OUT/rollout_rl.json"
 
 # The same rollout with finer decode-graph batch buckets (a draining rollout pads less; more graphs captured).
-has rollout_rl_fine && step rollout_rl_fine "${T_ROLLOUT_RL_FINE:-260}" $PY benchmarks/rl_step.py --rollout-only --layers 16 \
-  --prompts 64 --n 8 --prompt-len 512 --max-new 1024 \
+has rollout_rl_fine && step rollout_rl_fine "${T_ROLLOUT_RL_FINE:-260}" $PY benchmarks/rl_step.py --rollout-only $RL_SHAPE \
   --graph-batch-sizes "${GRAPH_SIZES:-1,2,4,8,16,32,48,64,96,128,160,192,224}" --out "$OUT/rollout_rl_fine.json"
 
 # The whole RL step at the RL-shaped batch: rollout, one training forward per update (parity log-probs taken
 # from it), backward with bf16 operands, optimizer step, weight push.
-has rl_full && step rl_full "${T_RL_FULL:-420}" $PY benchmarks/rl_step.py --layers 16 --prompts 64 --n 8 --prompt-len 512 \
-  --max-new 1024 --micro-batch-tokens 16384 --parity-pass fused --backward-precision "${RL_BWD:-bf16}" --out "$OUT/rl_full.json"
+has rl_full && step rl_full "${T_RL_FULL:-420}" $PY benchmarks/rl_step.py $RL_SHAPE --micro-batch-tokens 16384 --parity-pass fused --backward-precision "${RL_BWD:-bf16}" --out "$OUT/rl_full.json"
 
 has bwd_bf16 && step gpu_tests_bwd_bf16 "${T_BWD_BF16:-120}" $PYTEST tests/kernels/triton/test_mla_attention_bwd.py \
   tests/kernels/triton/test_mla_attention_grads_gpu.py tests/kernels/triton/test_expert_grads.py

@@ -93,10 +93,22 @@ def reductions(ttgir: str) -> list[Reduction]:
     return found
 
 
-def _tool(name: str) -> Path:
+TOOLS = ("ptxas", "cuobjdump")  # what a build and its report need from Triton's NVIDIA backend
+
+
+def _tool_path(name: str) -> Path:
     import triton
 
-    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+def missing_tools() -> list[str]:
+    """The tools of TOOLS this Triton lacks (a CPU-only wheel without the NVIDIA backend lacks both)."""
+    return [name for name in TOOLS if not _tool_path(name).exists()]
+
+
+def _tool(name: str) -> Path:
+    path = _tool_path(name)
     if not path.exists():
         raise SystemExit(f"kernel_resources.py: this Triton has no {name} ({path}); it needs Triton's NVIDIA backend")
     return path

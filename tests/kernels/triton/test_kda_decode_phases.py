@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 import kda_decode_phases as phases  # noqa: E402
+import kernel_resources  # noqa: E402
 
 pytestmark = pytest.mark.triton
-TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 @pytest.mark.parametrize("cut", list(phases.PHASES))
@@ -34,10 +34,8 @@ def _is_sublist(small: list, big: list) -> bool:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the compiler, not the interpreter")
 def test_variants_build_and_reduce_less():
-    if not (TOOLS / "ptxas").exists():
-        pytest.skip(f"no NVIDIA toolchain in {TOOLS}")
-    import kernel_resources
-
+    if kernel_resources.missing_tools():
+        pytest.skip(f"this Triton lacks {kernel_resources.missing_tools()} (its NVIDIA backend)")
     def reduction_list(kernel) -> list:
         (report,) = kernel_resources.kda_reports(128, 128, ["intra_decode"], intra_kernel=kernel)
         return [(r.op, r.axis, r.shape, r.layout) for r in report.reductions]

@@ -22,15 +22,20 @@ from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[3]
-TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+sys.path.insert(0, str(REPO / "benchmarks"))
+import kernel_resources  # noqa: E402
+
+
+def _skip_without_toolchain() -> None:
+    if kernel_resources.missing_tools():
+        pytest.skip(f"this Triton lacks {kernel_resources.missing_tools()} (its NVIDIA backend)")
 
 
 def _report(tmp_path: Path) -> list[dict]:
-    if not (TOOLS / "ptxas").exists() or not (TOOLS / "cuobjdump").exists():
-        pytest.skip(f"this Triton has no NVIDIA toolchain in {TOOLS} (ptxas, cuobjdump)")
+    _skip_without_toolchain()
     out = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
@@ -69,13 +74,9 @@ def test_decode_variant_reduces_like_the_chunk_kernel(tmp_path):
 def test_mla_kernel_report_builds():
     """The sparse MLA kernel's report (kernel_resources.mla_report) builds with the kernel's current signature
     and launch configuration; its online softmax holds a row max and a row sum per key block."""
-    if not (TOOLS / "ptxas").exists() or not (TOOLS / "cuobjdump").exists():
-        pytest.skip(f"this Triton has no NVIDIA toolchain in {TOOLS} (ptxas, cuobjdump)")
+    _skip_without_toolchain()
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the compiler, not the interpreter")
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import kernel_resources
-
     report = kernel_resources.mla_report()
     assert report.registers > 0 and report.name.startswith("mla_split")
     assert sum(r.op == "reduce" and r.axis == 1 for r in report.reductions) >= 2
