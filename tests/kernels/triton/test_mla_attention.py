@@ -25,6 +25,7 @@ from zmrl.kernels_batch_invariant import current_numerics, kernel_mode, numerics
 from zmrl.kernels_batch_invariant.dsa_indexer import dsa_topk
 from zmrl.kernels_batch_invariant.fp8 import fake_quant_fp8
 from zmrl.kernels_batch_invariant.mla_attention import (
+    KEY_BLOCK,
     dense_key_positions,
     mla_attention,
     mla_attention_dense,
@@ -261,6 +262,23 @@ def test_sparse_alone_vs_batch(inv, small_split):
         assert torch.equal(alone[0], full[i]), f"query {i}"
     perm = torch.randperm(len(c["qpos"]), generator=torch.Generator().manual_seed(1)).to(kp.device)
     assert torch.equal(sparse(*_rows(c, perm), kp[perm], c["scale"], c["dc"]), full[perm])
+
+
+def test_sparse_hole_blocks_are_no_ops(inv, small_split):
+    """A whole block of -1 entries inside a split (before, between or after valid blocks) changes no bit:
+    the kernel runs it (its loop has no branch) as an exact no-op (alpha = 1, p = 0)."""
+    c = inv
+    rows = (c["qpos"] + 1 >= 2 * KEY_BLOCK).nonzero().flatten()[:2]
+    assert len(rows) > 0
+    kp = dense_key_positions(c["qpos"][rows], 2 * KEY_BLOCK)
+    a, b = kp[:, :KEY_BLOCK], kp[:, KEY_BLOCK:]
+    hole = torch.full_like(a, -1)
+    want_a = sparse(*_rows(c, rows), a, c["scale"], c["dc"])
+    assert torch.equal(sparse(*_rows(c, rows), torch.cat([hole, a], 1), c["scale"], c["dc"]), want_a)
+    assert torch.equal(sparse(*_rows(c, rows), torch.cat([a, hole], 1), c["scale"], c["dc"]), want_a)
+    if c["split"] >= 3 * KEY_BLOCK:  # a hole between two valid blocks, all in one split
+        want_ab = sparse(*_rows(c, rows), torch.cat([a, b], 1), c["scale"], c["dc"])
+        assert torch.equal(sparse(*_rows(c, rows), torch.cat([a, hole, b], 1), c["scale"], c["dc"]), want_ab)
 
 
 def test_page_layout_and_size(device, interpret):

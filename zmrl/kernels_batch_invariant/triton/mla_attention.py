@@ -15,8 +15,11 @@ bits depend on nothing but its q, its key list and the key values):
   constexpr picks where positions come from).
 * Per block: ``s = (q . [c_kv | k_pe]) * scale`` (masked -> -inf), ``m_new = max(m, max s)``,
   ``p = exp(s - m_new)`` (masked -> exactly 0), ``l = l * alpha + sum(p)``,
-  ``acc = acc * alpha + p @ c_kv``. A block without a valid entry is skipped (it would be an exact
-  no-op), so trailing -1 padding never changes a bit. The score dot runs over the latent in fixed
+  ``acc = acc * alpha + p @ c_kv``. A sparse split's loop ends at its last valid list entry, so
+  trailing -1 padding is never visited; a block without a valid entry before it (a hole in the list)
+  is an exact no-op (``alpha = 1``, ``p = 0``). The loop body has no branch, which lets Triton's
+  pipeliner prefetch the list entries, and each iteration looks up the next block's cache slots
+  before it computes. The score dot runs over the latent in fixed
   column chunks (Dc = 512: 4 x 128, ascending) and then the rope columns, accumulating into one fp32
   tile; ``p @ c_kv`` keeps one fp32 accumulator per column chunk (``kernel_config``).
 * Splits are combined by a second kernel in ascending split order: ``M = max_j m_j``, then
@@ -103,15 +106,17 @@ def kernel_config(num_heads: int, dc: int, dr: int) -> MLAKernelConfig:
     so that no [64, Dc] tile is ever live (a whole 64 x 512 tile plus the accumulators spills registers).
     The launch sweep behind the choice (H = 64, Dc = 512, bf16 cache; decode at batch 256 / 8K and a
     4096-token prefill; every configuration gave the same bits) is in
-    benchmarks/results/2026-12-01_mla_sweep_h200.json: 32 heads x 8 warps was the fastest at both."""
+    benchmarks/results/2026-12-01_mla_sweep_h200.json: 32 heads x 8 warps was the fastest at both. Two
+    software-pipeline stages (the list entries prefetched a block ahead) after the loop lost its branch:
+    benchmarks/results/2026-12-02_mla_split_loop_h200.json."""
     del dr  # fixed per latent width
     block_h = min(32, max(16, _next_pow2(num_heads)))
     dc_p = max(16, _next_pow2(dc))
     if dc_p <= 128:
         return MLAKernelConfig(block_h=block_h, n_chunks=1, chunk=dc_p, num_warps=4, num_stages=1)
     # 8 warps: 4 spill more. The sm_90 build of the chosen 32 heads x 8 warps still spills (Triton 3.6: 255
-    # registers/thread and 1.2 KB of stack; 64 heads: 4.4 KB), `python benchmarks/kernel_resources.py --kernels mla`.
-    return MLAKernelConfig(block_h=block_h, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=1)
+    # registers/thread and ~0.9 KB of stack), `python benchmarks/kernel_resources.py --kernels mla`.
+    return MLAKernelConfig(block_h=block_h, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=2)
 
 
 @triton.jit
@@ -154,6 +159,23 @@ def _store_part(ptr, rows, rmask, x, COL: tl.constexpr, W: tl.constexpr, LIM: tl
     tl.store(ptr + rows[:, None] * LIM + offs[None, :], x, mask=rmask[:, None] & (offs < LIM)[None, :])
 
 
+@triton.jit
+def _block_slots(first, offs_n, kp_ptr, qi, kp_stride, L, end, bt_ptr, seq, bt_stride, page_size, qpos,
+                 DENSE: tl.constexpr):
+    """The key block at list index ``first``: which entries are valid, and their cache slots (0 if not)."""
+    j = first + offs_n  # list index (sparse) == absolute position (dense)
+    if DENSE:
+        pos = j.to(tl.int64)
+        valid = pos <= qpos
+    else:
+        pos = tl.load(kp_ptr + qi * kp_stride + j, mask=(j < L) & (j < end), other=-1)
+        valid = pos >= 0
+    # Positions fit int32; a 32-bit division is far cheaper than a 64-bit one.
+    pos_c = tl.where(valid, pos, 0).to(tl.int32)
+    page = tl.load(bt_ptr + seq * bt_stride + pos_c // page_size, mask=valid, other=0)
+    return valid, page.to(tl.int64) * page_size + pos_c % page_size
+
+
 # Integers that vary with the batch or the cache layout are not specialised (Triton would otherwise
 # compile a variant per "divisible by 16" / "== 1" value): one compiled kernel per model shape.
 @triton.jit(do_not_specialize=["H", "page_size", "bt_stride", "kp_stride", "L", "num_splits"])
@@ -182,7 +204,12 @@ def _mla_split_kernel(
         qpos = tl.load(qpos_ptr + qi)
         n_keys = tl.minimum(qpos + 1 - start, SPLIT)
     else:
-        n_keys = tl.minimum(L - start, SPLIT)
+        qpos = 0  # unused
+        # Up to the split's last valid entry: trailing -1 padding is never visited.
+        offs_s = tl.arange(0, SPLIT)
+        jj = start + offs_s
+        kp_split = tl.load(kp_ptr + qi * kp_stride + jj, mask=jj < L, other=-1)
+        n_keys = tl.max(tl.where(kp_split >= 0, offs_s + 1, 0), axis=0)
     n_blocks = tl.cdiv(n_keys, BLOCK_N)  # <= 0: an empty split
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -191,48 +218,45 @@ def _mla_split_kernel(
     acc1 = tl.zeros([BLOCK_H, KC], tl.float32)
     acc2 = tl.zeros([BLOCK_H, KC], tl.float32)
     acc3 = tl.zeros([BLOCK_H, KC], tl.float32)
+    # The cache rows of block 0; each iteration looks up the next block's rows before it computes, so the
+    # dependent index loads (list entry -> page -> slot) overlap the block's MMAs.
+    valid, slot = _block_slots(start, offs_n, kp_ptr, qi, kp_stride, L, start + SPLIT, bt_ptr, seq, bt_stride,
+                               page_size, qpos, DENSE)
     for blk in range(0, n_blocks):
-        j = start + blk * BLOCK_N + offs_n  # list index (sparse) == absolute position (dense)
-        if DENSE:
-            pos = j.to(tl.int64)
-            valid = pos <= qpos
+        row = kv_ptr + slot * D
+        valid_next, slot_next = _block_slots(start + (blk + 1) * BLOCK_N, offs_n, kp_ptr, qi, kp_stride, L,
+                                             start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE)
+        # Scores: latent chunks in ascending column order, then the rope columns.
+        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 0, KC, DC, SPLIT_BF16)
+        if NCH > 1:
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, KC, KC, DC, SPLIT_BF16)
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+        if DR > 0:
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16)
+        s = s * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # An unchanged maximum rescales by exactly 1 (whatever the approximate exp gives at 0), so a block
+        # without a valid entry (a hole in a key list: m_new == m_i, p == 0) is an exact no-op.
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_new))
+        p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if SPLIT_BF16:
+            p_hi = p.to(tl.bfloat16)
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
         else:
-            pos = tl.load(kp_ptr + qi * kp_stride + j, mask=(j < L) & (j < start + SPLIT), other=-1)
-            valid = pos >= 0
-        # A block without a valid entry is an exact no-op (alpha == 1, p == 0): skip it.
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            # Positions fit int32; a 32-bit division is far cheaper than a 64-bit one.
-            pos_c = tl.where(valid, pos, 0).to(tl.int32)
-            page = tl.load(bt_ptr + seq * bt_stride + pos_c // page_size, mask=valid, other=0)
-            slot = page.to(tl.int64) * page_size + pos_c % page_size
-            row = kv_ptr + slot * D
-            # Scores: latent chunks in ascending column order, then the rope columns.
-            s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 0, KC, DC, SPLIT_BF16)
-            if NCH > 1:
-                s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, KC, KC, DC, SPLIT_BF16)
-                s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
-                s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
-            if DR > 0:
-                s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16)
-            s = s * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the block has a valid key
-            alpha = tl.exp(m_i - m_new)  # exp(-inf) = 0 before the first valid block
-            p = tl.exp(s - m_new[:, None])  # masked lanes: exp(-inf) = exactly 0
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if SPLIT_BF16:
-                p_hi = p.to(tl.bfloat16)
-                p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-            else:
-                p_hi = p
-                p_lo = p
-            acc0 = _pv_part(acc0 * alpha[:, None], p, p_hi, p_lo, row, valid, 0, KC, DC, SPLIT_BF16)
-            if NCH > 1:
-                acc1 = _pv_part(acc1 * alpha[:, None], p, p_hi, p_lo, row, valid, KC, KC, DC, SPLIT_BF16)
-                acc2 = _pv_part(acc2 * alpha[:, None], p, p_hi, p_lo, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
-                acc3 = _pv_part(acc3 * alpha[:, None], p, p_hi, p_lo, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
-            m_i = m_new
+            p_hi = p
+            p_lo = p
+        acc0 = _pv_part(acc0 * alpha[:, None], p, p_hi, p_lo, row, valid, 0, KC, DC, SPLIT_BF16)
+        if NCH > 1:
+            acc1 = _pv_part(acc1 * alpha[:, None], p, p_hi, p_lo, row, valid, KC, KC, DC, SPLIT_BF16)
+            acc2 = _pv_part(acc2 * alpha[:, None], p, p_hi, p_lo, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
+            acc3 = _pv_part(acc3 * alpha[:, None], p, p_hi, p_lo, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+        m_i = m_new
+        valid = valid_next
+        slot = slot_next
 
     if DIRECT:
         # A query without a valid key returns zeros (acc == 0, l == 0 -> 0 / 1).
