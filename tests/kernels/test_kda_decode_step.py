@@ -67,7 +67,7 @@ def decode_scenario(impl, device: torch.device, *, h: int, dk: int, dv: int, len
     g_dtype = torch.float32
     cache = KDADecodeCache.allocate(num_slots, h, dk, dv, v_dtype, g_dtype, device)
     # garbage in every buffer: nothing may depend on what a slot held before
-    for t in (cache.state, cache.k, cache.g, cache.beta, cache.solved_t, cache.v_e):
+    for t in (cache.state, cache.k, cache.g, cache.beta, cache.solved_t, cache.v_e, cache.run_state):
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype) * 1e3)
     slot_of = torch.randperm(n, generator=gen).tolist()
 

@@ -75,12 +75,13 @@ def test_restoring_a_contract_does_not_reset_threads():
 
 def test_fingerprint_fields_and_digest():
     fp = kbi.fingerprint(kbi.Numerics())
-    assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "cpu_gemm_cnr", "torch", "triton", "cpu_vector_path",
-                              "cpu_vendor"}
+    assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "kda_form", "cpu_gemm_cnr", "torch", "triton",
+                              "cpu_vector_path", "cpu_vendor"}
     assert fp.fields["torch"] == torch.__version__ and len(fp.digest) == 12
     assert kbi.fingerprint(kbi.Numerics(cpu_threads=3)) == fp, "the thread count does not change bits"
     other = kbi.fingerprint(kbi.Numerics(kda_dot_precision="ieee"))
     assert other.digest != fp.digest and fp.differences(other) == ["kda_dot_precision"]
+    assert fp.differences(kbi.fingerprint(kbi.Numerics(kda_form="recurrent"))) == ["kda_form"]
     with kbi.numerics_scope(kbi.Numerics(kernel_mode="fast")):
         assert kbi.fingerprint().fields["kernel_mode"] == "fast"
 

@@ -14,6 +14,12 @@ Fields:
 * ``kda_dot_precision``: input precision of the dots in the Triton KDA kernels ("tf32x3", "ieee",
   "tf32"); a compile-time constant of those kernels. Default: ``$ZMRL_KDA_DOT_PRECISION`` if set when
   this module is first imported, else "tf32x3".
+* ``kda_form``: the arithmetic of the Triton KDA ops (``kda_chunk``, its decode step and chunk step):
+  "chunk" (the chunked WY form, ``triton/kda_chunk.py``: prefill and training at tensor-core speed, a
+  decode step re-solves its chunk's 64-row tiles) or "recurrent" (the token recurrence,
+  ``triton/kda_recurrent.py``: a decode step is one token of vector work; prefill and training run each
+  sequence sequentially). The torch (CPU) backend always runs the chunked form. Default:
+  ``$ZMRL_KDA_FORM`` if set when this module is first imported, else "chunk".
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
   ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
   result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs
@@ -56,11 +62,13 @@ from ._dispatch import Mode
 
 KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)
 KDA_DOT_PRECISIONS: tuple[str, ...] = ("tf32x3", "ieee", "tf32")
+KDA_FORMS: tuple[str, ...] = ("chunk", "recurrent")
 CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
 BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "bf16", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
 # Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
+_KDA_FORM_ENV = os.environ.get("ZMRL_KDA_FORM", "chunk")
 
 # MKL reads MKL_CBWR when it runs its first GEMM; set it now (before any zmrl op can run one) unless
 # the user chose a value. apply_numerics checks that MKL actually runs in the mode the contract asks for.
@@ -77,12 +85,14 @@ class NumericsError(RuntimeError):
 class Numerics:
     kernel_mode: str = "bitwise"
     kda_dot_precision: str = _KDA_DOT_PRECISION_ENV
+    kda_form: str = _KDA_FORM_ENV
     cpu_gemm_cnr: str = _CPU_GEMM_CNR_ENV
     backward_matmul_precision: str = dataclasses.field(default="tf32", metadata={"bits": False})
     cpu_threads: int | None = dataclasses.field(default=None, metadata={"bits": False})
 
     def validate(self) -> "Numerics":
         for name, allowed in (("kernel_mode", KERNEL_MODES), ("kda_dot_precision", KDA_DOT_PRECISIONS),
+                              ("kda_form", KDA_FORMS),
                               ("cpu_gemm_cnr", CPU_GEMM_CNR_MODES),
                               ("backward_matmul_precision", BACKWARD_MATMUL_PRECISIONS)):
             value = getattr(self, name)
@@ -252,6 +262,11 @@ def kernel_mode(mode: Mode) -> Iterator[None]:
 def kda_dot_precision() -> str:
     """The KDA dot precision of the applied contract (read by the Triton KDA kernels at launch)."""
     return _current.kda_dot_precision
+
+
+def kda_form() -> str:
+    """The Triton KDA ops' form of the applied contract, "chunk" or "recurrent" (read at every call)."""
+    return _current.kda_form
 
 
 @contextlib.contextmanager

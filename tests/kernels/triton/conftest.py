@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
+from zmrl.kernels_batch_invariant.numerics import KDA_FORMS
 from zmrl.kernels_batch_invariant.triton import HAS_TRITON
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -27,3 +29,11 @@ def interpret() -> bool:
     """True under Triton's CPU interpreter: use small shapes, and fp32 operands for tl.dot (the
     interpreter computes bf16 dots wrongly)."""
     return INTERPRET and not torch.cuda.is_available()
+
+
+@pytest.fixture(params=KDA_FORMS)
+def kda_form(request) -> str:
+    """Each Triton KDA test runs under both forms of ``Numerics.kda_form`` (the op contract is the same:
+    a decoded row is bitwise the packed forward's row, whichever arithmetic defines it)."""
+    with numerics_scope(current_numerics().replace(kda_form=request.param)):
+        yield request.param

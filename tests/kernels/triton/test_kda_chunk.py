@@ -21,7 +21,7 @@ from zmrl.kernels_batch_invariant.triton import triton_impl
 
 DOT_PRECISION = current_numerics().kda_dot_precision
 
-pytestmark = [pytest.mark.gpu, pytest.mark.triton]
+pytestmark = [pytest.mark.gpu, pytest.mark.triton, pytest.mark.usefixtures("kda_form")]
 
 C = CHUNK_SIZE
 # fp32-level dots (tf32x3 / ieee, and every dot under the interpreter): ~1e-7..1e-6 relative error

@@ -16,7 +16,7 @@ from zmrl.kernels_batch_invariant.triton import triton_impl
 from ..test_kda_chunk_step import assert_matches_kda_chunk, make_step_inputs, per_sequence_kda_chunk
 from .test_kda_chunk import REL
 
-pytestmark = [pytest.mark.gpu, pytest.mark.triton]
+pytestmark = [pytest.mark.gpu, pytest.mark.triton, pytest.mark.usefixtures("kda_form")]
 
 C = CHUNK_SIZE
 

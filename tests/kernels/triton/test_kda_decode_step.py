@@ -14,7 +14,7 @@ from zmrl.kernels_batch_invariant.triton import triton_impl
 
 from ..test_kda_decode_step import decode_scenario, sequence_inputs
 
-pytestmark = [pytest.mark.gpu, pytest.mark.triton]
+pytestmark = [pytest.mark.gpu, pytest.mark.triton, pytest.mark.usefixtures("kda_form")]
 
 
 @pytest.mark.parametrize("reset_every", [0, 7])
@@ -75,10 +75,12 @@ def test_cuda_graph_capture(device, interpret):
 
 
 @pytest.mark.parametrize("blocks", [32, 16])
-def test_rows_equal_kda_chunk_under_other_column_blocks(device, interpret, monkeypatch, blocks):
+def test_rows_equal_kda_chunk_under_other_column_blocks(device, interpret, monkeypatch, blocks, kda_form):
     """The intra kernel's dk / dv column blocks (BK, BVI) are shared numerics: with other blocks the chunk
     kernel's bits move, and the decode rows must move with them (benchmarks/kda_decode_vs_fla.py --sweep
     times these candidates)."""
+    if kda_form != "chunk":
+        pytest.skip("the chunked form's column blocks")
     if interpret:
         pytest.skip("bench dims only (the interpreter's tiny dk is one block already)")
     from zmrl.kernels_batch_invariant.triton import kda_chunk as tk

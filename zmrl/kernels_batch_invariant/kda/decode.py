@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .._dispatch import invariant_op
+from ..numerics import current_numerics
 from .chunk import CHUNK_SIZE, kda_chunk_step
 
 
@@ -40,10 +41,13 @@ class KDADecodeCache:
     k, g [S, 64, H, dk] (fp32; g fp64 for fp64 models), v [S, 64, H, dv] (model dtype), beta [S, 64, H]
     fp32: the chunk's rows so far, row r of a sequence at position p stored at r = p % 64; rows past the
     current one may hold an earlier chunk's values (never read);
-    solved_t [S, H, 64, 64] fp32, v_e [S, H, 64, dv] fp32, solved [S] int32: backend scratch of the
-    Triton path (rows of the triangular inverse and of the state-corrected values already computed for
-    the current chunk). ``kda_decode_prime`` must be called whenever a slot's rows are (re)loaded from
-    elsewhere; the torch backend ignores them.
+    solved_t [S, H, 64, 64] fp32, v_e [S, H, 64, dv] fp32, run_state [S, H, dk, dv] fp32, solved [S] int32:
+    backend scratch of the Triton path. The chunked form (``Numerics.kda_form == "chunk"``) keeps the rows
+    of the triangular inverse and of the state-corrected values already computed for the current chunk
+    (``solved_t``, ``v_e``); the recurrent form the state after the chunk's rows so far (``run_state``).
+    ``allocate`` sizes only the applied form's scratch (the other's tensors have 0 slots).
+    ``kda_decode_prime`` must be called whenever a slot's rows are (re)loaded from elsewhere; the torch
+    backend ignores them.
     """
 
     state: torch.Tensor
@@ -54,6 +58,7 @@ class KDADecodeCache:
     solved_t: torch.Tensor
     v_e: torch.Tensor
     solved: torch.Tensor
+    run_state: torch.Tensor
 
     @classmethod
     def allocate(cls, num_slots: int, num_heads: int, dk: int, dv: int, v_dtype: torch.dtype,
@@ -64,8 +69,11 @@ class KDADecodeCache:
         def z(*shape: int, dtype: torch.dtype = f32) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
+        recurrent = current_numerics().kda_form == "recurrent"
+        sc, sr = (0, s) if recurrent else (s, 0)  # slots of the chunked / recurrent scratch
         return cls(state=z(s, h, dk, dv), k=z(s, c, h, dk), v=z(s, c, h, dv, dtype=v_dtype), g=z(s, c, h, dk, dtype=g_dtype),
-                   beta=z(s, c, h), solved_t=z(s, h, c, c), v_e=z(s, h, c, dv), solved=z(s, dtype=torch.int32))
+                   beta=z(s, c, h), solved_t=z(sc, h, c, c), v_e=z(sc, h, c, dv), solved=z(s, dtype=torch.int32),
+                   run_state=z(sr, h, dk, dv))
 
     @property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

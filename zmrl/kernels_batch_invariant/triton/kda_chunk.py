@@ -66,9 +66,10 @@ import triton.language as tl
 
 from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step
 from ..kda.decode import KDADecodeCache, check_decode_args, kda_decode_prime, kda_decode_step
-from ..numerics import kda_dot_precision
+from ..numerics import kda_dot_precision, kda_form
 from ._common import cdiv, next_pow2
 from .kda_chunk_bwd import with_fla_backward
+from .kda_recurrent import recurrent_chunk_step, store_row, recurrent_decode_prime, recurrent_decode_step, recurrent_forward
 
 _SUB = 16  # sub-block rows of the intra-chunk A products (the off-diagonal factorisation)
 
@@ -555,7 +556,10 @@ def kda_chunk_triton(
     scale: float | None = None,
     output_chunk_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``kda_chunk`` on the GPU: Triton forward, fla-core backward (``kda_chunk_bwd.py``)."""
+    """``kda_chunk`` on the GPU: Triton forward (the applied ``Numerics.kda_form``), fla-core backward
+    (``kda_chunk_bwd.py``)."""
+    if kda_form() == "recurrent":
+        return recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
     return kda_chunk_triton_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
 
 
@@ -576,6 +580,8 @@ def kda_chunk_step_triton(
     n, h, dk, dv = _check_step_args(q, k, v, g, beta, num_rows, state)
     if q.dtype == torch.float64:  # the kernels are fp32; fp64 only comes from reference checks
         return kda_chunk_step.impls["torch"](q, k, v, g, beta, num_rows, state, scale)
+    if kda_form() == "recurrent":
+        return recurrent_chunk_step(q, k, v, g, beta, num_rows, state, scale)
     c = CHUNK_SIZE
     dev = q.device
     scale = dk**-0.5 if scale is None else float(scale)
@@ -623,18 +629,7 @@ def _decode_prep_kernel(
     row0 = tl.minimum(tl.load(solved_ptr + slot), r)
     tl.store(solved_ptr + slot, r + 1)
     dst = slot * C + r  # token row of the cache's [S * 64, H, d] view
-    for b in tl.static_range(0, HK, BLOCK):
-        e = b + tl.arange(0, BLOCK)
-        m = e < HK
-        tl.store(ck_ptr + dst * HK + e, tl.load(k_ptr + i * HK + e, mask=m).to(ck_ptr.dtype.element_ty), mask=m)
-        tl.store(cg_ptr + dst * HK + e, tl.load(g_ptr + i * HK + e, mask=m).to(cg_ptr.dtype.element_ty), mask=m)
-    for b in tl.static_range(0, HV, BLOCK):
-        e = b + tl.arange(0, BLOCK)
-        m = e < HV
-        tl.store(cv_ptr + dst * HV + e, tl.load(v_ptr + i * HV + e, mask=m).to(cv_ptr.dtype.element_ty), mask=m)
-    hb = tl.arange(0, BLOCK)
-    mb = hb < H
-    tl.store(cbeta_ptr + dst * H + hb, tl.load(beta_ptr + i * H + hb, mask=mb).to(cbeta_ptr.dtype.element_ty), mask=mb)
+    store_row(dst, i, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr, HK, HV, H, BLOCK)
     s32 = slot.to(tl.int32)
     # chunk: TOK, ROWS, QTOK, ROW0, OUT0, KEEP
     ci = cinfo_ptr + i * 6
@@ -673,6 +668,8 @@ def kda_decode_step_triton(
     n, h, dk, dv = check_decode_args(q, k, v, g, beta, positions, slots, cache)
     if q.dtype == torch.float64 or cache.g.dtype == torch.float64:
         return kda_decode_step.impls["torch"](q, k, v, g, beta, positions, slots, cache, scale)
+    if kda_form() == "recurrent":
+        return recurrent_decode_step(q, k, v, g, beta, positions, slots, cache, scale)
     dev = q.device
     scale = dk**-0.5 if scale is None else float(scale)
     o = torch.empty(n, h, dv, dtype=v.dtype, device=dev)
@@ -714,6 +711,9 @@ def kda_decode_prime_triton(slots: torch.Tensor, num_rows: torch.Tensor, cache: 
     m = slots.numel()
     if m == 0 or cache.g.dtype == torch.float64:
         cache.solved[slots] = num_rows.to(torch.int32)
+        return
+    if kda_form() == "recurrent":
+        recurrent_decode_prime(slots, num_rows, cache, scale)
         return
     h, dk, dv = cache.state.shape[1:]
     dev = cache.state.device
