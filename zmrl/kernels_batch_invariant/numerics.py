@@ -19,7 +19,10 @@ Fields:
   decode step re-solves its chunk's 64-row tiles) or "recurrent" (the token recurrence,
   ``triton/kda_recurrent.py``: a decode step is one token of vector work; prefill and training run each
   sequence sequentially). The torch (CPU) backend always runs the chunked form. Default:
-  ``$ZMRL_KDA_FORM`` if set when this module is first imported, else "chunk".
+  ``$ZMRL_KDA_FORM`` if set when this module is first imported, else "recurrent": RL decodes many
+  sequences of moderate length, where it is the faster form on the H200 (a batch-256 decode step with
+  LoRA 29.5 -> 19.6 ms); "chunk" suits prefill-heavy work on long prompts (a 32K-token prompt's KDA
+  layers run ~4x longer token by token). benchmarks/results/2026-12-02_h200_summary.md has the numbers.
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
   ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
   result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs
@@ -68,7 +71,7 @@ BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "bf16", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
 # Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
-_KDA_FORM_ENV = os.environ.get("ZMRL_KDA_FORM", "chunk")
+_KDA_FORM_ENV = os.environ.get("ZMRL_KDA_FORM", "recurrent")
 
 # MKL reads MKL_CBWR when it runs its first GEMM; set it now (before any zmrl op can run one) unless
 # the user chose a value. apply_numerics checks that MKL actually runs in the mode the contract asks for.
