@@ -141,7 +141,7 @@ has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decod
 
 # The KDA decode step vs fla's recurrent step, and its launch / column-block sweep (decode == chunk checked
 # per configuration, the chunk forward timed), with the GPU decode tests (every row vs kda_chunk).
-has kda_sweep && step kda_decode_sweep "${T_KDA_SWEEP:-200}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 --sweep \
+has kda_sweep && step kda_decode_sweep "${T_KDA_SWEEP:-200}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 --sweep --kda-form chunk \
   --out "$OUT/kda_decode_vs_fla.json"
 has kda_phases && step kda_decode_phases "${T_KDA_PHASES:-150}" $PY benchmarks/kda_decode_phases.py --batch 256 \
   --out "$OUT/kda_decode_phases.json"

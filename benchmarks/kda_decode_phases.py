@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import default_out, env, setup_logging, table, write_json  # noqa: E402
 from kda_decode_vs_fla import DK, DV, H, inputs  # noqa: E402  (this directory: the script's own)
+from zmrl.kernels_batch_invariant import current_numerics, numerics_scope  # noqa: E402
 from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_decode_prime, kda_decode_step  # noqa: E402
 from zmrl.kernels_batch_invariant.triton import kda_chunk as tk  # noqa: E402
 from zmrl.kernels_batch_invariant.triton import triton_impl  # noqa: E402
@@ -123,6 +124,11 @@ def main() -> int:
     setup_logging()
     if not torch.cuda.is_available():
         raise SystemExit("kda_decode_phases.py needs a CUDA device (timings of Triton kernels)")
+    with numerics_scope(current_numerics().replace(kda_form="chunk")):  # its variants are the chunked form's
+        return _run(a)
+
+
+def _run(a: argparse.Namespace) -> int:
     dev = torch.device("cuda")
     kernels = {cut: variant_kernel(cut) for cut in (None, *PHASES)}
     step_in = step_inputs(a.batch, dev)

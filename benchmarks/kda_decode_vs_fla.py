@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from _common import copy_bandwidth_tb_s, default_out, env, setup_logging, table, write_json
+from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
+from zmrl.kernels_batch_invariant.numerics import KDA_FORMS
 from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_chunk_step, kda_decode_prime, kda_decode_step
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
@@ -174,9 +176,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep", action="store_true", help="also time other launch configurations (largest batch)")
+    ap.add_argument("--sweep", action="store_true", help="also time other launch configurations (largest batch; "
+                    "the chunked form's)")
+    ap.add_argument("--kda-form", choices=KDA_FORMS, default=current_numerics().kda_form,
+                    help="Numerics.kda_form to measure (default: the applied one)")
     a = ap.parse_args()
+    if a.sweep and a.kda_form != "chunk":
+        ap.error("--sweep times the chunked form's launch configurations: add --kda-form chunk")
     setup_logging()
+    with numerics_scope(current_numerics().replace(kda_form=a.kda_form)):
+        return _run(a)
+
+
+def _run(a: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("kda_decode_vs_fla.py needs a CUDA device")
     dev = torch.device("cuda")
@@ -211,10 +223,13 @@ def main() -> int:
             with torch.no_grad():
                 step(q, k, v, g, beta, p, slots, cache)
         row["zmrl_step_us"] = events_ms(zmrl_step, 4 * C) * 1e3
-        rows_read = (C + 1) / 2  # mean chunk rows so far
         state = H * DK * DV * 4
-        per_row = H * (DK * 4 + DV * 2 + DK * 4 + 4) + H * (C * 4 + DV * 4)  # k, v, g, beta + kept T row, v_e row
-        zmrl_bytes = b * (state + rows_read * per_row + state / C)
+        if a.kda_form == "recurrent":  # the running state read and written, the new row stored
+            zmrl_bytes = b * (2 * state + H * (DK * 4 + DV * 2 + DK * 4 + 4) + state / C)
+        else:
+            rows_read = (C + 1) / 2  # mean chunk rows so far
+            per_row = H * (DK * 4 + DV * 2 + DK * 4 + 4) + H * (C * 4 + DV * 4)  # k, v, g, beta + kept T row, v_e row
+            zmrl_bytes = b * (state + rows_read * per_row + state / C)
         row["zmrl_bound_us"] = zmrl_bytes / (bw * 1e12) * 1e6
         row["zmrl_frac"] = row["zmrl_bound_us"] / row["zmrl_step_us"]
 

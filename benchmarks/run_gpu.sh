@@ -153,7 +153,7 @@ for s in "${steps[@]}"; do
     mla-sweep)  # sparse-MLA heads per program / warps / stages at batch 256, 8K; DSA top-k vs torch.topk
       run_step mla-sweep "${T_MLA_SWEEP:-100}" $PY benchmarks/mla_dsa_kernels.py --quick --sweep --out "$OUT/mla_dsa.json" ;;
     kda-decode-sweep)  # KDA decode step vs fla at batch 1, 64, 256; launch configs at 256 with a same-bits check
-      run_step kda-decode-sweep "${T_KDA_DECODE_SWEEP:-80}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 --sweep \
+      run_step kda-decode-sweep "${T_KDA_DECODE_SWEEP:-80}" $PY benchmarks/kda_decode_vs_fla.py --batches 1 64 256 --sweep --kda-form chunk \
         --out "$OUT/kda_decode_vs_fla.json" ;;
     trainer)
       run_step trainer "${T_TRAINER:-100}" $PY benchmarks/trainer_throughput.py --out "$OUT/trainer_throughput.json" \
