@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python benchmarks/x.py` from anywhere without installing
     sys.path.insert(0, str(REPO))
 
+from zmrl.kernels_batch_invariant import fingerprint  # noqa: E402
 from zmrl.model import HybridForCausalLM, ModelConfig  # noqa: E402
 from zmrl.model.model import FP32_PARAMS  # noqa: E402
 
@@ -79,6 +80,8 @@ def env() -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": git_commit(), "source_sha": source_sha(), "torch": torch.__version__, "triton": triton_version,
         "cuda": torch.version.cuda, "argv": sys.argv,
+        # the applied numerics contract (kernel mode, KDA form and dot precision, ...): what the bits and speed follow
+        "numerics": {k: v for k, v in fingerprint().fields.items() if k not in ("torch", "triton")},
     }
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
