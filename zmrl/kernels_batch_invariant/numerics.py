@@ -21,8 +21,9 @@ Fields:
   sequence sequentially). The torch (CPU) backend always runs the chunked form. Default:
   ``$ZMRL_KDA_FORM`` if set when this module is first imported, else "recurrent": RL decodes many
   sequences of moderate length, where it is the faster form on the H200 (a batch-256 decode step with
-  LoRA 29.5 -> 19.6 ms); "chunk" suits prefill-heavy work on long prompts (a 32K-token prompt's KDA
-  layers run ~4x longer token by token). benchmarks/results/2026-12-02_h200_summary.md has the numbers.
+  LoRA 29.5 -> 19.6 ms); "chunk" suits prefill-heavy work on long prompts (fla-core's token-recurrent
+  kernel took ~4x the chunked form's time on one 32K-token sequence). benchmarks/results/2026-12-02_h200_summary.md
+  has the numbers. ``kda_dot_precision`` applies to the chunked form only (the recurrent one has no dots).
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
   ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
   result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from zmrl.kernels_batch_invariant import get_mode
+from zmrl.kernels_batch_invariant import Numerics, current_numerics, get_mode
 from zmrl.model.context import ForwardContext, PagedLatentStore, int64_tensor
 from zmrl.model.kda_pool import KDAStatePool
 
@@ -111,7 +111,8 @@ class DecodeGraphRunner:
         self._slot_pages = torch.full((max_num_seqs + 1, self.page_counts[-1]), scratch_page, dtype=torch.int64)
         self._slot_rows: list[tuple[list[int], int] | None] = [None] * (max_num_seqs + 1)
         self._block_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._graphs: dict[tuple[str, int, int, float | None], _Captured] = {}
+        # keyed on the whole numerics contract: a graph replays the kernels (and KDA form) it captured
+        self._graphs: dict[tuple[Numerics, int, int, float | None], _Captured] = {}
         self._graph_pool = None
         self._copied: "torch.cuda.Event | None" = None
         # what a padding row feeds: token 0 at position 0, written to the scratch page and the scratch slot
@@ -195,7 +196,7 @@ class DecodeGraphRunner:
         if self.mode == "static":
             logits, sampled = self._forward(bs, pages, sample_temperature)
         else:
-            captured = self._graphs.get((get_mode(), bs, pages, sample_temperature))
+            captured = self._graphs.get((current_numerics(), bs, pages, sample_temperature))
             if captured is None:
                 captured = self._capture(bs, pages, sample_temperature)
             captured.graph.replay()
@@ -270,7 +271,7 @@ class DecodeGraphRunner:
         inputs.copy_(saved)
         bt_dev.copy_(saved_bt)
         captured = _Captured(graph, logits, sampled)
-        self._graphs[(get_mode(), bs, pages, sample_temperature)] = captured
+        self._graphs[(current_numerics(), bs, pages, sample_temperature)] = captured
         log.info("captured decode graph: batch %d, %d pages, sampling %s (%d graphs)", bs, pages,
                  "off" if sample_temperature is None else f"at temperature {sample_temperature}", len(self._graphs))
         return captured

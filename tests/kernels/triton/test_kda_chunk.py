@@ -232,6 +232,19 @@ def test_empty_and_zero_length_sequences(device, interpret):
     assert o0.shape == (0, 1, dv) and torch.equal(st0, s0[:1]) and cs0.shape == (0, 1, dk, dv)
 
 
+def test_bad_state_shape_and_fp64_inputs(device, interpret):
+    """Both forms check the initial state's shape before launching, and take fp64 inputs to the fp64 torch
+    reference (fp64 in, fp64 out)."""
+    dk, dv = small_dims(interpret)
+    q, k, v, g, beta, cu, s0 = make_inputs([30, 40], 1, dk, dv, device, seed=8)
+    with pytest.raises(ValueError, match="initial_state"):
+        run(q, k, v, g, beta, cu, s0[:1])
+    x64 = [t.double() for t in (q, k, v, g, beta)]
+    o, st, _ = run(*x64, cu, s0.double())
+    want = kda_chunk.impls["torch"](*x64, cu, s0.double())
+    assert o.dtype == st.dtype == torch.float64 and torch.equal(o, want[0]) and torch.equal(st, want[1])
+
+
 def test_chunk_states_flag_changes_nothing(device, interpret):
     """output_chunk_states only adds stores: the outputs and the final state are the same bits."""
     dk, dv = small_dims(interpret)

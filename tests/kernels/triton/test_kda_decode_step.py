@@ -27,6 +27,54 @@ def test_rows_equal_one_shot_kda_chunk(device, interpret, reset_every):
     assert n == sum(L - s for L, s in zip(lengths, starts))
 
 
+def test_cache_of_the_other_form_is_refused(device, interpret, kda_form):
+    """A cache holds the scratch of the form it was allocated under; the decode step and the prime refuse it
+    under the other form (one line, before any launch) instead of writing into scratch it does not have."""
+    from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
+    from zmrl.kernels_batch_invariant.kda import kda_decode_prime
+
+    h, dk, dv = 1, 16, 16
+    cache = KDADecodeCache.allocate(3, h, dk, dv, torch.float32, torch.float32, device)
+    assert cache.form == kda_form
+    other = "chunk" if kda_form == "recurrent" else "recurrent"
+    x = torch.zeros(2, h, dk, device=device)
+    pos, slots = torch.zeros(2, dtype=torch.int64, device=device), torch.tensor([0, 1], device=device)
+    with numerics_scope(current_numerics().replace(kda_form=other)), torch.no_grad():
+        with pytest.raises(ValueError, match=f"allocated for kda_form='{kda_form}'"):
+            triton_impl(kda_decode_step)(x, x, x[..., :dv], x, x[..., 0], pos, slots, cache)
+        with pytest.raises(ValueError, match="allocated for kda_form"):
+            triton_impl(kda_decode_prime)(slots, pos, cache)
+
+
+@pytest.mark.gpu
+def test_one_recurrent_binary_for_every_caller(device, interpret, kda_form):
+    """The recurrent form's parity argument: the packed forward, the decode prime, the decode step and
+    kda_chunk_step launch ONE compiled kernel (same dtypes, alignments and constants). Checked on the GPU
+    from Triton's cache of compiled variants (the interpreter compiles nothing)."""
+    if interpret or kda_form != "recurrent":
+        pytest.skip("compiled variants exist on a GPU, in the recurrent form")
+    from zmrl.kernels_batch_invariant.kda import kda_chunk_step, kda_decode_prime
+    from zmrl.kernels_batch_invariant.triton import kda_recurrent as kr
+
+    h, dk, dv = 16, 128, 128
+    gen = torch.Generator().manual_seed(2)
+    seq = tuple(x.to(device) for x in sequence_inputs(100, h, dk, dv, gen, torch.bfloat16))
+    cache = KDADecodeCache.allocate(2, h, dk, dv, torch.bfloat16, torch.float32, device)
+    slots = torch.tensor([1], device=device)
+    kr._kda_recurrent_kernel.device_caches.clear()  # other tests of this process compiled other dtypes
+    with torch.no_grad():
+        triton_impl(kda_chunk)(*seq, torch.tensor([0, 100], device=device))
+        for buf, x in zip(cache.rows, seq[1:]):
+            buf[1, :36] = x[64:100].to(buf.dtype)
+        triton_impl(kda_decode_prime)(slots, torch.tensor([36], device=device), cache)
+        triton_impl(kda_decode_step)(*(x[100 - 1:100] for x in seq), torch.tensor([99], device=device), slots, cache)
+        qc = seq[0][:64][None].contiguous()
+        triton_impl(kda_chunk_step)(qc, *(x[:64][None].contiguous() for x in seq[1:]), torch.tensor([64], device=device),
+                                    torch.zeros(1, h, dk, dv, device=device))
+    variants = [c for caches in kr._kda_recurrent_kernel.device_caches.values() for c in caches[0].values()]
+    assert len(variants) == 1, f"{len(variants)} compiled variants of the recurrent kernel"
+
+
 def test_odd_dims(device, interpret):
     """dk != dv, a non-power-of-two dv (masked columns)."""
     h, dk, dv = (2, 16, 24) if interpret else (4, 64, 48)

@@ -10,7 +10,12 @@ Backends:
 
 * torch (reference; CPU and fp64): writes the rows into the cache, gathers each slot's chunk and runs
   ``kda_chunk_step`` over all 64 rows (the re-solve of the whole partial chunk), scatters the state back;
-* triton (``triton/kda_chunk.py``): reads and writes the cache in place through the slot table and
+* triton, recurrent form (``Numerics.kda_form == "recurrent"``, ``triton/kda_recurrent.py``): advances the
+  slot's running state (``run_state``: the state after the chunk's rows so far) by the new token, with the
+  kernel the packed forward runs; ``kda_decode_prime`` rebuilds it from the chunk-start state and the
+  cached rows. Each position must be stepped once after a prime (a repeated position would advance the
+  state twice; the engine never repeats one without reloading the slot).
+* triton, chunked form (``triton/kda_chunk.py``): reads and writes the cache in place through the slot table and
   solves only the new row. Row i of the chunk's intra-chunk solve depends on rows <= i only and never
   changes once computed, so the kernel keeps the solved rows of ``(I + A_kk)^-1`` and of the state
   corrected values ``v_e`` in the cache (``solved_t``, ``v_e``; ``solved`` counts the valid rows) and
@@ -59,6 +64,7 @@ class KDADecodeCache:
     v_e: torch.Tensor
     solved: torch.Tensor
     run_state: torch.Tensor
+    form: str = "chunk"  # the Numerics.kda_form the scratch was sized for (check_cache_form)
 
     @classmethod
     def allocate(cls, num_slots: int, num_heads: int, dk: int, dv: int, v_dtype: torch.dtype,
@@ -73,12 +79,22 @@ class KDADecodeCache:
         sc, sr = (0, s) if recurrent else (s, 0)  # slots of the chunked / recurrent scratch
         return cls(state=z(s, h, dk, dv), k=z(s, c, h, dk), v=z(s, c, h, dv, dtype=v_dtype), g=z(s, c, h, dk, dtype=g_dtype),
                    beta=z(s, c, h), solved_t=z(sc, h, c, c), v_e=z(sc, h, c, dv), solved=z(s, dtype=torch.int32),
-                   run_state=z(sr, h, dk, dv))
+                   run_state=z(sr, h, dk, dv), form="recurrent" if recurrent else "chunk")
 
     @property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The chunk-row buffers (k, v, g, beta)."""
         return self.k, self.v, self.g, self.beta
+
+
+def check_cache_form(cache: KDADecodeCache) -> None:
+    """The Triton decode step and prime need the scratch of the applied ``Numerics.kda_form``; a cache
+    allocated under the other form has none (0 slots). A one-line error from host metadata (capturable)."""
+    form = current_numerics().kda_form
+    if cache.form != form:
+        raise ValueError(f"kda_decode_step: this KDADecodeCache was allocated for kda_form={cache.form!r}, the "
+                         f"process now runs kda_form={form!r}; allocate the cache (the engine) after applying "
+                         f"the numerics, and keep them for its life")
 
 
 def check_decode_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -141,6 +157,8 @@ def kda_decode_step(
 def kda_decode_prime(slots: torch.Tensor, num_rows: torch.Tensor, cache: KDADecodeCache, scale: float | None = None) -> None:
     """Make the backend scratch of ``slots`` [M] hold their chunks' first ``num_rows`` [M] rows, just written
     into the cache (with the boundary state) from another source: a sequence entering decode after an
-    eager prefill, a fork, a prefix-cache hit. The Triton backend solves those rows (no outputs) so that
-    the next ``kda_decode_step`` solves only its new row; the torch backend keeps nothing."""
+    eager prefill, a fork, a prefix-cache hit; ``num_rows`` in 0..63 (a chunk's rows before its last). The
+    Triton backend's chunked form solves those rows (no outputs) so that the next ``kda_decode_step`` solves
+    only its new row, its recurrent form runs them from the chunk-start state into ``run_state``; the torch
+    backend keeps nothing."""
     cache.solved[slots] = num_rows.to(torch.int32)

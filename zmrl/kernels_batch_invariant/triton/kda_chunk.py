@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step
-from ..kda.decode import KDADecodeCache, check_decode_args, kda_decode_prime, kda_decode_step
+from ..kda.decode import KDADecodeCache, check_cache_form, check_decode_args, kda_decode_prime, kda_decode_step
 from ..numerics import kda_dot_precision, kda_form
 from ._common import cdiv, next_pow2
 from .kda_chunk_bwd import with_fla_backward
@@ -474,7 +474,8 @@ def kda_chunk_triton_forward(
     scale: float | None = None,
     output_chunk_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The Triton forward (no autograd); see ``kda_chunk`` for shapes and semantics."""
+    """The Triton forward (no autograd) in the applied ``Numerics.kda_form``; see ``kda_chunk`` for shapes and
+    semantics."""
     if q.dtype == torch.float64:  # gradcheck: the fp64 torch composition is the reference
         return kda_chunk.impls["torch"](q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
     t, h, dk = q.shape
@@ -483,11 +484,13 @@ def kda_chunk_triton_forward(
         raise ValueError(f"kda_chunk: bad shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} "
                          f"g{tuple(g.shape)} beta{tuple(beta.shape)}")
     n = cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape != (n, h, dk, dv):
+        raise ValueError(f"kda_chunk: initial_state {tuple(initial_state.shape)} != {(n, h, dk, dv)}")
+    if kda_form() == "recurrent":
+        return recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
     dev = q.device
     scale = dk**-0.5 if scale is None else float(scale)
     tab = _tables(cu_seqlens, t, dev)
-    if initial_state is not None and initial_state.shape != (n, h, dk, dv):
-        raise ValueError(f"kda_chunk: initial_state {tuple(initial_state.shape)} != {(n, h, dk, dv)}")
     final = torch.empty(n, h, dk, dv, dtype=torch.float32, device=dev)
     o = torch.empty(t, h, dv, dtype=v.dtype, device=dev)
     chunk_states = (torch.empty(tab.n_complete, h, dk, dv, dtype=torch.float32, device=dev)
@@ -558,8 +561,6 @@ def kda_chunk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``kda_chunk`` on the GPU: Triton forward (the applied ``Numerics.kda_form``), fla-core backward
     (``kda_chunk_bwd.py``)."""
-    if kda_form() == "recurrent":
-        return recurrent_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
     return kda_chunk_triton_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_chunk_states)
 
 
@@ -668,6 +669,7 @@ def kda_decode_step_triton(
     n, h, dk, dv = check_decode_args(q, k, v, g, beta, positions, slots, cache)
     if q.dtype == torch.float64 or cache.g.dtype == torch.float64:
         return kda_decode_step.impls["torch"](q, k, v, g, beta, positions, slots, cache, scale)
+    check_cache_form(cache)
     if kda_form() == "recurrent":
         return recurrent_decode_step(q, k, v, g, beta, positions, slots, cache, scale)
     dev = q.device
@@ -712,6 +714,7 @@ def kda_decode_prime_triton(slots: torch.Tensor, num_rows: torch.Tensor, cache: 
     if m == 0 or cache.g.dtype == torch.float64:
         cache.solved[slots] = num_rows.to(torch.int32)
         return
+    check_cache_form(cache)
     if kda_form() == "recurrent":
         recurrent_decode_prime(slots, num_rows, cache, scale)
         return

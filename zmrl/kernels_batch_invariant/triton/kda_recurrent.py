@@ -26,8 +26,9 @@ the chunk-start state and the cached rows.
 Speed (why this form exists next to the chunked one, ``kda_chunk.py``): a decode step is one token of
 vector work per (sequence, head, column block), bounded by reading and writing the state; the chunked
 form re-solves 64-row tiles every step. The cost is a sequential pass over each sequence in prefill and
-training: fast for many sequences of RL length, slow for one long prompt (measurements in
-benchmarks/results/2026-12-02_kda_recurrent_probe_h200.json).
+training: fine for many sequences of RL length, slow for one long prompt (fla-core's token-recurrent
+kernel took ~4x the chunked form's time on one 32K-token sequence:
+benchmarks/results/2026-12-02_kda_recurrent_probe_h200.json; this kernel's own prefill is not measured yet).
 
 Autograd: fla-core's chunked backward, as for the chunked forward (``kda_chunk_bwd.py``): the backward
 needs correctness and determinism, not the forward's bits.
@@ -116,10 +117,15 @@ def _kda_recurrent_kernel(
 
 def _launch(q, k, v, g, beta, o, h0, run, fin, cs, info: torch.Tensor, scale: float, h: int, dk: int, dv: int) -> None:
     """One launch over the runs of ``info``; unused pointers may be any tensor of the device (never touched:
-    their rows are -1). Every base pointer is 16-byte aligned (torch allocations, contiguous views at row
-    offsets of 16 elements or more), so every caller gets the same specialisation of the kernel."""
+    their rows are -1). Every base pointer is 16-byte aligned (inputs copied if not, outputs checked) and
+    the pointer dtypes are fixed (below), so every caller gets the same specialisation of the kernel."""
     cfg = launch_config(dk, dv)
-    q, k, v, g, beta = (_aligned(x) for x in (q, k, v, g, beta))
+    # q, k, g, beta in fp32 for every caller (the model's dtypes; exact conversions otherwise), v and o in the
+    # model dtype: the same pointer dtypes everywhere, hence the same binary.
+    q, k, g, beta = (_aligned(x.to(torch.float32)) for x in (q, k, g, beta))
+    v = _aligned(v)
+    if o.dtype != v.dtype:
+        raise ValueError(f"kda (recurrent): output dtype {o.dtype} != v dtype {v.dtype}")
     for x in (o, h0, run, fin, cs):
         if x.data_ptr() % 16:
             raise ValueError("kda (recurrent): an output or state buffer is not 16-byte aligned")
@@ -256,6 +262,8 @@ def recurrent_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     o = torch.empty(n, h, dv, dtype=v.dtype, device=dev)
     if n == 0:
         return o
+    if v.dtype != cache.v.dtype:
+        raise ValueError(f"kda_decode_step: v is {v.dtype}, the cache holds {cache.v.dtype}")
     q, k, v, g, beta = (_aligned(x) for x in (q, k, v, g, beta))
     info = torch.empty(n, INFO_COLS, dtype=torch.int32, device=dev)
     _decode_rows_kernel[(n,)](positions, slots, cache.solved, k, v, g, beta, cache.k, cache.v, cache.g, cache.beta,
@@ -271,13 +279,14 @@ def recurrent_decode_prime(slots: torch.Tensor, num_rows: torch.Tensor, cache: K
     """``kda_decode_prime`` in the recurrent form: run_state[slot] = the state after the slot's first
     ``num_rows`` cached rows, from its chunk-start state (no outputs; the chunk-start state is left as it is)."""
     m = slots.numel()
-    cache.solved[slots] = num_rows.to(torch.int32)
+    # 0..63 rows (kda_decode_prime's contract); clamped on the device (a host check would sync)
+    rows_n = num_rows.to(torch.int32).clamp(0, CHUNK_SIZE - 1)
+    cache.solved[slots] = rows_n
     if m == 0:
         return
     h, dk, dv = cache.state.shape[1:]
     scale = dk**-0.5 if scale is None else float(scale)
     s = slots.to(torch.int32)
-    rows_n = num_rows.to(torch.int32).clamp(0, CHUNK_SIZE - 1)
     none = torch.full_like(s, -1)
     zero = torch.zeros_like(s)
     # OUT0 = rows: no row has an output (q / o are never touched); FIN_ROW -1: the chunk-start state stays.

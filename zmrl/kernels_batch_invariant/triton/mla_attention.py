@@ -80,7 +80,7 @@ BACKWARD_ELEMS = 1 << 26
 
 _INTERPRET = INTERPRET
 
-assert SPLIT_KEYS % KEY_BLOCK == 0
+assert SPLIT_KEYS % KEY_BLOCK == 0 and SPLIT_KEYS & (SPLIT_KEYS - 1) == 0  # the sparse pre-scan is tl.arange(SPLIT)
 
 
 def _next_pow2(n: int) -> int:
