@@ -83,6 +83,18 @@ def test_recipe_kernel_mode():
         load_recipe(None, ["model.kernel_mode=turbo"])
 
 
+def test_recipe_kda_form_reaches_the_runs_numerics():
+    pytest.importorskip("verl")
+    from zmrl.rl.loop import run_numerics
+
+    default = load_recipe(None)
+    assert default.model.kda_form is None and run_numerics(default).kda_form == kbi.current_numerics().kda_form
+    for form in ("chunk", "recurrent"):
+        assert run_numerics(load_recipe(None, [f"model.kda_form={form}"])).kda_form == form
+    with pytest.raises(RecipeError, match="model.kda_form.*'parallel'"):
+        load_recipe(None, ["model.kda_form=parallel"])
+
+
 def test_recipe_file_documents_kernel_mode():
     pytest.importorskip("verl")
     from pathlib import Path

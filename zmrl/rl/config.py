@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 from zmrl.extras import require
 
-from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
+from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS, KDA_FORMS
 from zmrl.model.recompute import RECOMPUTE_POLICIES
 
 
@@ -30,6 +30,11 @@ class ModelSection:
     # contract). "fast": stock kernels where an op has them, for measuring what bitwise costs; the
     # rollout/trainer parity metrics are then expected to be < 1. Applies to the engine and the trainer.
     kernel_mode: str = "bitwise"
+    # The arithmetic of the GPU's KDA ops (Numerics.kda_form): "recurrent" (token by token: fast decode, the
+    # RL default) or "chunk" (chunked: faster prefill of long prompts, slower decode); null keeps the
+    # process's default ($ZMRL_KDA_FORM, else "recurrent"). The same on every process of the run; CPU runs
+    # are unaffected (the CPU backend is chunked either way).
+    kda_form: str | None = None
 
 
 @dataclass
@@ -367,6 +372,8 @@ def _validate(cfg: RecipeConfig) -> None:
     need(m.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {m.dtype!r}")
     need(m.kernel_mode in ("bitwise", "fast"), "model.kernel_mode",
          f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), got {m.kernel_mode!r}")
+    need(m.kda_form is None or m.kda_form in KDA_FORMS, "model.kda_form",
+         f"must be one of {', '.join(map(repr, KDA_FORMS))} or null, got {m.kda_form!r}")
     need(m.path is None or str(m.path).strip() != "", "model.path",
          "is empty: give a checkpoint folder, or leave it unset (null) for the embedded default model")
     at_least("model.bootstrap_steps", m.bootstrap_steps, 1)

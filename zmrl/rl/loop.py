@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from zmrl.kernels_batch_invariant import apply_numerics, check_same_numerics, current_numerics
+from zmrl.kernels_batch_invariant import Numerics, apply_numerics, check_same_numerics, current_numerics
 from zmrl.parity import ParityReport
 from zmrl.rollout import SamplingParams
 from zmrl.rollout.sampling import rollout_seed
@@ -51,6 +51,15 @@ def _parity_metrics(report: ParityReport) -> dict[str, float]:
             "mismatch/sequences_compared": report.sequences_compared}
 
 
+def run_numerics(cfg: RecipeConfig) -> Numerics:
+    """The run's numerics contract: this process's, with what the recipe sets (kernel mode, KDA form, thread
+    count, backward GEMM precision)."""
+    n = current_numerics()
+    return n.replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=cfg.trainer.num_threads,
+                     backward_matmul_precision=cfg.trainer.backward_matmul_precision,
+                     kda_form=cfg.model.kda_form or n.kda_form)
+
+
 class RLRunner:
     def __init__(self, cfg: RecipeConfig):
         from .preflight import check_inputs, clear_run
@@ -67,8 +76,7 @@ class RLRunner:
         if tc.overwrite and (gone := clear_run(tc.out_dir)):
             log.warning("trainer.overwrite=true: deleted the previous run's %s in %s", ", ".join(gone), tc.out_dir)
         # The numerics contract of the run: this process's, carried to every Ray actor (ActorEnv).
-        self.numerics = current_numerics().replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=tc.num_threads,
-                                                   backward_matmul_precision=tc.backward_matmul_precision)
+        self.numerics = run_numerics(cfg)
         apply_numerics(self.numerics)
         self.out_dir = Path(tc.out_dir).expanduser()
         self.out_dir.mkdir(parents=True, exist_ok=True)
