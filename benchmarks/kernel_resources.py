@@ -207,7 +207,22 @@ def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | 
                  cfg.num_warps if num_warps is None else num_warps)
 
 
-KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla")
+def recurrent_report(dk: int = 128, dv: int = 128, v_dtype: str = "bf16") -> KernelReport:
+    """The recurrent-form KDA kernel (``triton/kda_recurrent.py``) at its launch for (dk, dv), with the pointer
+    dtypes every caller passes (fp32 q, k, g, beta and states; v and o in the model dtype): the one binary
+    that prefill, decode and the trainer share."""
+    from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE
+    from zmrl.kernels_batch_invariant.triton import kda_recurrent as R
+
+    cfg = R.launch_config(dk, dv)
+    f32, vt = "*fp32", f"*{v_dtype}"
+    ptrs = {"q_ptr": f32, "k_ptr": f32, "v_ptr": vt, "g_ptr": f32, "beta_ptr": f32, "o_ptr": vt, "h0_ptr": f32,
+            "run_ptr": f32, "fin_ptr": f32, "cs_ptr": f32, "info_ptr": "*i32"}
+    return build("kda_recurrent", R._kda_recurrent_kernel, ptrs, {"scale": "fp32", "H": "i32"},
+                 dict(DK=dk, DV=dv, DKP=cfg["DKP"], BV=cfg["BV"], C=CHUNK_SIZE), cfg["num_warps"])
+
+
+KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla", "recurrent")
 
 
 def main() -> int:
@@ -229,7 +244,9 @@ def main() -> int:
         import triton
     except ImportError:
         raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
-    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k != "mla"], a.decode_maxnreg)
+    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in ("mla", "recurrent")], a.decode_maxnreg)
+    if "recurrent" in kernels:
+        reports.append(recurrent_report(a.dk, a.dv))
     if "mla" in kernels:
         reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps))
     print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")

@@ -80,3 +80,14 @@ def test_mla_kernel_report_builds():
     report = kernel_resources.mla_report()
     assert report.registers > 0 and report.name.startswith("mla_split")
     assert sum(r.op == "reduce" and r.axis == 1 for r in report.reductions) >= 2
+
+
+def test_recurrent_kernel_report_builds():
+    """The recurrent-form KDA kernel's report builds with its current signature and launch configuration: two
+    reductions over dk per token (what the state recalls for k, the read-out), no register spills."""
+    _skip_without_toolchain()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the compiler, not the interpreter")
+    report = kernel_resources.recurrent_report()
+    assert report.registers > 0 and report.stack_bytes == 0
+    assert [(r.op, r.axis, r.shape) for r in report.reductions] == [("reduce", 0, "128x32xf32")] * 2
