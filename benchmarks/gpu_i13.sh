@@ -31,7 +31,10 @@
 #   rl_full       the whole RL step at 64 prompts x 8 (rollout, fused parity forward, backward, optimizer, weight push);
 #   kda_sweep     kda_decode_vs_fla.py --sweep (launch and column-block configs) + the GPU KDA decode tests;
 #   rollout_rl_fine  the RL-shaped rollout with finer decode-graph batch buckets (GRAPH_SIZES);
-#   kda_phases    kda_decode_phases.py: the KDA decode step with one intra-kernel phase cut out at a time.
+#   kda_phases    kda_decode_phases.py: the KDA decode step with one intra-kernel phase cut out at a time;
+#   kda_forms     benchmarks/probes/kda_recurrent_probe.py: zmrl's two KDA forms vs fla on training, prefill and
+#                 decode shapes, then the Triton KDA and MLA tests (the KDA ones under both forms);
+#   prefill / prefill_chunk  prefill_throughput.py in the default (recurrent) / the chunked KDA form.
 # T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
@@ -147,6 +150,14 @@ has kda_phases && step kda_decode_phases "${T_KDA_PHASES:-150}" $PY benchmarks/k
   --out "$OUT/kda_decode_phases.json"
 has kda_sweep && step gpu_tests_kda_decode "${T_KDA_DECODE_TESTS:-150}" $PYTEST tests/kernels/triton/test_kda_decode_step.py \
   tests/kernels/triton/test_kda_chunk_step.py
+
+has kda_forms && step kda_forms "${T_KDA_FORMS:-150}" env OUT="$OUT" $PY benchmarks/probes/kda_recurrent_probe.py
+has kda_forms && step gpu_tests_kda_mla "${T_KDA_MLA_TESTS:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+  tests/kernels/triton/test_kda_decode_step.py tests/kernels/triton/test_kda_chunk_step.py \
+  tests/kernels/triton/test_kda_chunk.py tests/kernels/triton/test_mla_attention.py
+has prefill && step prefill "${T_PREFILL:-150}" $PY benchmarks/prefill_throughput.py --out "$OUT/prefill.json"
+has prefill_chunk && step prefill_chunk "${T_PREFILL:-150}" env ZMRL_KDA_FORM=chunk $PY benchmarks/prefill_throughput.py \
+  --out "$OUT/prefill_chunk.json"
 
 has parity && step bench_parity "${T_PARITY:-240}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu \
   tests/bitwise/test_parity_gpu_bench.py
