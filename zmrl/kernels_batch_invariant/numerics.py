@@ -109,6 +109,11 @@ class Numerics:
     def replace(self, **changes: object) -> "Numerics":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def bit_fields(self) -> dict[str, str]:
+        """The fields that change bits (name -> value as text): what the fingerprint and a captured CUDA
+        graph depend on (the thread count and the backward's GEMM precision do not)."""
+        return {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("bits", True)}
+
 
 @dataclass(frozen=True)
 class NumericsFingerprint:
@@ -223,7 +228,7 @@ def fingerprint(numerics: Numerics | None = None) -> NumericsFingerprint:
     """The bit-relevant settings of ``numerics`` (default: the applied contract) plus this process's
     torch and Triton versions and CPU vector path."""
     n = numerics or _current
-    fields = {f.name: str(getattr(n, f.name)) for f in dataclasses.fields(n) if f.metadata.get("bits", True)}
+    fields = n.bit_fields()
     fields.update(torch=torch.__version__, triton=_triton_version(), cpu_vector_path=_cpu_vector_path(),
                   cpu_vendor=_cpu_vendor())
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from zmrl.kernels_batch_invariant import Numerics, current_numerics, get_mode
+from zmrl.kernels_batch_invariant import current_numerics, get_mode
 from zmrl.model.context import ForwardContext, PagedLatentStore, int64_tensor
 from zmrl.model.kda_pool import KDAStatePool
 
@@ -111,8 +111,8 @@ class DecodeGraphRunner:
         self._slot_pages = torch.full((max_num_seqs + 1, self.page_counts[-1]), scratch_page, dtype=torch.int64)
         self._slot_rows: list[tuple[list[int], int] | None] = [None] * (max_num_seqs + 1)
         self._block_tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # keyed on the whole numerics contract: a graph replays the kernels (and KDA form) it captured
-        self._graphs: dict[tuple[Numerics, int, int, float | None], _Captured] = {}
+        # keyed on the bit-relevant numerics (kernel mode, KDA form, ...): a graph replays the kernels it captured
+        self._graphs: dict[tuple[tuple[tuple[str, str], ...], int, int, float | None], _Captured] = {}
         self._graph_pool = None
         self._copied: "torch.cuda.Event | None" = None
         # what a padding row feeds: token 0 at position 0, written to the scratch page and the scratch slot
@@ -196,7 +196,7 @@ class DecodeGraphRunner:
         if self.mode == "static":
             logits, sampled = self._forward(bs, pages, sample_temperature)
         else:
-            captured = self._graphs.get((current_numerics(), bs, pages, sample_temperature))
+            captured = self._graphs.get((self._numerics_key(), bs, pages, sample_temperature))
             if captured is None:
                 captured = self._capture(bs, pages, sample_temperature)
             captured.graph.replay()
@@ -249,6 +249,10 @@ class DecodeGraphRunner:
         # the token drawn now sits at position + 1
         return logits, sample_plain(logits, sample_temperature, mix_positions(seed_keys, positions + 1))
 
+    @staticmethod
+    def _numerics_key() -> tuple[tuple[str, str], ...]:
+        return tuple(current_numerics().bit_fields().items())
+
     def _capture(self, bs: int, pages: int, sample_temperature: float | None) -> _Captured:
         """Capture the step for one bucket. Warm-up and capture run on padding only (scratch page, scratch
         slot): the real rows' inputs are copied in afterwards, so their state is touched once, by the replay."""
@@ -271,7 +275,7 @@ class DecodeGraphRunner:
         inputs.copy_(saved)
         bt_dev.copy_(saved_bt)
         captured = _Captured(graph, logits, sampled)
-        self._graphs[(current_numerics(), bs, pages, sample_temperature)] = captured
+        self._graphs[(self._numerics_key(), bs, pages, sample_temperature)] = captured
         log.info("captured decode graph: batch %d, %d pages, sampling %s (%d graphs)", bs, pages,
                  "off" if sample_temperature is None else f"at temperature {sample_temperature}", len(self._graphs))
         return captured
