@@ -46,7 +46,6 @@ def test_cache_of_the_other_form_is_refused(device, interpret, kda_form):
             triton_impl(kda_decode_prime)(slots, pos, cache)
 
 
-@pytest.mark.gpu
 def test_one_recurrent_binary_for_every_caller(device, interpret, kda_form):
     """The recurrent form's parity argument: the packed forward, the decode prime, the decode step and
     kda_chunk_step launch ONE compiled kernel (same dtypes, alignments and constants). Checked on the GPU

@@ -77,12 +77,19 @@ class _Layout:
         return sum(self.n_chunks)
 
 
-def _layout(cu_seqlens: torch.Tensor, total: int) -> _Layout:
-    c = CHUNK_SIZE
+def packed_lengths(cu_seqlens: torch.Tensor, total: int) -> tuple[list[int], list[int]]:
+    """(cu_seqlens as a list, the sequence lengths) after checking they describe ``total`` packed tokens (a host
+    read: every backend's packed forward needs the lengths on the host)."""
     cu = [int(x) for x in cu_seqlens.tolist()]
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     if any(n < 0 for n in lens) or (cu and cu[-1] != total) or (cu and cu[0] != 0):
         raise ValueError(f"kda_chunk: cu_seqlens {cu} does not describe {total} packed tokens")
+    return cu, lens
+
+
+def _layout(cu_seqlens: torch.Tensor, total: int) -> _Layout:
+    c = CHUNK_SIZE
+    cu, lens = packed_lengths(cu_seqlens, total)
     n_chunks = [(n + c - 1) // c for n in lens]
     n_complete = [n // c for n in lens]
     chunk_start, complete_start, acc, acc_c = [], [], 0, 0

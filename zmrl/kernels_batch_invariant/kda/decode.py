@@ -86,6 +86,13 @@ class KDADecodeCache:
         """The chunk-row buffers (k, v, g, beta)."""
         return self.k, self.v, self.g, self.beta
 
+    def flat_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk rows as packed token rows (views): k, g [S * 64, H, dk], v [S * 64, H, dv], beta [S * 64, H];
+        slot s's row r is token row s * 64 + r (what the Triton kernels address)."""
+        h = self.beta.shape[-1]
+        return self.k.view(-1, h, self.k.shape[-1]), self.v.view(-1, h, self.v.shape[-1]), \
+            self.g.view(-1, h, self.g.shape[-1]), self.beta.view(-1, h)
+
 
 def check_cache_form(cache: KDADecodeCache) -> None:
     """The Triton decode step and prime need the scratch of the applied ``Numerics.kda_form``; a cache

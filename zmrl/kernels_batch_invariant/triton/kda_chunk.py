@@ -64,12 +64,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step
+from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step, packed_lengths
 from ..kda.decode import KDADecodeCache, check_cache_form, check_decode_args, kda_decode_prime, kda_decode_step
 from ..numerics import kda_dot_precision, kda_form
 from ._common import cdiv, next_pow2
 from .kda_chunk_bwd import with_fla_backward
-from .kda_recurrent import recurrent_chunk_step, store_row, recurrent_decode_prime, recurrent_decode_step, recurrent_forward
+from .kda_recurrent import (recurrent_chunk_step, recurrent_decode_prime, recurrent_decode_step, recurrent_forward,
+                            stage_new_row)
 
 _SUB = 16  # sub-block rows of the intra-chunk A products (the off-diagonal factorisation)
 
@@ -402,10 +403,7 @@ class _Tables:
 def _tables(cu_seqlens: torch.Tensor, total: int, device: torch.device) -> _Tables:
     """Tables of the packed varlen path: every chunk solved from its row 0, outputs for every row."""
     c = CHUNK_SIZE
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if not cu or cu[0] != 0 or cu[-1] != total or any(n < 0 for n in lens):
-        raise ValueError(f"kda_chunk: cu_seqlens {cu} does not describe {total} packed tokens")
+    cu, lens = packed_lengths(cu_seqlens, total)
     if total >= 2**31:
         raise ValueError("kda_chunk (triton): more than 2^31 tokens")
     chunks: list[int] = []
@@ -624,13 +622,10 @@ def _decode_prep_kernel(
 ):
     """Per sequence: store the new row at its chunk row in the cache and write the kernels' tables."""
     i = tl.program_id(0)
-    pos = tl.load(pos_ptr + i)
-    slot = tl.load(slot_ptr + i)
-    r = (pos % C).to(tl.int32)
+    slot, r, _ = stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,
+                               HK, HV, H, BLOCK, C)
     row0 = tl.minimum(tl.load(solved_ptr + slot), r)
     tl.store(solved_ptr + slot, r + 1)
-    dst = slot * C + r  # token row of the cache's [S * 64, H, d] view
-    store_row(dst, i, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr, HK, HV, H, BLOCK)
     s32 = slot.to(tl.int32)
     # chunk: TOK, ROWS, QTOK, ROW0, OUT0, KEEP
     ci = cinfo_ptr + i * 6
@@ -727,7 +722,7 @@ def kda_decode_prime_triton(slots: torch.Tensor, num_rows: torch.Tensor, cache: 
     tab = _Tables(chunk_info=torch.stack([s32 * c, r32, zero, zero, r32, s32], dim=1).contiguous(),
                   seq_info=torch.stack([zero, r32, torch.arange(m, dtype=torch.int32, device=dev), zero, s32, zero],
                                        dim=1).contiguous(), n_chunks=m, n_complete=0)
-    rows = (cache.k.view(-1, h, dk), cache.v.view(-1, h, dv), cache.g.view(-1, h, dk), cache.beta.view(-1, h))
+    rows = cache.flat_rows()
     no_output = torch.empty(0, h, dv, dtype=cache.v.dtype, device=dev)
     _launch(rows[0], *rows, tab, cache.state, cache.state, no_output, None, cache.solved_t, cache.v_e, scale)
     cache.solved[slots] = r32

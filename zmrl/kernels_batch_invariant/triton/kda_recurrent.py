@@ -40,11 +40,12 @@ import triton
 import triton.language as tl
 
 from ..kda import CHUNK_SIZE, KDADecodeCache
+from ..kda.chunk import packed_lengths
 from ._common import cdiv, next_pow2
 
-# The run table: one row of INFO_COLS int32 per run (see _kda_recurrent_kernel).
+# The run table: one row of INFO_COLS int32 per run, the columns of ``run_table`` in its order (see
+# _kda_recurrent_kernel).
 INFO_COLS = 9
-TOK0, NROWS, QTOK0, OUT0, IN_ROW, RUN_ROW, POS0, CS_ROW0, FIN_ROW = range(INFO_COLS)
 
 
 def launch_config(dk: int, dv: int) -> dict[str, int]:
@@ -141,8 +142,10 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
-def _table(*cols: torch.Tensor) -> torch.Tensor:
-    return torch.stack([c.to(torch.int32) for c in cols], dim=1).contiguous()
+def run_table(*, tok0, nrows, qtok0, out0, in_row, run_row, pos0, cs_row0, fin_row) -> torch.Tensor:
+    """[N, INFO_COLS] int32 run table from its columns ([N] tensors, or lists built on the host); -1 = none."""
+    cols = (tok0, nrows, qtok0, out0, in_row, run_row, pos0, cs_row0, fin_row)
+    return torch.stack([torch.as_tensor(c).to(torch.int32) for c in cols], dim=1).contiguous()
 
 
 def recurrent_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -153,11 +156,8 @@ def recurrent_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     dv = v.shape[-1]
     dev = q.device
     scale = dk**-0.5 if scale is None else float(scale)
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    n = len(cu) - 1
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if not cu or cu[0] != 0 or cu[-1] != t or any(m < 0 for m in lens):
-        raise ValueError(f"kda_chunk: cu_seqlens {cu} does not describe {t} packed tokens")
+    cu, lens = packed_lengths(cu_seqlens, t)
+    n = len(lens)
     if t >= 2**31:
         raise ValueError("kda_chunk (triton): more than 2^31 tokens")
     c = CHUNK_SIZE
@@ -169,10 +169,11 @@ def recurrent_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     o = torch.empty(t, h, dv, dtype=v.dtype, device=dev)
     if n == 0 or t == 0:
         return o, final, chunk_states
-    seq = list(range(n))
-    info = torch.tensor([[cu[i], lens[i], cu[i], 0, i if initial_state is not None else -1, -1, 0,
-                          cs_start[i] if output_chunk_states and complete[i] else -1, i] for i in seq],
-                        dtype=torch.int32).to(dev, non_blocking=True)
+    seq, none, zero = list(range(n)), [-1] * n, [0] * n
+    info = run_table(tok0=cu[:-1], nrows=lens, qtok0=cu[:-1], out0=zero, in_row=seq if initial_state is not None else none,
+                     run_row=none, pos0=zero, fin_row=seq,
+                     cs_row0=[cs_start[i] if output_chunk_states and complete[i] else -1 for i in seq]
+                     ).to(dev, non_blocking=True)
     _launch(q, k, v, g, beta, o, final, final, final, chunk_states if chunk_states is not None else final, info,
             scale, h, dk, dv)
     return o, final, chunk_states
@@ -193,10 +194,10 @@ def recurrent_chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     seq = torch.arange(n, dtype=torch.int32, device=dev)
     none = torch.full_like(seq, -1)
     zero = torch.zeros_like(seq)
-    info = _table(seq * c, num_rows.clamp(0, c), seq * c, zero, seq, none, zero, none, seq)
-    rows = [x.reshape(n * c, h, -1).contiguous() for x in (q, k, v, g)]
-    _launch(*rows, beta.reshape(n * c, h).contiguous(), o.view(n * c, h, dv), final, final, final, final, info,
-            scale, h, dk, dv)
+    info = run_table(tok0=seq * c, nrows=num_rows.clamp(0, c), qtok0=seq * c, out0=zero, in_row=seq, run_row=none,
+                     pos0=zero, cs_row0=none, fin_row=seq)
+    _launch(*(x.reshape(n * c, h, -1) for x in (q, k, v, g)), beta.reshape(n * c, h), o.view(n * c, h, dv),
+            final, final, final, final, info, scale, h, dk, dv)
     return o, final
 
 
@@ -212,12 +213,9 @@ def _decode_rows_kernel(
     state, and write its run: one row from run_state[slot] back to run_state[slot], the query and output at
     row i of the step, the chunk-end state (when the row completes the chunk) to the cache's state."""
     i = tl.program_id(0)
-    pos = tl.load(pos_ptr + i)
-    slot = tl.load(slot_ptr + i)
-    r = (pos % C).to(tl.int32)
+    slot, r, dst = stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr,
+                                 cbeta_ptr, HK, HV, H, BLOCK, C)
     tl.store(solved_ptr + slot, r + 1)
-    dst = slot * C + r  # token row of the cache's [S * 64, H, d] view
-    store_row(dst, i, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr, HK, HV, H, BLOCK)
     s32 = slot.to(tl.int32)
     info = info_ptr + i * 9
     tl.store(info + 0, dst.to(tl.int32))
@@ -232,9 +230,14 @@ def _decode_rows_kernel(
 
 
 @triton.jit
-def store_row(dst, i, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,
-              HK: tl.constexpr, HV: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy row i of the new k, v, g, beta ([N, H, d] / [N, H]) to row ``dst`` of the cache's rows."""
+def stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,
+                  HK: tl.constexpr, HV: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr):
+    """A decode step's sequence i: its slot and chunk row r = position % C, and its new k, v, g, beta ([N, H, d] /
+    [N, H]) copied to that row of the slot's cached chunk. Returns (slot, r, the row's token index in the
+    cache's [S * C, H, d] view)."""
+    slot = tl.load(slot_ptr + i)
+    r = (tl.load(pos_ptr + i) % C).to(tl.int32)
+    dst = slot * C + r
     for b in tl.static_range(0, HK, BLOCK):
         e = b + tl.arange(0, BLOCK)
         m = e < HK
@@ -247,6 +250,7 @@ def store_row(dst, i, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbe
     hb = tl.arange(0, BLOCK)
     mb = hb < H
     tl.store(cbeta_ptr + dst * H + hb, tl.load(beta_ptr + i * H + hb, mask=mb).to(cbeta_ptr.dtype.element_ty), mask=mb)
+    return slot, r, dst
 
 
 def recurrent_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -269,8 +273,7 @@ def recurrent_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     _decode_rows_kernel[(n,)](positions, slots, cache.solved, k, v, g, beta, cache.k, cache.v, cache.g, cache.beta,
                               info, HK=h * dk, HV=h * dv, H=h, BLOCK=max(next_pow2(h), 1024), C=CHUNK_SIZE,
                               num_warps=4)
-    rows = (cache.k.view(-1, h, dk), cache.v.view(-1, h, dv), cache.g.view(-1, h, dk), cache.beta.view(-1, h))
-    _launch(q, *rows, o, cache.run_state, cache.run_state, cache.state, cache.state, info, scale, h, dk, dv)
+    _launch(q, *cache.flat_rows(), o, cache.run_state, cache.run_state, cache.state, cache.state, info, scale, h, dk, dv)
     return o
 
 
@@ -289,8 +292,9 @@ def recurrent_decode_prime(slots: torch.Tensor, num_rows: torch.Tensor, cache: K
     s = slots.to(torch.int32)
     none = torch.full_like(s, -1)
     zero = torch.zeros_like(s)
-    # OUT0 = rows: no row has an output (q / o are never touched); FIN_ROW -1: the chunk-start state stays.
-    info = _table(s * CHUNK_SIZE, rows_n, zero, rows_n, s, s, zero, none, none)
-    rows = (cache.k.view(-1, h, dk), cache.v.view(-1, h, dv), cache.g.view(-1, h, dk), cache.beta.view(-1, h))
-    # q / o are never touched (OUT0 = rows); stand-ins of the decode step's dtypes keep the binary the same.
-    _launch(rows[0], *rows, cache.v.view(-1, h, dv), cache.state, cache.run_state, cache.state, cache.state, info, scale, h, dk, dv)
+    # out0 = rows: no row has an output; fin_row -1: the chunk-start state stays.
+    info = run_table(tok0=s * CHUNK_SIZE, nrows=rows_n, qtok0=zero, out0=rows_n, in_row=s, run_row=s, pos0=zero,
+                     cs_row0=none, fin_row=none)
+    k, v, g, beta = cache.flat_rows()
+    # q / o are never touched: stand-ins of the decode step's dtypes (k, v) keep the binary the same.
+    _launch(k, k, v, g, beta, v, cache.state, cache.run_state, cache.state, cache.state, info, scale, h, dk, dv)
