@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -313,7 +314,10 @@ def table(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, str]]) 
 
 def profile_step(step: Callable[[], Any], cuda: bool, steps: int = 3, top: int = 15) -> list[dict[str, Any]]:
     """Per-kernel device time of ``steps`` calls (self time, summed by kernel name); top ``top`` + total.
-    Without CUDA (``--smoke``) the CPU self time of each op instead."""
+    Only device-side events count (kernels, copies, fills): a CPU op's ``self_device_time`` repeats the
+    time of the kernels it launched, so summing both would count the GPU's work twice. Without CUDA
+    (``--smoke``) the CPU self time of each op instead."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -325,6 +329,8 @@ def profile_step(step: Callable[[], Any], cuda: bool, steps: int = 3, top: int =
     rows = []
     for e in prof.key_averages():
         if cuda:
+            if e.device_type != DeviceType.CUDA:
+                continue
             dev_us = getattr(e, "self_device_time_total", None)
             if dev_us is None:
                 dev_us = getattr(e, "self_cuda_time_total", 0.0)
@@ -336,8 +342,43 @@ def profile_step(step: Callable[[], Any], cuda: bool, steps: int = 3, top: int =
     rows.sort(key=lambda r: -r["ms_per_step"])
     for r in rows:
         r["share"] = r["ms_per_step"] / total
-    return rows[:top] + [{"name": "(all kernels)", "calls": sum(r["calls"] for r in rows), "ms_per_step": total,
-                          "share": 1.0}]
+    groups: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        g = groups.setdefault(kernel_group(r["name"]), {"name": f"[{kernel_group(r['name'])}]", "calls": 0,
+                                                          "ms_per_step": 0.0})
+        g["calls"] += r["calls"]
+        g["ms_per_step"] += r["ms_per_step"]
+    by_group = sorted(groups.values(), key=lambda g: -g["ms_per_step"])
+    for g in by_group:
+        g["share"] = g["ms_per_step"] / total
+    return rows[:top] + by_group + [{"name": "(all kernels)", "calls": sum(r["calls"] for r in rows),
+                                     "ms_per_step": total, "share": 1.0}]
+
+
+# (group, pattern) in order: the first pattern that matches a kernel's name names its group.
+_KERNEL_GROUPS = (
+    ("zmrl GEMM", r"^_gemm_kernel|^_split_k_sum|_linear_concat|_blockdiag"),
+    ("zmrl MoE backward", r"^_expert_"),
+    ("zmrl MLA", r"^_mla_|^_softmax_bf16|^_ds_bf16"),
+    ("zmrl KDA", r"^_kda_"),
+    ("fla KDA", r"chunk_|kda|gated_delta|fused_recurrent|solve_tril|wy_fast|cumsum"),
+    ("zmrl DSA", r"^_index_|^_topk|^_hadamard|^_fp8"),
+    ("zmrl other Triton", r"^_"),
+    ("cuBLAS / CUTLASS", r"gemm|cutlass|xmma|sm90_|sm80_|cublas|splitKreduce"),
+    ("sort / top-k", r"[Ss]ort|topk|radix"),
+    ("copy / cast", r"copy|Memcpy|CatArray|cat_"),
+    ("gather / scatter / index", r"index|gather|scatter"),
+    ("reduce", r"reduce|Reduce|sum|softmax"),
+    ("elementwise / fill", r"elementwise|Memset|fill"),
+)
+
+
+def kernel_group(name: str) -> str:
+    """A coarse family for a kernel name (``profile_step``'s group rows)."""
+    for group, pattern in _KERNEL_GROUPS:
+        if re.search(pattern, name):
+            return group
+    return "other"
 
 
 def print_profile(title: str, rows: list[dict[str, Any]]) -> None:

@@ -150,11 +150,15 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
         try:
             with kernel_mode("bitwise"):
                 zero()
+                prof_fwd = profile_step(forward, cuda=True, steps=1, top=a.profile)
+                zero()
                 prof = profile_step(forward_backward, cuda=True, steps=1, top=a.profile)
                 zero()
+            print_profile(f"GPU time by kernel, one training forward (bitwise): "
+                          f"{prof_fwd[-1]['ms_per_step']:.0f} ms busy", prof_fwd)
             print_profile(f"GPU time by kernel, one forward+backward (bitwise, recompute none): "
                           f"{prof[-1]['ms_per_step']:.0f} ms busy", prof)
-            extra.append({"profile": prof})
+            extra.append({"profile_forward": prof_fwd, "profile": prof})
         except Exception as e:  # noqa: BLE001 (the profile is extra information)
             log.exception("profiling failed: %s", e)
     print(f"\nTrainer forward+backward, {'tiny (smoke)' if a.smoke else 'bench'} preset "
