@@ -47,7 +47,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _common import build_on_device, default_out, env, model_config, setup_logging, table, write_json
-from zmrl.kernels_batch_invariant import _dispatch
+from zmrl.kernels_batch_invariant import _dispatch, current_numerics, numerics_scope
+from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
 from zmrl.lora import LoraConfig, apply_lora, lora_parameters
 from zmrl.trainer import compute_logprobs
 
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before the census (default: 1 on cuda)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--backward-precision", default=None, choices=BACKWARD_MATMUL_PRECISIONS,
+                   help="the contract's backward_matmul_precision for the run (default: the process's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
@@ -306,7 +309,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.device == "cpu":
         torch.set_num_threads(1)
     setup_logging()
-    result = run_census(a)
+    precision = a.backward_precision or current_numerics().backward_matmul_precision
+    with numerics_scope(current_numerics().replace(backward_matmul_precision=precision)):
+        result = run_census(a)
+    result["config"]["backward_matmul_precision"] = precision
     out = a.out or default_out("trainer_op_census")
     write_json(out, {"env": env(), **result})
     return result

@@ -148,7 +148,9 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
     extra: list[dict[str, Any]] = [{"flops": flops.as_dict()}]
     if a.profile and dev.type == "cuda":
         try:
-            with kernel_mode("bitwise"):
+            # the backward precision of the last configuration timed (the profile shows what was measured)
+            precision = a.backward_precision[-1]
+            with kernel_mode("bitwise"), numerics_scope(current_numerics().replace(backward_matmul_precision=precision)):
                 zero()
                 prof_fwd = profile_step(forward, cuda=True, steps=1, top=a.profile)
                 zero()
@@ -156,7 +158,7 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                 zero()
             print_profile(f"GPU time by kernel, one training forward (bitwise): "
                           f"{prof_fwd[-1]['ms_per_step']:.0f} ms busy", prof_fwd)
-            print_profile(f"GPU time by kernel, one forward+backward (bitwise, recompute none): "
+            print_profile(f"GPU time by kernel, one forward+backward (bitwise, recompute none, {precision} backward): "
                           f"{prof[-1]['ms_per_step']:.0f} ms busy", prof)
             extra.append({"profile_forward": prof_fwd, "profile": prof})
         except Exception as e:  # noqa: BLE001 (the profile is extra information)
