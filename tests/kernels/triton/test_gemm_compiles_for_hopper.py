@@ -112,3 +112,46 @@ def test_mla_backward_stages_build_for_sm90():
                                        "BLOCK": "constexpr"}, {"BLOCK": 1024})
     _build_ir(_ds_kernel, {"dp_ptr": "*fp32", "p_ptr": "*bf16", "delta_ptr": "*fp32", "ds_ptr": "*bf16", "U": "i32",
                            "N": "i32", "BLOCK": "constexpr"}, {"BLOCK": 2048})
+
+
+@compiled_only
+def test_rowwise_backwards_build_for_sm90():
+    """The Triton closed-form backwards (short conv, RMSNorm plain / gated, L2 norm, SwiGLU, KDA gate) in
+    every constexpr variant their launchers pick."""
+    from zmrl.kernels_batch_invariant.triton import rowwise_grads as R
+
+    for silu, state, dx, dw in itertools.product((False, True), repeat=4):
+        consts = dict(W=4, HAS_STATE=state, SILU=silu, NEED_DX=dx, NEED_DW=dw, BT=R.CONV_TOKENS, BC=R.CONV_CHANNELS)
+        ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp32", "st_ptr": "*bf16", "gy_ptr": "*bf16", "seq_ptr": "*i64",
+                "cu_ptr": "*i64", "dx_ptr": "*bf16", "dw_ptr": "*fp32"}
+        _build_ir(R._short_conv_bwd_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
+                                             for n in R._short_conv_bwd_kernel.arg_names}, consts)
+    for has_w, gated, dx, dw, dgate in itertools.product((False, True), repeat=5):
+        consts = dict(HAS_W=has_w, GATED=gated, NEED_DX=dx, NEED_DW=dw, NEED_DGATE=dgate, ROWS=2, BLOCK_D=2048)
+        ptrs = {n: "*bf16" for n in ("x_ptr", "gy_ptr", "gate_ptr", "dx_ptr", "dgate_ptr")}
+        ptrs.update(w_ptr="*fp32", dw_ptr="*fp32", eps="fp32")
+        _build_ir(R._rms_bwd_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
+                                      for n in R._rms_bwd_kernel.arg_names}, consts)
+    _build_ir(R._l2_bwd_kernel, {"x_ptr": "*fp32", "gy_ptr": "*bf16", "dx_ptr": "*fp32", "n_rows": "i32", "D": "i32",
+                                 "eps": "fp32", "ROWS": "constexpr", "BLOCK_D": "constexpr"}, {"ROWS": 32, "BLOCK_D": 128})
+    for dg, du in itertools.product((False, True), repeat=2):
+        consts = dict(NEED_DG=dg, NEED_DU=du, BLOCK=1024)
+        _build_ir(R._swiglu_bwd_kernel, {n: "constexpr" if n in consts else ("i32" if n == "n" else "*bf16")
+                                         for n in R._swiglu_bwd_kernel.arg_names}, consts)
+    for lb in (False, True):
+        consts = dict(HAS_LB=lb, BLOCK=1024)
+        ptrs = {"z_ptr": "*bf16", "a_ptr": "*fp32", "b_ptr": "*fp32", "gy_ptr": "*fp32", "dz_ptr": "*bf16",
+                "lower_bound": "fp32"}
+        _build_ir(R._kda_gate_bwd_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
+                                           for n in R._kda_gate_bwd_kernel.arg_names}, consts)
+
+
+@compiled_only
+def test_mla_query_split_builds_for_sm90():
+    from zmrl.kernels_batch_invariant.triton.mla_attention import _split_query_kernel
+
+    for dr in (0, 64):
+        consts = dict(DC=512, DR=dr, BC=512, BR=64, ROWS=8)
+        ptrs = {"ql_ptr": "*fp32", "qr_ptr": "*fp32", "hi_ptr": "*bf16", "lo_ptr": "*bf16"}
+        _build_ir(_split_query_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
+                                        for n in _split_query_kernel.arg_names}, consts)

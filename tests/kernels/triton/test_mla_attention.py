@@ -411,3 +411,23 @@ def test_fast_backend(device, dtype):
         ref = mla_attention_ref(q_lat.cpu(), q_pe.cpu(), cache.cpu(), bt.cpu(), sidx.cpu(), kp.cpu(), 0.2, dc)
         assert out.dtype == torch.float32
         assert (out.cpu().double() - ref).abs().max().item() <= tol * c_max
+
+
+def test_split_query_equals_the_torch_roundings(device, interpret):
+    """The fused query split (bf16 hi / lo halves of [q_lat | q_pe] in fp32) is bitwise the torch composition
+    it replaced, on strided views like the model's (q_lat is a transposed GEMM output, q_pe a column slice)."""
+    if interpret:
+        pytest.skip("Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even, as torch does)")
+    from zmrl.kernels_batch_invariant.triton.mla_attention import split_query
+
+    g = torch.Generator().manual_seed(0)
+    t, h, dc, dr = 37, 8, 40, 16
+    base = (torch.randn(h, t, dc, generator=g) * torch.logspace(-6, 6, dc)).to(device)
+    q_lat = base.transpose(0, 1)  # [T, H, Dc], not contiguous
+    q_full = torch.randn(t, h, 24 + dr, generator=g).to(device)
+    for q_pe in (q_full[..., 24:], q_full[..., 24:].to(torch.bfloat16), q_full[..., 24:].contiguous()):
+        hi, lo = split_query(q_lat, q_pe)
+        q = torch.cat([q_lat.to(torch.float32), q_pe.to(torch.float32)], dim=-1)
+        want_hi = q.to(torch.bfloat16)
+        want_lo = (q - want_hi.to(torch.float32)).to(torch.bfloat16)
+        assert hi.is_contiguous() and torch.equal(hi, want_hi) and torch.equal(lo, want_lo)

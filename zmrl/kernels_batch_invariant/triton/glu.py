@@ -5,7 +5,8 @@ row-invariant by construction; tiles are fixed (``ELEMENTWISE_BLOCK``) over the 
 Order as the torch op: ``(g * sigmoid(g)) * u`` and
 ``((beta * tanh(g / beta)) * sigmoid(g)) * (linear_beta * tanh(u / linear_beta))`` (no cap on u when
 linear_beta is None); the betas are fp32 runtime scalars (K3: 4 and 25).
-Backward: the closed form in ``kernels_batch_invariant/grads.py`` (``with_analytic_backward``).
+Backward: SwiGLU's closed form as one Triton pass (``rowwise_grads.py``), SiTU-GLU's in torch
+(``kernels_batch_invariant/grads.py``); both through ``with_analytic_backward``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from .. import glu as _ops
 from .. import grads as _grads
+from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
 from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, cdiv, compute_in_fp64, sigmoid, tanh
 
@@ -51,7 +53,7 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None,
 
 
 @swiglu.register("triton")
-@with_analytic_backward(swiglu.impls["torch"], _grads.swiglu_grads)
+@with_analytic_backward(swiglu.impls["torch"], _rowgrads.swiglu_grads)
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     _ops._check(gate, up, "swiglu")
     if compute_in_fp64(gate, up):

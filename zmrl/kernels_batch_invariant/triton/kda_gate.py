@@ -3,7 +3,8 @@
 ``g = -exp(A_log[h]) * softplus(z + dt_bias)`` or ``g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias))``:
 every element is a function of its own ``z`` and the per-head parameters, computed by the same
 instruction sequence wherever it sits (fixed tiles over the flattened [T, H*dk]), so row-invariant by
-construction. Backward: the closed form in ``kernels_batch_invariant/grads.py`` (``with_analytic_backward``).
+construction. Backward: the closed form as one Triton pass (``rowwise_grads.py``; parameter gradients in
+torch, ``kernels_batch_invariant/grads.py``), through ``with_analytic_backward``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import kda_gate as _ops
-from .. import grads as _grads
+from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
 from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, cdiv, compute_in_fp64, sigmoid, softplus
 
@@ -36,7 +37,7 @@ def _kda_gate_kernel(z_ptr, a_ptr, b_ptr, g_ptr, n, HD, DK, lower_bound,
 
 
 @kda_gate.register("triton")
-@with_analytic_backward(kda_gate.impls["torch"], _grads.kda_gate_grads)
+@with_analytic_backward(kda_gate.impls["torch"], _rowgrads.kda_gate_grads)
 def kda_gate_triton(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_heads: int,
                     lower_bound: float | None = None) -> torch.Tensor:
     t, hd = z.shape

@@ -3,7 +3,7 @@
 One program per row, column blocks of a fixed width (from the head dim only) in ascending order, an
 fp32 vector accumulator and one ``tl.sum``: a row's bits depend on the row alone. Order as the torch
 op: ``x / sqrt(sum(x^2) + eps)`` (a true division, not a multiply by rsqrt).
-Backward: the closed form in ``kernels_batch_invariant/grads.py`` (``with_analytic_backward``).
+Backward: the closed form as one Triton pass (``rowwise_grads.py``, ``with_analytic_backward``).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import l2norm as _ops
-from .. import grads as _grads
+from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
 from ._common import as_rows, compute_in_fp64, row_block, row_warps
 
@@ -37,7 +37,7 @@ def _l2_norm_kernel(x_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
 
 
 @l2_norm.register("triton")
-@with_analytic_backward(l2_norm.impls["torch"], _grads.l2_norm_grads)
+@with_analytic_backward(l2_norm.impls["torch"], _rowgrads.l2_norm_grads)
 def l2_norm_triton(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if compute_in_fp64(x):
         return l2_norm.impls["torch"](x, eps, out_dtype)

@@ -312,6 +312,54 @@ def _mla_combine_kernel(
     tl.store(out_ptr + (qi * H + offs_h)[:, None] * DC + offs_c[None, :], o, mask=hmask[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _split_query_kernel(ql_ptr, qr_ptr, hi_ptr, lo_ptr, n_rows, H, sl_t, sl_h, sr_t, sr_h,
+                        DC: tl.constexpr, DR: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, ROWS: tl.constexpr):
+    """Rows (t, h) of ``[q_lat | q_pe]`` (any strides over t and h, unit stride over columns) as the bf16 pair
+    hi = bf16(q), lo = bf16(q - hi), q in fp32: the same roundings as torch's ``to`` (round to nearest even;
+    q - hi is exact in fp32)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = rows < n_rows
+    t = (rows // H).to(tl.int64)
+    hh = (rows % H).to(tl.int64)
+    out_row = rows.to(tl.int64)[:, None] * (DC + DR)
+    cc = tl.arange(0, BC)
+    m = rm[:, None] & (cc < DC)[None, :]
+    q = tl.load(ql_ptr + (t * sl_t + hh * sl_h)[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
+    hi = q.to(tl.bfloat16)
+    tl.store(hi_ptr + out_row + cc[None, :], hi, mask=m)
+    tl.store(lo_ptr + out_row + cc[None, :], (q - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
+    if DR > 0:
+        cr = tl.arange(0, BR)
+        m = rm[:, None] & (cr < DR)[None, :]
+        q = tl.load(qr_ptr + (t * sr_t + hh * sr_h)[:, None] + cr[None, :], mask=m, other=0.0).to(tl.float32)
+        hi = q.to(tl.bfloat16)
+        tl.store(hi_ptr + out_row + DC + cr[None, :], hi, mask=m)
+        tl.store(lo_ptr + out_row + DC + cr[None, :], (q - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
+
+
+def split_query(q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q = [q_lat | q_pe]`` in fp32 [T, H, Dc + Dr] as its bf16 halves ``(hi, lo)`` with hi = bf16(q),
+    lo = bf16(q - hi): bitwise the torch composition ``q.to(bf16)``, ``(q - hi.float()).to(bf16)``, in one
+    pass that reads q_lat and q_pe where they are (strided views) instead of materialising q in fp32."""
+    nq, h, dc = q_lat.shape
+    dr = q_pe.shape[-1]
+    if q_lat.stride(-1) != 1:
+        q_lat = q_lat.contiguous()
+    if q_pe.stride(-1) != 1:
+        q_pe = q_pe.contiguous()
+    hi = torch.empty((nq, h, dc + dr), dtype=torch.bfloat16, device=q_lat.device)
+    lo = torch.empty_like(hi)
+    n = nq * h
+    if n:
+        bc, br = max(16, _next_pow2(dc)), max(16, _next_pow2(dr))
+        rows = max(1, 4096 // bc)
+        _split_query_kernel[(cdiv(n, rows),)](
+            q_lat, q_pe, hi, lo, n, h, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+            DC=dc, DR=dr, BC=bc, BR=br, ROWS=rows, num_warps=4)
+    return hi, lo
+
+
 def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_idx: torch.Tensor, key_positions: torch.Tensor | None, query_pos: torch.Tensor | None,
                  softmax_scale: float, kv_lora_rank: int, kv_len: int | None = None) -> torch.Tensor:
@@ -324,20 +372,22 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     dr = q_pe.shape[-1]
     num_pages, page_size, d = kv_cache.shape
     dev = q_lat.device
-    out = torch.zeros((nq, h, dc), dtype=torch.float32, device=dev)
+    # Every element is written: by the split kernel (DIRECT) or by the combine, a query without a valid
+    # key as zeros.
+    out = torch.empty((nq, h, dc), dtype=torch.float32, device=dev)
     if nq == 0:
         return out
     kv = kv_cache.detach().contiguous().reshape(num_pages * page_size, d)
     if kv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"mla_attention (triton): unsupported cache dtype {kv.dtype}")
     split_bf16 = kv.dtype == torch.bfloat16 and not _INTERPRET
-    # q = [q_lat | q_pe] in fp32 rows of D values; for bf16 caches also its bf16 hi + lo halves
-    # (elementwise roundings: each query's halves depend on that query alone).
-    q = torch.cat([q_lat.detach().to(torch.float32), q_pe.detach().to(torch.float32)], dim=-1).contiguous()
+    # q = [q_lat | q_pe] in rows of D values: for bf16 caches its bf16 hi + lo halves (elementwise
+    # roundings: each query's halves depend on that query alone), else fp32.
     if split_bf16:
-        q_hi = q.to(torch.bfloat16)
-        q_lo = (q - q_hi.to(torch.float32)).to(torch.bfloat16)
+        q_hi, q_lo = split_query(q_lat.detach(), q_pe.detach())
+        q = q_hi  # unused by the kernel
     else:
+        q = torch.cat([q_lat.detach().to(torch.float32), q_pe.detach().to(torch.float32)], dim=-1).contiguous()
         q_hi = q_lo = q  # unused
     bt = block_table.to(torch.int64).contiguous()
     sidx = seq_idx.to(torch.int64).contiguous()

@@ -7,7 +7,8 @@ row's bits depend on the row alone, not on the number or order of rows in the ca
 follows the torch op (``zmrl/kernels_batch_invariant/norms.py``): ``y = ((x * r) * w) [+ b | * sigmoid(g)]``.
 The GPU result need not equal the CPU torch backend bitwise (different summation tree).
 
-Backward: the closed form in ``kernels_batch_invariant/grads.py`` (``with_analytic_backward``).
+Backward: RMSNorm's (plain and gated) closed form as one Triton pass (``rowwise_grads.py``), LayerNorm's in
+torch (``kernels_batch_invariant/grads.py``); both through ``with_analytic_backward``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import triton.language as tl
 
 from .. import norms as _ops
 from .. import grads as _grads
+from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
 from ._common import as_rows, compute_in_fp64, row_block, row_warps, sigmoid
 
@@ -109,7 +111,7 @@ def _rms_launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor
 
 
 @rms_norm.register("triton")
-@with_analytic_backward(rms_norm.impls["torch"], _grads.rms_norm_grads)
+@with_analytic_backward(rms_norm.impls["torch"], _rowgrads.rms_norm_grads)
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if compute_in_fp64(x, weight):
@@ -118,7 +120,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
 
 @rms_norm_gated.register("triton")
-@with_analytic_backward(rms_norm_gated.impls["torch"], _grads.rms_norm_gated_grads)
+@with_analytic_backward(rms_norm_gated.impls["torch"], _rowgrads.rms_norm_gated_grads)
 def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if compute_in_fp64(x, gate, weight):

@@ -7,7 +7,7 @@ the fixed order i = 0..W-1, where window positions before the sequence start rea
 ``conv_state`` row (or zero without a state). So a token's output depends on its own window only, and
 "one shot" and "in pieces, carrying the state" agree bitwise. A second kernel gathers each sequence's
 last W-1 inputs (the next state), one program per (sequence, channel block).
-Backward: the closed form in ``kernels_batch_invariant/grads.py`` (``with_analytic_backward``).
+Backward: the closed form as one Triton pass (``rowwise_grads.py``, ``with_analytic_backward``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import short_conv as _ops
-from .. import grads as _grads
+from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
 from ._common import cdiv, next_pow2, silu
 
@@ -72,7 +72,7 @@ def _conv_state_kernel(x_ptr, st_ptr, cu_ptr, out_ptr, C,
 
 
 @causal_short_conv.register("triton")
-@with_analytic_backward(causal_short_conv.impls["torch"], _grads.causal_short_conv_grads)
+@with_analytic_backward(causal_short_conv.impls["torch"], _rowgrads.causal_short_conv_grads)
 def causal_short_conv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
