@@ -34,7 +34,8 @@
 #   kda_phases    kda_decode_phases.py: the KDA decode step with one intra-kernel phase cut out at a time;
 #   kda_forms     benchmarks/probes/kda_recurrent_probe.py: zmrl's two KDA forms vs fla on training, prefill and
 #                 decode shapes, then the Triton KDA and MLA tests (the KDA ones under both forms);
-#   prefill / prefill_chunk  prefill_throughput.py in the default (recurrent) / the chunked KDA form.
+#   prefill / prefill_chunk  prefill_throughput.py in the default (recurrent) / the chunked KDA form;
+#   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
 # T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
@@ -116,6 +117,13 @@ has engine && step gpu_tests_engine "${T_ENGINE:-150}" env ZMRL_TEST_DEVICE=cuda
   tests/rollout/test_graph_runner.py tests/rollout/test_engine.py
 
 has more && step gpu_tests_more "${T_MORE:-150}" $PYTEST tests/kernels/triton/test_mla_attention_grads_gpu.py tests/trainer/test_gradients_gpu.py
+
+# The Triton closed-form backwards of the row-wise ops and the MLA query split (rowwise_grads.py), with the
+# forwards' own tests and the one-binary KDA test.
+has newk && step gpu_tests_newk "${T_NEWK:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+  tests/kernels/triton/test_rowwise_grads.py tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_short_conv.py \
+  tests/kernels/triton/test_norms.py tests/kernels/triton/test_glu.py tests/kernels/triton/test_l2norm.py \
+  tests/kernels/triton/test_kda_gate.py "tests/kernels/triton/test_kda_decode_step.py::test_one_recurrent_binary_for_every_caller"
 
 has rowwise && step gpu_tests_rowwise_grads 60 $PYTEST -k grad "tests/kernels/triton/test_kda_chunk.py::test_gradients_match_float64" \
   tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_norms.py tests/kernels/triton/test_l2norm.py \
