@@ -128,30 +128,31 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
 def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
                       loc: torch.Tensor, scale: float, dc: int,
                       g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None,
-                      softmax_bf16: "SoftmaxBf16", ds_bf16: "DsBf16") -> None:
+                      softmax_bf16: "SoftmaxBf16", ds_bf16: "DsBf16", query_bf16: "QueryBf16") -> None:
     """``_chunk_grads`` with bf16 GEMM operands and fp32 accumulation: the practice of FlashAttention's
     backward (P and dS rounded to bf16 for the tensor cores). Twice the tensor-core rate of TF32 and half
     the bytes per operand read; each operand rounds to 2^-8 relative (TF32: 2^-11), the softmax, the
     row sums and every accumulation stay fp32. A bf16 cache's keys are exact. The scale is folded into
-    the (small) query operand once, so the [G*H, U] buffers see no extra pass for it; the two
-    elementwise stages between the GEMMs (``softmax_bf16``, ``ds_bf16``) are one pass each on CUDA
-    (triton/mla_attention_bwd.py)."""
+    the (small) query operand once (``query_bf16``), so the [G*H, U] buffers see no extra pass for it.
+    ``delta = rowsum(dO * O)`` is taken as ``rowsum(P * dP)`` (the same sum: O = P C and dP = dO C^T) inside
+    the dS stage, so O is never formed (one GEMM fewer) and the row sums of dS are those of the very P and dP
+    it is made of. The elementwise stages (``softmax_bf16``, ``ds_bf16``, ``query_bf16``) are one pass each on
+    CUDA (triton/mla_attention_bwd.py)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
     bf = torch.bfloat16
     k = flat.index_select(0, u).to(bf)  # [U, D]
     c = k[:, :dc]
-    qs = torch.cat([q_lat.detach(), q_pe.detach()], dim=-1).reshape(g * h, -1).to(torch.float32).mul_(scale).to(bf)
+    qs = query_bf16(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
     p16 = softmax_bf16(_mm_f32(qs, k.t()), _listed(loc, n_u), h)  # [G*H, U]
     go16 = go.reshape(g * h, dc).to(bf)
-    delta = (go16.float() * _mm_f32(p16, c)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
-    ds16 = ds_bf16(_mm_f32(go16, c.t()), p16, delta)  # dS / scale, [G*H, U]
+    ds16 = ds_bf16(_mm_f32(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
     if g_ql is not None or g_qr is not None:
-        dq = _mm_f32(ds16, k).mul_(scale).view(g, h, -1)  # [G, H, D]
+        dq = _mm_f32(ds16, k)  # [G*H, D]; times the scale on the way into the output rows
         if g_ql is not None:
-            g_ql.copy_(dq[..., :dc])
+            torch.mul(dq[:, :dc], scale, out=g_ql.view(g * h, dc))
         if g_qr is not None:
-            g_qr.copy_(dq[..., dc:])
+            torch.mul(dq[:, dc:], scale, out=g_qr.view(g * h, -1))
     if g_kv is not None:
         dk = _mm_f32(ds16.t(), qs)  # scale * dS^T q: dK (latent and rope)
         dk[:, :dc] += _mm_f32(p16.t(), go16)  # + dV (the latents are the values)
@@ -164,27 +165,37 @@ def _softmax_bf16_torch(s: torch.Tensor, listed: torch.Tensor, heads: int) -> to
     return _probabilities(s.view(rows // heads, heads, n_u), ~listed.unsqueeze(1)).view(rows, n_u).to(torch.bfloat16)
 
 
-def _ds_bf16_torch(dp: torch.Tensor, p16: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """P (dP - delta) in bf16, from dP [R, U] fp32, P [R, U] bf16 and delta [R, 1] fp32 (dP is overwritten)."""
+def _ds_bf16_torch(dp: torch.Tensor, p16: torch.Tensor) -> torch.Tensor:
+    """P (dP - rowsum(P dP)) in bf16, from dP [R, U] fp32 and P [R, U] bf16 (dP is overwritten)."""
+    delta = (p16.float() * dp).sum(-1, keepdim=True)
     return dp.sub_(delta).mul_(p16).to(torch.bfloat16)
 
 
+def _query_bf16_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> torch.Tensor:
+    """bf16(scale * [q_lat | q_pe]) as [G*H, Dc + Dr], the scale applied in fp32."""
+    g, h, _ = q_lat.shape
+    q = torch.cat([q_lat.to(torch.float32), q_pe.to(torch.float32)], dim=-1).reshape(g * h, -1)
+    return q.mul_(scale).to(torch.bfloat16)
+
+
 SoftmaxBf16 = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-DsBf16 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-_bf16_kernels: tuple[SoftmaxBf16, DsBf16, Callable[[torch.device], bool]] | None = None
+DsBf16 = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+QueryBf16 = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+_bf16_kernels: tuple[SoftmaxBf16, DsBf16, QueryBf16, Callable[[torch.device], bool]] | None = None
 
 
-def register_bf16_kernels(softmax: SoftmaxBf16, ds: DsBf16, runs_on: Callable[[torch.device], bool]) -> None:
-    """Install fused kernels of the bf16 path's two elementwise stages for devices where ``runs_on(device)``
+def register_bf16_kernels(softmax: SoftmaxBf16, ds: DsBf16, query: QueryBf16,
+                          runs_on: Callable[[torch.device], bool]) -> None:
+    """Install fused kernels of the bf16 path's elementwise stages for devices where ``runs_on(device)``
     (triton/mla_attention_bwd.py); elsewhere the torch compositions above run."""
     global _bf16_kernels
-    _bf16_kernels = (softmax, ds, runs_on)
+    _bf16_kernels = (softmax, ds, query, runs_on)
 
 
-def _bf16_stages(device: torch.device) -> tuple[SoftmaxBf16, DsBf16]:
-    if _bf16_kernels is not None and _bf16_kernels[2](device):
-        return _bf16_kernels[0], _bf16_kernels[1]
-    return _softmax_bf16_torch, _ds_bf16_torch
+def _bf16_stages(device: torch.device) -> tuple[SoftmaxBf16, DsBf16, QueryBf16]:
+    if _bf16_kernels is not None and _bf16_kernels[3](device):
+        return _bf16_kernels[0], _bf16_kernels[1], _bf16_kernels[2]
+    return _softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch
 
 
 def _zero(*bufs: torch.Tensor | None) -> None:

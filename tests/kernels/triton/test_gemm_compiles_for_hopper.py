@@ -110,8 +110,8 @@ def test_mla_backward_stages_build_for_sm90():
 
     _build_ir(_masked_softmax_kernel, {"s_ptr": "*fp32", "keep_ptr": "*u8", "p_ptr": "*bf16", "H": "i32", "U": "i32",
                                        "BLOCK": "constexpr"}, {"BLOCK": 1024})
-    _build_ir(_ds_kernel, {"dp_ptr": "*fp32", "p_ptr": "*bf16", "delta_ptr": "*fp32", "ds_ptr": "*bf16", "U": "i32",
-                           "N": "i32", "BLOCK": "constexpr"}, {"BLOCK": 2048})
+    _build_ir(_ds_kernel, {"dp_ptr": "*fp32", "p_ptr": "*bf16", "ds_ptr": "*bf16", "U": "i32", "BLOCK": "constexpr"},
+              {"BLOCK": 1024})
 
 
 @compiled_only
@@ -150,8 +150,8 @@ def test_rowwise_backwards_build_for_sm90():
 def test_mla_query_split_builds_for_sm90():
     from zmrl.kernels_batch_invariant.triton.mla_attention import _split_query_kernel
 
-    for dr in (0, 64):
-        consts = dict(DC=512, DR=dr, BC=512, BR=64, ROWS=8)
-        ptrs = {"ql_ptr": "*fp32", "qr_ptr": "*fp32", "hi_ptr": "*bf16", "lo_ptr": "*bf16"}
+    for dr, lo in itertools.product((0, 64), (False, True)):
+        consts = dict(DC=512, DR=dr, BC=512, BR=64, ROWS=8, LO=lo)
+        ptrs = {"ql_ptr": "*fp32", "qr_ptr": "*fp32", "hi_ptr": "*bf16", "lo_ptr": "*bf16", "scale": "fp32"}
         _build_ir(_split_query_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
                                         for n in _split_query_kernel.arg_names}, consts)

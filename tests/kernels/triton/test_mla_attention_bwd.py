@@ -4,9 +4,9 @@ against float64. Runs on CUDA, or on CPU under TRITON_INTERPRET=1.
 
 Tolerances. The softmax: both sides compute fp32 probabilities (exp, max, sum in different orders: a few
 fp32 ulps apart) and round them to bf16, so they differ by at most one bf16 ulp (2^-7 relative to the
-value, at a rounding boundary); unlisted keys and rows without keys are exact zeros on both. dS: the same
-two fp32 operations (subtract, multiply) and one rounding on both sides, so the bits are equal on CUDA
-(the interpreter's bf16 cast truncates: one bf16 ulp there). The
+value, at a rounding boundary); unlisted keys and rows without keys are exact zeros on both. dS: its row sum
+delta = rowsum(P dP) is summed in another order than torch's, then the same two fp32 operations and one
+rounding (test_ds_matches_torch states the bound). The
 end-to-end check is test_mla_attention_grads.py's ``check_bf16_grads`` (2^-5 of the largest gradient).
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 from tests.kernels.test_mla_attention_grads import check_bf16_grads  # noqa: E402
 from tests.kernels.test_mla_attention_grads import problem as problem  # noqa: E402,F401 (fixture)
 from zmrl.kernels_batch_invariant import mla_attention_grads as M  # noqa: E402
-from zmrl.kernels_batch_invariant.triton.mla_attention_bwd import SOFTMAX_BLOCK, ds_bf16, masked_softmax_bf16  # noqa: E402
+from zmrl.kernels_batch_invariant.triton.mla_attention_bwd import (  # noqa: E402
+    DS_BLOCK, SOFTMAX_BLOCK, ds_bf16, masked_softmax_bf16)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
@@ -53,17 +54,34 @@ def test_masked_softmax_matches_torch(device, u):
     assert bool(((rows[live] - 1).abs() <= 2.0 ** -7 + u * 2.0 ** -24).all())
 
 
-def test_ds_matches_torch_bitwise(device):
+@pytest.mark.parametrize("u", [1, 300, DS_BLOCK + 7])
+def test_ds_matches_torch(device, u):
+    """dS = P (dP - rowsum(P dP)): the row sum in a different order than torch's (fp32: ~u ulps of the sum's
+    terms), then the same subtract, multiply and rounding; one bf16 ulp (2^-7 relative) of slack where a
+    shifted delta moves a value across a rounding boundary, plus the fp32 sum's error carried by P."""
     gen = torch.Generator().manual_seed(5)
-    dp = torch.randn(7, 300, generator=gen).to(device)
-    p16 = torch.rand(7, 300, generator=gen).to(device, torch.bfloat16)
-    delta = torch.randn(7, 1, generator=gen).to(device)
-    got = ds_bf16(dp, p16, delta)
-    want = M._ds_bf16_torch(dp.clone(), p16, delta)
-    if device.type == "cuda":
-        assert torch.equal(got, want)
-    else:  # the interpreter's fp32 -> bf16 cast truncates (torch's rounds to nearest): one bf16 ulp
+    dp = torch.randn(7, u, generator=gen).to(device)
+    p16 = torch.rand(7, u, generator=gen).to(device, torch.bfloat16)
+    got = ds_bf16(dp, p16)
+    want = M._ds_bf16_torch(dp.clone(), p16)
+    delta_err = u * 2.0 ** -23 * (p16.float() * dp).abs().sum(-1, keepdim=True)
+    bound = 2.0 ** -7 * want.float().abs() + p16.float() * delta_err
+    assert bool(((got.float() - want.float()).abs() <= bound).all())
+
+
+def test_query_bf16_matches_torch(device, interpret):
+    from zmrl.kernels_batch_invariant.triton.mla_attention_bwd import query_bf16
+
+    gen = torch.Generator().manual_seed(6)
+    q_lat = torch.randn(4, 6, 3, 40, generator=gen).to(device)[:, :, 1]  # strided [G, H, Dc]
+    q_pe = torch.randn(4, 6, 16, generator=gen).to(device)
+    got = query_bf16(q_lat, q_pe, 0.07)
+    want = M._query_bf16_torch(q_lat, q_pe, 0.07)
+    assert got.shape == want.shape == (24, 56) and got.dtype == torch.bfloat16
+    if interpret:  # the interpreter truncates fp32 -> bf16: one bf16 ulp
         assert bool(((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs()).all())
+    else:
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["sparse", "dense"])

@@ -313,11 +313,12 @@ def _mla_combine_kernel(
 
 
 @triton.jit
-def _split_query_kernel(ql_ptr, qr_ptr, hi_ptr, lo_ptr, n_rows, H, sl_t, sl_h, sr_t, sr_h,
-                        DC: tl.constexpr, DR: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, ROWS: tl.constexpr):
-    """Rows (t, h) of ``[q_lat | q_pe]`` (any strides over t and h, unit stride over columns) as the bf16 pair
-    hi = bf16(q), lo = bf16(q - hi), q in fp32: the same roundings as torch's ``to`` (round to nearest even;
-    q - hi is exact in fp32)."""
+def _split_query_kernel(ql_ptr, qr_ptr, hi_ptr, lo_ptr, n_rows, H, sl_t, sl_h, sr_t, sr_h, scale,
+                        DC: tl.constexpr, DR: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, ROWS: tl.constexpr,
+                        LO: tl.constexpr):
+    """Rows (t, h) of ``q = [q_lat | q_pe] * scale`` (any strides over t and h, unit stride over columns) as the
+    bf16 pair hi = bf16(q), lo = bf16(q - hi) (``LO``; else hi alone), q in fp32: the same roundings as torch's
+    ``to`` (round to nearest even; q - hi is exact in fp32). ``scale`` 1.0 leaves q as it is."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
     t = (rows // H).to(tl.int64)
@@ -325,23 +326,28 @@ def _split_query_kernel(ql_ptr, qr_ptr, hi_ptr, lo_ptr, n_rows, H, sl_t, sl_h, s
     out_row = rows.to(tl.int64)[:, None] * (DC + DR)
     cc = tl.arange(0, BC)
     m = rm[:, None] & (cc < DC)[None, :]
-    q = tl.load(ql_ptr + (t * sl_t + hh * sl_h)[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32)
+    q = tl.load(ql_ptr + (t * sl_t + hh * sl_h)[:, None] + cc[None, :], mask=m, other=0.0).to(tl.float32) * scale
     hi = q.to(tl.bfloat16)
     tl.store(hi_ptr + out_row + cc[None, :], hi, mask=m)
-    tl.store(lo_ptr + out_row + cc[None, :], (q - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
+    if LO:
+        tl.store(lo_ptr + out_row + cc[None, :], (q - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
     if DR > 0:
         cr = tl.arange(0, BR)
         m = rm[:, None] & (cr < DR)[None, :]
-        q = tl.load(qr_ptr + (t * sr_t + hh * sr_h)[:, None] + cr[None, :], mask=m, other=0.0).to(tl.float32)
+        q = tl.load(qr_ptr + (t * sr_t + hh * sr_h)[:, None] + cr[None, :], mask=m, other=0.0).to(tl.float32) * scale
         hi = q.to(tl.bfloat16)
         tl.store(hi_ptr + out_row + DC + cr[None, :], hi, mask=m)
-        tl.store(lo_ptr + out_row + DC + cr[None, :], (q - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
+        if LO:
+            tl.store(lo_ptr + out_row + DC + cr[None, :], (q - hi.to(tl.float32)).to(tl.bfloat16), mask=m)
 
 
-def split_query(q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q = [q_lat | q_pe]`` in fp32 [T, H, Dc + Dr] as its bf16 halves ``(hi, lo)`` with hi = bf16(q),
-    lo = bf16(q - hi): bitwise the torch composition ``q.to(bf16)``, ``(q - hi.float()).to(bf16)``, in one
-    pass that reads q_lat and q_pe where they are (strided views) instead of materialising q in fp32."""
+def split_query(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float = 1.0,
+                lo: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``q = [q_lat | q_pe] * scale`` in fp32 [T, H, Dc + Dr] as its bf16 halves ``(hi, lo)`` with hi = bf16(q),
+    lo = bf16(q - hi) (None unless ``lo``): bitwise the torch composition ``q.to(bf16)``,
+    ``(q - hi.float()).to(bf16)``, in one pass that reads q_lat and q_pe where they are (strided views) instead
+    of materialising q in fp32. The forward takes both halves at scale 1 (q * 1.0 is q); the backward's bf16
+    path takes the scaled hi half."""
     nq, h, dc = q_lat.shape
     dr = q_pe.shape[-1]
     if q_lat.stride(-1) != 1:
@@ -349,15 +355,15 @@ def split_query(q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, 
     if q_pe.stride(-1) != 1:
         q_pe = q_pe.contiguous()
     hi = torch.empty((nq, h, dc + dr), dtype=torch.bfloat16, device=q_lat.device)
-    lo = torch.empty_like(hi)
+    lo_t = torch.empty_like(hi) if lo else None
     n = nq * h
     if n:
         bc, br = max(16, _next_pow2(dc)), max(16, _next_pow2(dr))
         rows = max(1, 4096 // bc)
         _split_query_kernel[(cdiv(n, rows),)](
-            q_lat, q_pe, hi, lo, n, h, q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-            DC=dc, DR=dr, BC=bc, BR=br, ROWS=rows, num_warps=4)
-    return hi, lo
+            q_lat, q_pe, hi, lo_t if lo_t is not None else hi, n, h, q_lat.stride(0), q_lat.stride(1),
+            q_pe.stride(0), q_pe.stride(1), float(scale), DC=dc, DR=dr, BC=bc, BR=br, ROWS=rows, LO=lo, num_warps=4)
+    return hi, lo_t
 
 
 def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

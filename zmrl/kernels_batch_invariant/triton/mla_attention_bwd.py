@@ -6,8 +6,11 @@ over the chunk's [G*H, U] buffers instead of the torch composition's several.
   (already scaled), written in bf16 (the next GEMMs' operand); unlisted keys and rows without any key
   get exact zeros. The listed keys come as a [G, U] bool mask shared by the H rows of a query.
   Torch: masked_fill, softmax, masked_fill, cast (about 30 bytes moved per element); here 10.
-* ``ds_bf16``: dS / scale = P (dP - delta) in bf16, from dP [G*H, U] fp32, P (bf16) and the rows'
-  delta = rowsum(dO * O). Torch: sub, mul, cast (about 22 bytes per element); here 8.
+* ``ds_bf16``: dS / scale = P (dP - delta) in bf16, from dP [G*H, U] fp32 and P (bf16), with the row's
+  delta = rowsum(P dP) (= rowsum(dO * O)) summed by the same program in a first pass over the row. Torch:
+  mul, sum, sub, mul, cast (about 30 bytes per element); here 14 (the second pass mostly from cache).
+* ``query_bf16``: bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr] in one pass over the (strided) query halves
+  (``mla_attention.split_query``'s kernel, hi half only).
 
 Registered on ``mla_attention_grads`` for CUDA tensors (and CPU tensors under the interpreter, the
 CPU tests); their reference is the torch composition there (``_softmax_bf16_torch`` / ``_ds_bf16_torch``),
@@ -23,9 +26,10 @@ import triton.language as tl
 
 from .. import mla_attention_grads as _grads
 from ._common import INTERPRET
+from .mla_attention import split_query
 
 SOFTMAX_BLOCK = 1024  # keys per step of the row loops (the rows are up to the chunk's union of keys)
-DS_BLOCK = 2048  # elements per program of the dS kernel
+DS_BLOCK = 1024  # keys per step of the dS kernel's row loops
 
 
 @triton.jit(do_not_specialize=["U"])
@@ -62,14 +66,25 @@ def _masked_softmax_kernel(s_ptr, keep_ptr, p_ptr, H, U, BLOCK: tl.constexpr):
         tl.store(p_ptr + row * U + offs, p.to(tl.bfloat16), mask=offs < U)
 
 
-@triton.jit(do_not_specialize=["U", "N"])
-def _ds_kernel(dp_ptr, p_ptr, delta_ptr, ds_ptr, U, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < N
-    dp = tl.load(dp_ptr + offs, mask=live, other=0.0)
-    p = tl.load(p_ptr + offs, mask=live, other=0.0).to(tl.float32)
-    delta = tl.load(delta_ptr + offs // U, mask=live, other=0.0)
-    tl.store(ds_ptr + offs, (p * (dp - delta)).to(tl.bfloat16), mask=live)
+@triton.jit(do_not_specialize=["U"])
+def _ds_kernel(dp_ptr, p_ptr, ds_ptr, U, BLOCK: tl.constexpr):
+    """One program per row: delta = sum(P dP) over the row (ascending key blocks, fp32), then
+    dS = P (dP - delta) rounded to bf16."""
+    row = tl.program_id(0).to(tl.int64)
+    dp_row = dp_ptr + row * U
+    p_row = p_ptr + row * U
+    acc = tl.zeros([BLOCK], tl.float32)
+    for u0 in range(0, U, BLOCK):
+        offs = u0 + tl.arange(0, BLOCK)
+        live = offs < U
+        acc += tl.load(p_row + offs, mask=live, other=0.0).to(tl.float32) * tl.load(dp_row + offs, mask=live, other=0.0)
+    delta = tl.sum(acc, axis=0)
+    for u0 in range(0, U, BLOCK):
+        offs = u0 + tl.arange(0, BLOCK)
+        live = offs < U
+        dp = tl.load(dp_row + offs, mask=live, other=0.0)
+        p = tl.load(p_row + offs, mask=live, other=0.0).to(tl.float32)
+        tl.store(ds_ptr + row * U + offs, (p * (dp - delta)).to(tl.bfloat16), mask=live)
 
 
 def masked_softmax_bf16(s: torch.Tensor, keep: torch.Tensor, heads: int) -> torch.Tensor:
@@ -86,19 +101,23 @@ def masked_softmax_bf16(s: torch.Tensor, keep: torch.Tensor, heads: int) -> torc
     return p
 
 
-def ds_bf16(dp: torch.Tensor, p: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """dP [R, U] fp32, P [R, U] bf16, delta [R, 1] fp32 (all contiguous) -> P (dP - delta) [R, U] bf16."""
+def ds_bf16(dp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """dP [R, U] fp32, P [R, U] bf16 (both contiguous) -> P (dP - rowsum(P dP)) [R, U] bf16."""
     _check("ds_bf16", dp, torch.float32)
     _check("ds_bf16", p, torch.bfloat16)
     rows, u = dp.shape
-    if p.shape != dp.shape or delta.numel() != rows or delta.dtype != torch.float32:
-        raise ValueError(f"ds_bf16: P {tuple(p.shape)} / delta {tuple(delta.shape)} {delta.dtype} do not match "
-                         f"dP {tuple(dp.shape)}")
+    if p.shape != dp.shape:
+        raise ValueError(f"ds_bf16: P {tuple(p.shape)} does not match dP {tuple(dp.shape)}")
     ds = torch.empty(rows, u, dtype=torch.bfloat16, device=dp.device)
-    n = rows * u
-    if n:
-        _ds_kernel[(triton.cdiv(n, DS_BLOCK),)](dp, p, delta.contiguous(), ds, u, n, BLOCK=DS_BLOCK, num_warps=4)
+    if rows and u:
+        _ds_kernel[(rows,)](dp, p, ds, u, BLOCK=DS_BLOCK, num_warps=4)
     return ds
+
+
+def query_bf16(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> torch.Tensor:
+    """bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr] for q_lat [G, H, Dc], q_pe [G, H, Dr] (any strides over G, H)."""
+    hi, _ = split_query(q_lat, q_pe, scale=scale, lo=False)
+    return hi.view(-1, hi.shape[-1])
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -113,4 +132,4 @@ def _runs_here(device: torch.device) -> bool:
     return device.type == "cuda" or (INTERPRET and device.type == "cpu")
 
 
-_grads.register_bf16_kernels(masked_softmax_bf16, ds_bf16, _runs_here)
+_grads.register_bf16_kernels(masked_softmax_bf16, ds_bf16, query_bf16, _runs_here)
