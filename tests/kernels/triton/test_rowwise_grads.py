@@ -12,16 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant import grads as G
-from zmrl.kernels_batch_invariant.glu import swiglu
-from zmrl.kernels_batch_invariant.kda_gate import kda_gate
-from zmrl.kernels_batch_invariant.l2norm import l2_norm
-from zmrl.kernels_batch_invariant.norms import rms_norm, rms_norm_gated
-from zmrl.kernels_batch_invariant.short_conv import causal_short_conv
-from zmrl.kernels_batch_invariant.triton import rowwise_grads as R
-from zmrl.kernels_batch_invariant.triton import triton_impl
+pytest.importorskip("triton")
 
-from .rowwise_helpers import randn
+from zmrl.kernels_batch_invariant import grads as G  # noqa: E402
+from zmrl.kernels_batch_invariant.glu import swiglu  # noqa: E402
+from zmrl.kernels_batch_invariant.kda_gate import kda_gate  # noqa: E402
+from zmrl.kernels_batch_invariant.l2norm import l2_norm  # noqa: E402
+from zmrl.kernels_batch_invariant.norms import rms_norm, rms_norm_gated  # noqa: E402
+from zmrl.kernels_batch_invariant.short_conv import causal_short_conv  # noqa: E402
+from zmrl.kernels_batch_invariant.triton import rowwise_grads as R  # noqa: E402
+from zmrl.kernels_batch_invariant.triton import triton_impl  # noqa: E402
+
+from .rowwise_helpers import randn  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
