@@ -70,7 +70,7 @@ def test_bf16_operands(problem, kind, monkeypatch):
     every accumulation stay fp32), its elementwise stages as the torch compositions (the Triton ones:
     tests/kernels/triton/test_mla_attention_bwd.py). See ``check_bf16_grads`` for the bound."""
     monkeypatch.setattr(M, "_bf16_kernels", None)
-    assert M._bf16_stages(torch.device("cpu"))[0] is M._softmax_bf16_torch
+    assert M._bf16_stages(torch.device("cpu")) is M.TORCH_STAGES
     check_bf16_grads(problem, kind, torch.device("cpu"))
 
 

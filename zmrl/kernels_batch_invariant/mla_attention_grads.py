@@ -21,6 +21,7 @@ GEMMs, ``index_add_`` onto distinct rows, chunks in ascending order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -83,7 +84,7 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
                 if bf16_stages is None:
                     _chunk_grads(*args, cdt)
                 else:
-                    _chunk_grads_bf16(*args, *bf16_stages)
+                    _chunk_grads_bf16(*args, bf16_stages)
             c0 = c1
     return (None if g_ql is None else g_ql.to(q_lat.dtype),
             None if g_qr is None else g_qr.to(q_pe.dtype),
@@ -128,25 +129,25 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
 def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
                       loc: torch.Tensor, scale: float, dc: int,
                       g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None,
-                      softmax_bf16: "SoftmaxBf16", ds_bf16: "DsBf16", query_bf16: "QueryBf16") -> None:
+                      stages: "Bf16Stages") -> None:
     """``_chunk_grads`` with bf16 GEMM operands and fp32 accumulation: the practice of FlashAttention's
     backward (P and dS rounded to bf16 for the tensor cores). Twice the tensor-core rate of TF32 and half
     the bytes per operand read; each operand rounds to 2^-8 relative (TF32: 2^-11), the softmax, the
     row sums and every accumulation stay fp32. A bf16 cache's keys are exact. The scale is folded into
     the (small) query operand once (``query_bf16``), so the [G*H, U] buffers see no extra pass for it.
     ``delta = rowsum(dO * O)`` is taken as ``rowsum(P * dP)`` (the same sum: O = P C and dP = dO C^T) inside
-    the dS stage, so O is never formed (one GEMM fewer) and the row sums of dS are those of the very P and dP
-    it is made of. The elementwise stages (``softmax_bf16``, ``ds_bf16``, ``query_bf16``) are one pass each on
-    CUDA (triton/mla_attention_bwd.py)."""
+    the dS stage, so O is never formed (one GEMM fewer) and both terms of dS = P (dP - delta) use the same
+    (bf16) P. The elementwise stages (``stages``: softmax, dS, scaled query) are one pass each on CUDA
+    (triton/mla_attention_bwd.py)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
     bf = torch.bfloat16
     k = flat.index_select(0, u).to(bf)  # [U, D]
     c = k[:, :dc]
-    qs = query_bf16(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
-    p16 = softmax_bf16(_mm_f32(qs, k.t()), _listed(loc, n_u), h)  # [G*H, U]
+    qs = stages.query(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
+    p16 = stages.softmax(_mm_f32(qs, k.t()), _listed(loc, n_u), h)  # [G*H, U]
     go16 = go.reshape(g * h, dc).to(bf)
-    ds16 = ds_bf16(_mm_f32(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
+    ds16 = stages.ds(_mm_f32(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
     if g_ql is not None or g_qr is not None:
         dq = _mm_f32(ds16, k)  # [G*H, D]; times the scale on the way into the output rows
         if g_ql is not None:
@@ -181,21 +182,34 @@ def _query_bf16_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> 
 SoftmaxBf16 = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 DsBf16 = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 QueryBf16 = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-_bf16_kernels: tuple[SoftmaxBf16, DsBf16, QueryBf16, Callable[[torch.device], bool]] | None = None
 
 
-def register_bf16_kernels(softmax: SoftmaxBf16, ds: DsBf16, query: QueryBf16,
-                          runs_on: Callable[[torch.device], bool]) -> None:
+@dataclass(frozen=True)
+class Bf16Stages:
+    """The bf16 path's elementwise stages between its GEMMs: ``softmax(s [G*H, U] fp32, listed [G, U], heads)``
+    -> P bf16; ``ds(dP [G*H, U] fp32, P)`` -> P (dP - rowsum(P dP)) bf16 (dP may be overwritten);
+    ``query(q_lat [G, H, Dc], q_pe [G, H, Dr], scale)`` -> bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr]."""
+
+    softmax: SoftmaxBf16
+    ds: DsBf16
+    query: QueryBf16
+
+
+TORCH_STAGES = Bf16Stages(_softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch)
+_bf16_kernels: tuple[Bf16Stages, Callable[[torch.device], bool]] | None = None
+
+
+def register_bf16_kernels(stages: Bf16Stages, runs_on: Callable[[torch.device], bool]) -> None:
     """Install fused kernels of the bf16 path's elementwise stages for devices where ``runs_on(device)``
-    (triton/mla_attention_bwd.py); elsewhere the torch compositions above run."""
+    (triton/mla_attention_bwd.py); elsewhere the torch compositions above (``TORCH_STAGES``) run."""
     global _bf16_kernels
-    _bf16_kernels = (softmax, ds, query, runs_on)
+    _bf16_kernels = (stages, runs_on)
 
 
-def _bf16_stages(device: torch.device) -> tuple[SoftmaxBf16, DsBf16, QueryBf16]:
-    if _bf16_kernels is not None and _bf16_kernels[3](device):
-        return _bf16_kernels[0], _bf16_kernels[1], _bf16_kernels[2]
-    return _softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch
+def _bf16_stages(device: torch.device) -> Bf16Stages:
+    if _bf16_kernels is not None and _bf16_kernels[1](device):
+        return _bf16_kernels[0]
+    return TORCH_STAGES
 
 
 def _zero(*bufs: torch.Tensor | None) -> None:

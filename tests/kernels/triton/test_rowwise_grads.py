@@ -3,11 +3,14 @@ float64 references and against the torch closed forms (grads.py) they replace.
 
 Tolerances: both sides compute the same formulas in fp32 with different association (one Triton pass vs
 torch's kernels); each gradient element is a handful of fp32 operations plus, for the norms, two row
-reductions over <= 2048 elements: errors ~1e-7 relative measured. 2e-5 of each gradient's scale (its
-max |value|) leaves margin, while any wrong term or a missed window tap is O(1). bf16 inputs are checked
+reductions over <= 2048 elements: a few fp32 roundings (~1e-7 relative) plus a reduction's ~sqrt(D) of them.
+2e-5 of each gradient's scale (its max |value|) leaves margin, while any wrong term or a missed window tap is
+O(1). bf16 inputs are checked
 against float64 of the same (bf16-valued) inputs at 1e-2: the gradient is rounded once to bf16 (2^-8).
 """
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -78,7 +81,6 @@ def _call(grads_fn, out_grads, needs, kwargs):
 
 def _full_kwargs(op, kwargs):
     """The op's arguments by name, defaults filled (what with_analytic_backward hands a grads function)."""
-    import inspect
     bound = inspect.signature(op.impls["torch"]).bind(**kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)

@@ -132,4 +132,4 @@ def _runs_here(device: torch.device) -> bool:
     return device.type == "cuda" or (INTERPRET and device.type == "cpu")
 
 
-_grads.register_bf16_kernels(masked_softmax_bf16, ds_bf16, query_bf16, _runs_here)
+_grads.register_bf16_kernels(_grads.Bf16Stages(masked_softmax_bf16, ds_bf16, query_bf16), _runs_here)

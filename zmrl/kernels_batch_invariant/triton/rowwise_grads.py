@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import grads as _grads
-from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, MAX_ROW_BLOCK, cdiv, next_pow2, sigmoid
+from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, MAX_ROW_BLOCK, as_rows, cdiv, next_pow2, sigmoid
 
 # Row kernels work on [ROWS, BLOCK_D] tiles of this many elements (rows of width <= BLOCK_D in one tile).
 TILE_ELEMS = 4096
@@ -40,10 +40,6 @@ CONV_CHANNELS = 128
 def _cdt_ok(*tensors: torch.Tensor | None) -> bool:
     """The kernels compute in fp32: float64 inputs (gradchecks) take the torch closed form."""
     return not any(t is not None and t.dtype == torch.float64 for t in tensors)
-
-
-def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
-    return t.reshape(-1, d).contiguous()
 
 
 def _tiling(n_rows: int, d: int) -> tuple[int, int, int, int]:
@@ -106,8 +102,8 @@ def _rms_grads(gy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, wei
                eps: float, need_x: bool, need_gate: bool, need_w: bool
                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     d = x.shape[-1]
-    x2, g2 = _rows(x, d), _rows(gy, d)
-    gt2 = _rows(gate, d) if gate is not None else None
+    x2, g2 = as_rows(x), as_rows(gy)
+    gt2 = as_rows(gate) if gate is not None else None
     w = weight.reshape(d).contiguous() if weight is not None else None
     need_w = need_w and w is not None
     n = x2.shape[0]
@@ -176,7 +172,7 @@ def l2_norm_grads(grads: _grads.Grads, needs: _grads.Needs, args: _grads.Args) -
     if gy is None or not needs["x"] or not _row_kernel_ok(x, gy):
         return _grads.l2_norm_grads(grads, needs, args)
     d = x.shape[-1]
-    x2, g2 = _rows(x, d), _rows(gy, d)
+    x2, g2 = as_rows(x), as_rows(gy)
     dx = torch.empty_like(x2)
     n = x2.shape[0]
     block_d = next_pow2(d)
