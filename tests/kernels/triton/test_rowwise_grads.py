@@ -194,3 +194,20 @@ def test_fallbacks_take_the_torch_closed_form(device) -> None:
     g2 = (randn(2, R.MAX_ROW_BLOCK + 8, device=device, seed=36),)
     n2 = {"x": True, "weight": False, "eps": False, "out_dtype": False}
     assert torch.equal(R.rms_norm_grads(g2, n2, wide)["x"], G.rms_norm_grads(g2, n2, wide)["x"])
+
+
+def test_norm_weight_partials_over_several_tiles_per_program(device, monkeypatch) -> None:
+    """With few partial blocks allowed, each program walks several row tiles (the loop the 16K-token trainer
+    takes only with a trainable norm weight): the same gradients as the torch closed form."""
+    monkeypatch.setattr(R, "MAX_PARTIAL_BLOCKS", 2)
+    # rows of 16 (256 per tile) and of 40 (64 per tile): 2 and 4 tiles over the 2 programs
+    for xx, d in ((randn(37, 14, 16, device=device, seed=40), 16), (randn(250, 40, device=device, seed=41), 40)):
+        w = randn(d, device=device, seed=42) + 1
+        gy = randn(*xx.shape, device=device, seed=43)
+        args = dict(x=xx, weight=w, eps=1e-5, out_dtype=None)
+        needs = {"x": True, "weight": True, "eps": False, "out_dtype": False}
+        got = R.rms_norm_grads((gy,), needs, args)
+        want = G.rms_norm_grads((gy,), needs, args)
+        _scale_close(got["weight"], want["weight"], RTOL, "dweight")
+        _scale_close(got["x"], want["x"], RTOL, "dx")
+        assert R._tiling(xx.numel() // d, d, partials=True)[2] > 1  # several tiles per program

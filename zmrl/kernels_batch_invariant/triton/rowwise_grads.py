@@ -42,12 +42,13 @@ def _cdt_ok(*tensors: torch.Tensor | None) -> bool:
     return not any(t is not None and t.dtype == torch.float64 for t in tensors)
 
 
-def _tiling(n_rows: int, d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_D, ROWS per tile, tiles per program, programs) for rows of width d."""
+def _tiling(n_rows: int, d: int, partials: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_D, ROWS per tile, tiles per program, programs) for rows of width d: one tile per program, or, when
+    the program writes a parameter-gradient partial (``partials``), at most MAX_PARTIAL_BLOCKS programs."""
     block_d = next_pow2(d)
     rows = max(1, TILE_ELEMS // block_d)
     tiles = cdiv(n_rows, rows)
-    per_prog = cdiv(tiles, MAX_PARTIAL_BLOCKS)
+    per_prog = cdiv(tiles, MAX_PARTIAL_BLOCKS) if partials else 1
     return block_d, rows, per_prog, cdiv(tiles, per_prog)
 
 
@@ -107,7 +108,7 @@ def _rms_grads(gy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, wei
     w = weight.reshape(d).contiguous() if weight is not None else None
     need_w = need_w and w is not None
     n = x2.shape[0]
-    block_d, rows, per_prog, progs = _tiling(n, d)
+    block_d, rows, per_prog, progs = _tiling(n, d, need_w)
     dx = torch.empty_like(x2) if need_x else None
     dgate = torch.empty_like(gt2) if (need_gate and gt2 is not None) else None
     dw = torch.empty(progs, d, dtype=torch.float32, device=x.device) if need_w else None
