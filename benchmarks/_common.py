@@ -344,8 +344,8 @@ def profile_step(step: Callable[[], Any], cuda: bool, steps: int = 3, top: int =
         r["share"] = r["ms_per_step"] / total
     groups: dict[str, dict[str, Any]] = {}
     for r in rows:
-        g = groups.setdefault(kernel_group(r["name"]), {"name": f"[{kernel_group(r['name'])}]", "calls": 0,
-                                                          "ms_per_step": 0.0})
+        family = kernel_group(r["name"])
+        g = groups.setdefault(family, {"name": f"[{family}]", "calls": 0, "ms_per_step": 0.0})
         g["calls"] += r["calls"]
         g["ms_per_step"] += r["ms_per_step"]
     by_group = sorted(groups.values(), key=lambda g: -g["ms_per_step"])

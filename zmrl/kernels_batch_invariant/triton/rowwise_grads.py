@@ -29,6 +29,7 @@ from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, MAX_ROW_BLOCK, as_row
 
 # Row kernels work on [ROWS, BLOCK_D] tiles of this many elements (rows of width <= BLOCK_D in one tile).
 TILE_ELEMS = 4096
+TILE_WARPS = 8  # every tile holds TILE_ELEMS elements (rows of width <= TILE_ELEMS)
 # Parameter-gradient partials: at most this many row blocks per call (each program loops over its share
 # of row tiles), so the [blocks, D] partial buffer stays small next to the activations.
 MAX_PARTIAL_BLOCKS = 512
@@ -118,7 +119,7 @@ def _rms_grads(gy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, wei
             dx if dx is not None else x2, dgate if dgate is not None else x2, dw if dw is not None else x2,
             n, d, float(eps), per_prog, HAS_W=w is not None, GATED=gt2 is not None, NEED_DX=dx is not None,
             NEED_DW=dw is not None, NEED_DGATE=dgate is not None, ROWS=rows, BLOCK_D=block_d,
-            num_warps=8 if rows * block_d >= 4096 else 4)
+            num_warps=TILE_WARPS)
     elif dw is not None:
         dw.zero_()
     return (None if dx is None else dx.view(x.shape), None if dgate is None else dgate.view(gate.shape),
@@ -176,11 +177,10 @@ def l2_norm_grads(grads: _grads.Grads, needs: _grads.Needs, args: _grads.Args) -
     x2, g2 = as_rows(x), as_rows(gy)
     dx = torch.empty_like(x2)
     n = x2.shape[0]
-    block_d = next_pow2(d)
-    rows = max(1, TILE_ELEMS // block_d)
+    block_d, rows, _, progs = _tiling(n, d, partials=False)
     if n and d:
-        _l2_bwd_kernel[(cdiv(n, rows),)](x2, g2, dx, n, d, float(args["eps"]), ROWS=rows, BLOCK_D=block_d,
-                                        num_warps=8 if rows * block_d >= 4096 else 4)
+        _l2_bwd_kernel[(progs,)](x2, g2, dx, n, d, float(args["eps"]), ROWS=rows, BLOCK_D=block_d,
+                                 num_warps=TILE_WARPS)
     return {"x": dx.view(x.shape)}
 
 
@@ -245,8 +245,7 @@ def kda_gate_grads(grads: _grads.Grads, needs: _grads.Needs, args: _grads.Args) 
     z, a_log, dt_bias, h, lb = args["z"], args["A_log"], args["dt_bias"], args["num_heads"], args["lower_bound"]
     (gy,) = grads
     # The parameter gradients (A_log, dt_bias: reductions over tokens) take the torch closed form.
-    if (gy is None or not needs["z"] or needs["A_log"] or needs["dt_bias"] or not _cdt_ok(z, a_log, dt_bias, gy)
-            or z.dim() != 2):
+    if gy is None or not needs["z"] or needs["A_log"] or needs["dt_bias"] or not _cdt_ok(z, a_log, dt_bias, gy):
         return _grads.kda_gate_grads(grads, needs, args)
     t, hd = z.shape
     zc, gyc = z.contiguous(), gy.contiguous()
