@@ -51,14 +51,20 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
     width = max(1, kp.shape[1])
     # Every chunk writes its rows of the query gradients (a chunk without keys zeroes them), so they
     # are not zero-filled here; the key gradient is accumulated into, so it is.
-    g_ql = torch.empty((nq, h, dc), dtype=cdt, device=dev) if need[0] else None
-    g_qr = torch.empty((nq, h, d - dc), dtype=cdt, device=dev) if need[1] else None
+    # the bf16 path (backward_matmul_precision="bf16") and its stages, decided once per call
+    bf16_stages = (_bf16_stages(dev) if cdt == torch.float32 and current_numerics().backward_matmul_precision == "bf16"
+                   and _bf16_gemms(dev) else None)
+    if bf16_stages is not None and (need[0] or need[1]):
+        # one [T, H, Dc + Dr] buffer that dQ's single GEMM writes; the two query gradients are its column views
+        g_q = torch.empty((nq, h, d), dtype=cdt, device=dev)
+        g_ql, g_qr = (g_q[..., :dc] if need[0] else None), (g_q[..., dc:] if need[1] else None)
+    else:
+        g_q = None
+        g_ql = torch.empty((nq, h, dc), dtype=cdt, device=dev) if need[0] else None
+        g_qr = torch.empty((nq, h, d - dc), dtype=cdt, device=dev) if need[1] else None
     g_kv = torch.zeros((num_pages * page_size, d), dtype=cdt, device=dev) if need[2] else None
     # U is typically <= 2 L for trainer batches (a chunk's keys come from one or two sequences).
     chunk = max(1, CHUNK_ELEMS // (h * 2 * width))
-    # the bf16 path (backward_matmul_precision="bf16") and its elementwise stages, decided once per call
-    bf16_stages = (_bf16_stages(dev) if cdt == torch.float32 and current_numerics().backward_matmul_precision == "bf16"
-                   and _bf16_gemms(dev) else None)
     with backward_matmuls(dev):
         c0 = 0
         while c0 < nq:
@@ -75,16 +81,16 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
             if c1 - c0 > 1 and (c1 - c0) * h * n_u > 2 * CHUNK_ELEMS:
                 chunk = max(1, chunk // 2)  # keys spread wider than expected: smaller chunks
                 continue
-            q_rows = [None if t is None else t[c0:c1] for t in (g_ql, g_qr)]
+            q_rows = [None if t is None else t[c0:c1] for t in (g_ql, g_qr, g_q)]
             if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
                 _zero(*q_rows)
             else:
                 args = (grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u[:n_u], inv[:-1].view(valid.shape),
-                        softmax_scale, dc, *q_rows, g_kv)
+                        softmax_scale, dc)
                 if bf16_stages is None:
-                    _chunk_grads(*args, cdt)
+                    _chunk_grads(*args, *q_rows[:2], g_kv, cdt)
                 else:
-                    _chunk_grads_bf16(*args, bf16_stages)
+                    _chunk_grads_bf16(*args, q_rows[2], g_kv, bf16_stages)
             c0 = c1
     return (None if g_ql is None else g_ql.to(q_lat.dtype),
             None if g_qr is None else g_qr.to(q_pe.dtype),
@@ -127,8 +133,7 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
 
 
 def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
-                      loc: torch.Tensor, scale: float, dc: int,
-                      g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None,
+                      loc: torch.Tensor, scale: float, dc: int, g_q: torch.Tensor | None, g_kv: torch.Tensor | None,
                       stages: "Bf16Stages") -> None:
     """``_chunk_grads`` with bf16 GEMM operands and fp32 accumulation: the practice of FlashAttention's
     backward (P and dS rounded to bf16 for the tensor cores). Twice the tensor-core rate of TF32 and half
@@ -137,27 +142,24 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     the (small) query operand once (``query_bf16``), so the [G*H, U] buffers see no extra pass for it.
     ``delta = rowsum(dO * O)`` is taken as ``rowsum(P * dP)`` (the same sum: O = P C and dP = dO C^T) inside
     the dS stage, so O is never formed (one GEMM fewer) and both terms of dS = P (dP - delta) use the same
-    (bf16) P. The elementwise stages (``stages``: softmax, dS, scaled query) are one pass each on CUDA
-    (triton/mla_attention_bwd.py)."""
+    (bf16) P. The query gradient ``g_q`` [G, H, Dc + Dr] (latent and rope columns) is one GEMM written into
+    its rows with the scale applied there; the key gradient's latent columns add the value gradient
+    (the latents are the values) inside the same GEMM. The stages (``stages``: softmax, dS, scaled query,
+    the fp32-output GEMMs) are one pass each on CUDA (triton/mla_attention_bwd.py, triton/bwd_matmul.py)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
     bf = torch.bfloat16
     k = flat.index_select(0, u).to(bf)  # [U, D]
     c = k[:, :dc]
     qs = stages.query(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
-    p16 = stages.softmax(_mm_f32(qs, k.t()), _listed(loc, n_u), h)  # [G*H, U]
+    p16 = stages.softmax(stages.mm(qs, k.t()), _listed(loc, n_u), h)  # [G*H, U]
     go16 = go.reshape(g * h, dc).to(bf)
-    ds16 = stages.ds(_mm_f32(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
-    if g_ql is not None or g_qr is not None:
-        dq = _mm_f32(ds16, k)  # [G*H, D]; times the scale on the way into the output rows
-        if g_ql is not None:
-            torch.mul(dq[:, :dc], scale, out=g_ql.view(g * h, dc))
-        if g_qr is not None:
-            torch.mul(dq[:, dc:], scale, out=g_qr.view(g * h, -1))
+    ds16 = stages.ds(stages.mm(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
+    if g_q is not None:
+        stages.mm(ds16, k, scale, out=g_q.view(g * h, -1))  # dQ = scale * dS K
     if g_kv is not None:
-        dk = _mm_f32(ds16.t(), qs)  # scale * dS^T q: dK (latent and rope)
-        dk[:, :dc] += _mm_f32(p16.t(), go16)  # + dV (the latents are the values)
-        g_kv.index_add_(0, u, dk)  # u is unique: one add per row
+        # scale * dS^T q (dK, latent and rope) + P^T dO (dV, on the latent columns)
+        g_kv.index_add_(0, u, stages.mm(ds16.t(), qs, second=(p16.t(), go16)))  # u is unique: one add per row
 
 
 def _softmax_bf16_torch(s: torch.Tensor, listed: torch.Tensor, heads: int) -> torch.Tensor:
@@ -172,6 +174,18 @@ def _ds_bf16_torch(dp: torch.Tensor, p16: torch.Tensor) -> torch.Tensor:
     return dp.sub_(delta).mul_(p16).to(torch.bfloat16)
 
 
+def _mm_f32_torch(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0,
+                  second: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """scale * (a @ b + a2 @ b2) in fp32 for bf16 operands (``second = (a2, b2)`` adds to the first columns)."""
+    y = _mm_f32(a, b)
+    if second is not None:
+        y[:, :second[1].shape[1]] += _mm_f32(*second)
+    if scale != 1.0:
+        y.mul_(scale)
+    return y if out is None else out.copy_(y)
+
+
 def _query_bf16_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> torch.Tensor:
     """bf16(scale * [q_lat | q_pe]) as [G*H, Dc + Dr], the scale applied in fp32."""
     g, h, _ = q_lat.shape
@@ -182,20 +196,24 @@ def _query_bf16_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> 
 SoftmaxBf16 = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 DsBf16 = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 QueryBf16 = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+MmF32 = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Bf16Stages:
     """The bf16 path's elementwise stages between its GEMMs: ``softmax(s [G*H, U] fp32, listed [G, U], heads)``
     -> P bf16; ``ds(dP [G*H, U] fp32, P)`` -> P (dP - rowsum(P dP)) bf16 (dP may be overwritten);
-    ``query(q_lat [G, H, Dc], q_pe [G, H, Dr], scale)`` -> bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr]."""
+    ``query(q_lat [G, H, Dc], q_pe [G, H, Dr], scale)`` -> bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr];
+    ``mm(a, b, scale=1.0, second=None, out=None)`` -> scale * (a @ b + a2 @ b2) in fp32 for bf16 operands of
+    any strides, ``second = (a2, b2)`` added to the first ``b2.shape[1]`` columns, written into ``out`` if given."""
 
     softmax: SoftmaxBf16
     ds: DsBf16
     query: QueryBf16
+    mm: MmF32
 
 
-TORCH_STAGES = Bf16Stages(_softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch)
+TORCH_STAGES = Bf16Stages(_softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch, _mm_f32_torch)
 _bf16_kernels: tuple[Bf16Stages, Callable[[torch.device], bool]] | None = None
 
 
