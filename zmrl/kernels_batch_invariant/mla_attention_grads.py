@@ -150,16 +150,25 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     n_u = u.numel()
     bf = torch.bfloat16
     k = flat.index_select(0, u).to(bf)  # [U, D]
+    listed = _listed(loc, n_u)
+    # U padded to a multiple of stages.pad with zero keys that no query lists (P = dS = 0 there, exactly):
+    # the GEMMs' row strides and sizes are then multiples of 16, which their kernel needs for speed
+    # (triton/bwd_matmul.py)
+    n_pad = -(-n_u // stages.pad) * stages.pad
+    if n_pad != n_u:
+        k = torch.cat([k, k.new_zeros(n_pad - n_u, k.shape[1])])
+        listed = torch.nn.functional.pad(listed, (0, n_pad - n_u))
     c = k[:, :dc]
     qs = stages.query(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
-    p16 = stages.softmax(stages.mm(qs, k.t()), _listed(loc, n_u), h)  # [G*H, U]
+    p16 = stages.softmax(stages.mm(qs, k.t()), listed, h)  # [G*H, U]
     go16 = go.reshape(g * h, dc).to(bf)
     ds16 = stages.ds(stages.mm(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
     if g_q is not None:
         stages.mm(ds16, k, scale, out=g_q.view(g * h, -1))  # dQ = scale * dS K
     if g_kv is not None:
         # scale * dS^T q (dK, latent and rope) + P^T dO (dV, on the latent columns)
-        g_kv.index_add_(0, u, stages.mm(ds16.t(), qs, second=(p16.t(), go16)))  # u is unique: one add per row
+        dk = stages.mm(ds16.t(), qs, second=(p16.t(), go16))
+        g_kv.index_add_(0, u, dk[:n_u])  # u is unique: one add per row
 
 
 def _softmax_bf16_torch(s: torch.Tensor, listed: torch.Tensor, heads: int) -> torch.Tensor:
@@ -205,12 +214,14 @@ class Bf16Stages:
     -> P bf16; ``ds(dP [G*H, U] fp32, P)`` -> P (dP - rowsum(P dP)) bf16 (dP may be overwritten);
     ``query(q_lat [G, H, Dc], q_pe [G, H, Dr], scale)`` -> bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr];
     ``mm(a, b, scale=1.0, second=None, out=None)`` -> scale * (a @ b + a2 @ b2) in fp32 for bf16 operands of
-    any strides, ``second = (a2, b2)`` added to the first ``b2.shape[1]`` columns, written into ``out`` if given."""
+    any strides, ``second = (a2, b2)`` added to the first ``b2.shape[1]`` columns, written into ``out`` if given;
+    ``pad``: the key count U is padded (with zero keys no query lists) to a multiple of it."""
 
     softmax: SoftmaxBf16
     ds: DsBf16
     query: QueryBf16
     mm: MmF32
+    pad: int = 1  # the chunk's key count is padded to a multiple of this (what ``mm`` wants for speed)
 
 
 TORCH_STAGES = Bf16Stages(_softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch, _mm_f32_torch)

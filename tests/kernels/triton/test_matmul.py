@@ -400,7 +400,7 @@ def test_linear_lm_head_invariance(device, interpret):
     g = torch.Generator().manual_seed(3)
     pool = torch.randn(16, 2048, generator=g).to(device, torch.bfloat16)
     w = (torch.randn(163840, 2048, generator=g) * 0.02).to(device, torch.bfloat16)
-    _assert_rows_invariant(lambda x: _lin(x, w, out_dtype=torch.float32), pool, [1, 3, 8, 64, 129, 1000], seed=3)
+    _assert_rows_invariant(lambda x: _lin(x, w, out_dtype=torch.float32), pool, [1, 3, 8, 64, 129, 256, 1000], seed=3)
 
 
 @pytest.mark.parametrize("dtype", _dtypes())

@@ -16,6 +16,9 @@ kernels on the H200 (~390 TFLOP/s at the bench shapes; benchmarks/mla_bwd_gemms.
 real chunk shapes). The second product lets the MLA key gradient and value gradient (both [U, Dc] sums
 over the chunk's rows) share one pass: dK_latent + dV = dS^T q + P^T dO.
 
+Speed needs every size and row stride a multiple of 16 elements (the MLA backward pads its key count to
+``PAD``): the compiler then vectorises the masked loads and stores.
+
 Under the Triton interpreter the dot is an explicit fp32 product and sum (``matmul.dot_acc``): the
 interpreter's bf16 dot is wrong.
 """
@@ -59,6 +62,8 @@ class MmConfig:
 WIDE = MmConfig(128, 256, 64, 8, 3)
 NARROW = MmConfig(128, 64, 64, 4, 4)
 INTERPRET_CONFIG = MmConfig(16, 16, 16, 4, 1)
+# The multiple callers round varying sizes up to (see the module doc).
+PAD = 16
 
 
 def mm_config(m: int, n: int, k: int) -> MmConfig:
@@ -69,7 +74,11 @@ def mm_config(m: int, n: int, k: int) -> MmConfig:
     return WIDE if n >= 1024 else NARROW
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "N2", "K2"])
+# M, N, K stay specialised (Triton compiles a variant per "divisible by 16"): a mask along an operand's or the
+# output's contiguous dimension vectorises only when its bound is known to be a multiple of the vector width.
+# Without it (do_not_specialize) every load and store went scalar: 3-10x slower than cuBLAS on the H200
+# (benchmarks/results/2026-12-02_mla_bwd_gemms_6c4c92b_h200.json). Callers pad varying sizes to 16.
+@triton.jit
 def _mm_f32_kernel(
     a_ptr, b_ptr, a2_ptr, b2_ptr, o_ptr, M, N, K, N2, K2,
     s_am, s_ak, s_bk, s_bn, s_a2m, s_a2k, s_b2k, s_b2n, s_om, s_on, scale,

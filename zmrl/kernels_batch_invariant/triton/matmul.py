@@ -134,6 +134,8 @@ class GemmConfig:
 # its several dots per K step make the step size part of its accumulation order.
 SMALL_M = 16
 SPLIT_BLOCK_K = 64
+# Column tiles of 128 from which an output counts as vocabulary-wide (N >= 64K: only the lm_head)
+LM_HEAD_TILES = 512
 DECODE_M = 64
 BATCH_M = 256
 LARGE_M = 1024
@@ -174,6 +176,11 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
         if bucket == 2:
             return GemmConfig(128, 128, 64, 4, 4)
         if bucket == 1:  # 2-4 row tiles of 64: BLOCK_N so that N alone gives >= 32 column tiles
+            if cdiv(n, 128) >= LM_HEAD_TILES:
+                # the vocabulary-wide lm_head: 128-row tiles read its 0.67 GB weight half as often; at 256 rows
+                # 421 -> 359 us, at 128 rows 198 us, the sweep's best there (benchmarks/results/
+                # 2026-12-02_gemm_sweep_6c4c92b_h200.json)
+                return GemmConfig(128, 128, 64, 8, 3)
             if cdiv(n, 128) >= 32:
                 return GemmConfig(64, 128, 64, 4, 4)
             return GemmConfig(64, 64, 64, 4, 4) if cdiv(n, 64) >= 32 else GemmConfig(64, 32, 64, 4, 4)

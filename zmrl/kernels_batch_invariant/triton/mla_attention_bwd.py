@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .. import mla_attention_grads as _grads
 from ._common import INTERPRET
-from .bwd_matmul import mm_f32
+from .bwd_matmul import PAD, mm_f32
 from .mla_attention import split_query
 
 SOFTMAX_BLOCK = 1024  # keys per step of the row loops (the rows are up to the chunk's union of keys)
@@ -134,4 +134,4 @@ def _runs_here(device: torch.device) -> bool:
     return device.type == "cuda" or (INTERPRET and device.type == "cpu")
 
 
-_grads.register_bf16_kernels(_grads.Bf16Stages(masked_softmax_bf16, ds_bf16, query_bf16, mm_f32), _runs_here)
+_grads.register_bf16_kernels(_grads.Bf16Stages(masked_softmax_bf16, ds_bf16, query_bf16, mm_f32, PAD), _runs_here)
