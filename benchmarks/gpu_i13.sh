@@ -36,7 +36,7 @@
 #                 decode shapes, then the Triton KDA and MLA tests (the KDA ones under both forms);
 #   prefill / prefill_chunk  prefill_throughput.py in the default (recurrent) / the chunked KDA form;
 #   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
-#   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs vs cuBLAS;  gemm_sweep  the GEMM config sweep.
+#   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
 # T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
@@ -126,7 +126,7 @@ has newk && step gpu_tests_newk "${T_NEWK:-300}" $PY -m pytest -p no:cacheprovid
   tests/kernels/triton/test_rowwise_grads.py tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_short_conv.py \
   tests/kernels/triton/test_norms.py tests/kernels/triton/test_glu.py tests/kernels/triton/test_l2norm.py \
   tests/kernels/triton/test_kda_gate.py "tests/kernels/triton/test_kda_decode_step.py::test_one_recurrent_binary_for_every_caller" \
-  tests/kernels/triton/test_mla_attention_bwd.py tests/kernels/triton/test_bwd_matmul.py tests/kernels/triton/test_mla_attention_grads_gpu.py \
+  tests/kernels/triton/test_mla_attention_bwd.py tests/kernels/triton/test_mla_attention_grads_gpu.py \
   tests/trainer/test_gradients_gpu.py
 
 has rowwise && step gpu_tests_rowwise_grads 60 $PYTEST -k grad "tests/kernels/triton/test_kda_chunk.py::test_gradients_match_float64" \
@@ -191,7 +191,7 @@ has rollout_rl_fine && step rollout_rl_fine "${T_ROLLOUT_RL_FINE:-260}" $PY benc
 # from it), backward with bf16 operands, optimizer step, weight push.
 has rl_full && step rl_full "${T_RL_FULL:-420}" $PY benchmarks/rl_step.py $RL_SHAPE --micro-batch-tokens 16384 --parity-pass fused --backward-precision "${RL_BWD:-bf16}" --out "$OUT/rl_full.json"
 
-# The MLA backward's fp32-output GEMMs: zmrl's Triton mm_f32 per config against cuBLAS on the chunk shapes.
+# The MLA backward's fp32-output GEMMs (cuBLAS) on the chunk shapes, key counts as they come and padded.
 has mla_bwd && step mla_bwd_gemms "${T_MLA_BWD:-150}" $PY benchmarks/mla_bwd_gemms.py --out "$OUT/mla_bwd_gemms.json"
 
 # The invariant GEMM's launch configs at batched-decode sizes (GEMM_SWEEP_ARGS: e.g. --shapes lm_head --ms 128,256).

@@ -40,7 +40,9 @@ from zmrl.model.presets import bench  # noqa: E402
 R = 32
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tried by --sweep; a split product's BLOCK_K is fixed by _launch.
 SWEEP_CONFIGS = [(16, 32, 32, 4, 3), (16, 64, 32, 4, 3), (16, 128, 32, 4, 3), (32, 64, 32, 4, 3), (32, 128, 32, 4, 3),
-                 (64, 32, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 128, 32, 8, 3), (128, 64, 32, 8, 3)]
+                 (64, 32, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 128, 32, 8, 3), (128, 64, 32, 8, 3),
+                 # prefill / training rows
+                 (128, 128, 32, 8, 3), (128, 128, 32, 4, 3), (128, 256, 32, 8, 3), (256, 128, 32, 8, 3)]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ from .numerics import backward_matmuls, current_numerics
 # time (scores/probabilities and their gradient, updated in place), so chunks are as large as memory
 # allows: each chunk costs a host sync (``unique``) and a fixed set of launches.
 CHUNK_ELEMS = 1 << 27
+# The bf16 path pads a chunk's key count to a multiple of this (16-byte-aligned bf16 rows).
+KEY_PAD = 8
 
 
 def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -143,31 +145,30 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     ``delta = rowsum(dO * O)`` is taken as ``rowsum(P * dP)`` (the same sum: O = P C and dP = dO C^T) inside
     the dS stage, so O is never formed (one GEMM fewer) and both terms of dS = P (dP - delta) use the same
     (bf16) P. The query gradient ``g_q`` [G, H, Dc + Dr] (latent and rope columns) is one GEMM written into
-    its rows with the scale applied there; the key gradient's latent columns add the value gradient
-    (the latents are the values) inside the same GEMM. The stages (``stages``: softmax, dS, scaled query,
-    the fp32-output GEMMs) are one pass each on CUDA (triton/mla_attention_bwd.py, triton/bwd_matmul.py)."""
+    its rows, the scale in its alpha. The elementwise stages (``stages``: softmax, dS, scaled query) are one
+    pass each on CUDA (triton/mla_attention_bwd.py)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
     bf = torch.bfloat16
     k = flat.index_select(0, u).to(bf)  # [U, D]
     listed = _listed(loc, n_u)
-    # U padded to a multiple of stages.pad with zero keys that no query lists (P = dS = 0 there, exactly):
-    # the GEMMs' row strides and sizes are then multiples of 16, which their kernel needs for speed
-    # (triton/bwd_matmul.py)
-    n_pad = -(-n_u // stages.pad) * stages.pad
+    # U padded to a multiple of KEY_PAD with zero keys that no query lists (P = dS = 0 there, exactly): the
+    # [G*H, U] operands' rows are then 16-byte aligned, which cuBLAS's sm90 kernels need (unaligned rows
+    # ran on its sm75 "align1" kernels, benchmarks/mla_bwd_gemms.py)
+    n_pad = -(-n_u // KEY_PAD) * KEY_PAD
     if n_pad != n_u:
         k = torch.cat([k, k.new_zeros(n_pad - n_u, k.shape[1])])
         listed = torch.nn.functional.pad(listed, (0, n_pad - n_u))
     c = k[:, :dc]
     qs = stages.query(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
-    p16 = stages.softmax(stages.mm(qs, k.t()), listed, h)  # [G*H, U]
+    p16 = stages.softmax(_mm_f32(qs, k.t()), listed, h)  # [G*H, U]
     go16 = go.reshape(g * h, dc).to(bf)
-    ds16 = stages.ds(stages.mm(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
+    ds16 = stages.ds(_mm_f32(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
     if g_q is not None:
-        stages.mm(ds16, k, scale, out=g_q.view(g * h, -1))  # dQ = scale * dS K
+        _mm_f32(ds16, k, scale, out=g_q.view(g * h, -1))  # dQ = scale * dS K, latent and rope columns at once
     if g_kv is not None:
-        # scale * dS^T q (dK, latent and rope) + P^T dO (dV, on the latent columns)
-        dk = stages.mm(ds16.t(), qs, second=(p16.t(), go16))
+        dk = _mm_f32(ds16.t(), qs)  # scale * dS^T q: dK (latent and rope)
+        dk[:, :dc] += _mm_f32(p16.t(), go16)  # + dV (the latents are the values)
         g_kv.index_add_(0, u, dk[:n_u])  # u is unique: one add per row
 
 
@@ -183,18 +184,6 @@ def _ds_bf16_torch(dp: torch.Tensor, p16: torch.Tensor) -> torch.Tensor:
     return dp.sub_(delta).mul_(p16).to(torch.bfloat16)
 
 
-def _mm_f32_torch(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0,
-                  second: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """scale * (a @ b + a2 @ b2) in fp32 for bf16 operands (``second = (a2, b2)`` adds to the first columns)."""
-    y = _mm_f32(a, b)
-    if second is not None:
-        y[:, :second[1].shape[1]] += _mm_f32(*second)
-    if scale != 1.0:
-        y.mul_(scale)
-    return y if out is None else out.copy_(y)
-
-
 def _query_bf16_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> torch.Tensor:
     """bf16(scale * [q_lat | q_pe]) as [G*H, Dc + Dr], the scale applied in fp32."""
     g, h, _ = q_lat.shape
@@ -205,26 +194,20 @@ def _query_bf16_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> 
 SoftmaxBf16 = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 DsBf16 = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 QueryBf16 = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-MmF32 = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Bf16Stages:
     """The bf16 path's elementwise stages between its GEMMs: ``softmax(s [G*H, U] fp32, listed [G, U], heads)``
     -> P bf16; ``ds(dP [G*H, U] fp32, P)`` -> P (dP - rowsum(P dP)) bf16 (dP may be overwritten);
-    ``query(q_lat [G, H, Dc], q_pe [G, H, Dr], scale)`` -> bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr];
-    ``mm(a, b, scale=1.0, second=None, out=None)`` -> scale * (a @ b + a2 @ b2) in fp32 for bf16 operands of
-    any strides, ``second = (a2, b2)`` added to the first ``b2.shape[1]`` columns, written into ``out`` if given;
-    ``pad``: the key count U is padded (with zero keys no query lists) to a multiple of it."""
+    ``query(q_lat [G, H, Dc], q_pe [G, H, Dr], scale)`` -> bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr]."""
 
     softmax: SoftmaxBf16
     ds: DsBf16
     query: QueryBf16
-    mm: MmF32
-    pad: int = 1  # the chunk's key count is padded to a multiple of this (what ``mm`` wants for speed)
 
 
-TORCH_STAGES = Bf16Stages(_softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch, _mm_f32_torch)
+TORCH_STAGES = Bf16Stages(_softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch)
 _bf16_kernels: tuple[Bf16Stages, Callable[[torch.device], bool]] | None = None
 
 
@@ -262,11 +245,11 @@ def _probabilities(s: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     return p.masked_fill_(masked, 0.0)
 
 
-_FP32_OUT_BF16_MM: dict[torch.device, bool] = {}  # per CUDA device: does this torch's mm take out_dtype?
+_FP32_OUT_BF16_MM: dict[torch.device, bool] = {}  # per CUDA device: do this torch's mm / addmm take out_dtype?
 
 
 def _bf16_gemms(device: torch.device) -> bool:
-    """Whether the bf16 path can run here: anywhere but on a CUDA torch whose ``mm`` has no fp32 output for
+    """Whether the bf16 path can run here: anywhere but on a CUDA torch whose ``mm`` / ``addmm`` have no fp32 output for
     bf16 operands (there a bf16-rounded score or dP before the softmax / the dP - delta cancellation would
     cost far more than the operands' rounding, so the fp32 path runs). Probed once per device with a 1 x 1
     product, so a failing real product (e.g. out of memory) is never taken for a missing feature."""
@@ -275,16 +258,27 @@ def _bf16_gemms(device: torch.device) -> bool:
     if device not in _FP32_OUT_BF16_MM:
         one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
         try:
-            _FP32_OUT_BF16_MM[device] = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+            out = torch.addmm(one.float(), one, one, beta=0, out_dtype=torch.float32,
+                              out=torch.empty(1, 1, device=device))
+            _FP32_OUT_BF16_MM[device] = (torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+                                         and out.dtype == torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
             _FP32_OUT_BF16_MM[device] = False
     return _FP32_OUT_BF16_MM[device]
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b of bf16 operands, accumulated and returned in fp32: cuBLAS's bf16 GEMM with an fp32 output on
-    CUDA (torch's ``out_dtype``; ``_bf16_gemms`` says it exists), the exact fp32 GEMM of the bf16 values
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """scale * (a @ b) of bf16 operands, accumulated and returned in fp32 (written into ``out`` if given):
+    cuBLAS's bf16 GEMM with an fp32 output on CUDA (torch's ``out_dtype``; ``_bf16_gemms`` says it exists,
+    the scale in its alpha; beta = 0 ignores the unfilled ``out``), the exact fp32 GEMM of the bf16 values
     elsewhere."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+        if out is None and scale == 1.0:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        if out is None:
+            out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+        return torch.addmm(out, a, b, beta=0, alpha=scale, out_dtype=torch.float32, out=out)
+    y = a.float() @ b.float()
+    if scale != 1.0:
+        y.mul_(scale)
+    return y if out is None else out.copy_(y)

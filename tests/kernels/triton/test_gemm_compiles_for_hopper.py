@@ -156,16 +156,3 @@ def test_mla_query_split_builds_for_sm90():
         _build_ir(_split_query_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
                                         for n in _split_query_kernel.arg_names}, consts)
 
-
-@compiled_only
-def test_backward_gemm_builds_for_sm90():
-    """``bwd_matmul.mm_f32`` in every constexpr variant and both of its shape configs."""
-    from zmrl.kernels_batch_invariant.triton.bwd_matmul import NARROW, WIDE, _mm_f32_kernel
-
-    for cfg, second, scaled in itertools.product((WIDE, NARROW), (False, True), (False, True)):
-        consts = dict(HAS_SECOND=second, SCALED=scaled, INTERPRET=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
-        ptrs = {"a_ptr": "*bf16", "b_ptr": "*bf16", "a2_ptr": "*bf16", "b2_ptr": "*bf16", "o_ptr": "*fp32",
-                "scale": "fp32"}
-        _build_ir(_mm_f32_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i64" if n.startswith("s_") else "i32")
-                                   for n in _mm_f32_kernel.arg_names}, consts)

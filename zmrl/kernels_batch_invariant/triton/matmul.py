@@ -201,6 +201,11 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
         return GemmConfig(32, 128, 32, 4, 3) if wide else GemmConfig(16, 128, 32, 4, 3)
     if bucket == -1:  # B r -> hidden at one row: 3.2 -> 2.5 us
         return GemmConfig(16, 32, 32, 4, 3)
+    if bucket >= 2 and n >= 256:
+        # prefill / training rows of the LoRA B products (fp32 [M, r] @ [N, r]^T, one K step, bound by the fp32
+        # output they write): 64x64 tiles took 5.5x the bound at 16K tokens (the expert r -> hidden product,
+        # 1.43 ms vs 0.27 ms, benchmarks/results/2026-12-01_lora_gemms_splitk_9661ae3_h200.json)
+        return GemmConfig(128, 128, 32, 8, 3)
     if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
         return GemmConfig(64, 64, 32, 4, 3)
     return GemmConfig(64, 32, 32, 4, 3)

@@ -11,7 +11,6 @@ over the chunk's [G*H, U] buffers instead of the torch composition's several.
   mul, sum, sub, mul, cast (about 30 bytes per element); here 14 (the second pass mostly from cache).
 * ``query_bf16``: bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr] in one pass over the (strided) query halves
   (``mla_attention.split_query``'s kernel, hi half only).
-* the GEMMs: ``bwd_matmul.mm_f32`` (bf16 operands, fp32 output, the dK + dV pair in one accumulator).
 
 Registered on ``mla_attention_grads`` for CUDA tensors (and CPU tensors under the interpreter, the
 CPU tests); their reference is the torch composition there (``_softmax_bf16_torch`` / ``_ds_bf16_torch``),
@@ -27,7 +26,6 @@ import triton.language as tl
 
 from .. import mla_attention_grads as _grads
 from ._common import INTERPRET
-from .bwd_matmul import PAD, mm_f32
 from .mla_attention import split_query
 
 SOFTMAX_BLOCK = 1024  # keys per step of the row loops (the rows are up to the chunk's union of keys)
@@ -134,4 +132,4 @@ def _runs_here(device: torch.device) -> bool:
     return device.type == "cuda" or (INTERPRET and device.type == "cpu")
 
 
-_grads.register_bf16_kernels(_grads.Bf16Stages(masked_softmax_bf16, ds_bf16, query_bf16, mm_f32, PAD), _runs_here)
+_grads.register_bf16_kernels(_grads.Bf16Stages(masked_softmax_bf16, ds_bf16, query_bf16), _runs_here)
