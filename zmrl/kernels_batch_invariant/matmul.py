@@ -199,12 +199,15 @@ def check_blockdiag(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[in
 
 
 @invariant_op
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Per-group ``linear``: ``y[g] = x[g] @ weight[g].T`` for x [G, M, K], weight [G, N, K].
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+                   delta: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-group ``linear``: ``y[g] = x[g] @ weight[g].T (+ delta[g])`` for x [G, M, K], weight [G, N, K].
 
     Each group's rows are tiled exactly like ``linear`` (ROW_TILE rows, N and K padded to COL_TILE),
     so a row's result equals ``linear(row, weight[g])`` bitwise and is independent of M and G.
-    Used for per-head absorbed MLA projections and batched expert/LoRA weights.
+    ``delta``: fp32 [G, M, N] (a LoRA term) added to the fp32 result before the one rounding, bitwise
+    ``(grouped_linear(x, weight, torch.float32) + delta).to(out_dtype)`` (the Triton GEMM adds it in its
+    epilogue). Used for per-head absorbed MLA projections and batched expert/LoRA weights.
     """
     out_dtype = out_dtype or x.dtype
     g, m, k = x.shape
@@ -219,8 +222,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     if kp != k or np_ != n:
         w = F.pad(w, (0, kp - k, 0, np_ - n))
     wt = w.transpose(1, 2).unsqueeze(1).expand(g, mp // ROW_TILE, kp, np_)
-    y = _bmm(xp.reshape(-1, ROW_TILE, kp), wt.reshape(-1, kp, np_))
-    return y.view(g, mp, np_)[:, :m, :n].to(out_dtype)
+    y = _bmm(xp.reshape(-1, ROW_TILE, kp), wt.reshape(-1, kp, np_)).view(g, mp, np_)[:, :m, :n]
+    if delta is not None:
+        y = y + check_delta(delta, (g, m, n)).to(cdt)
+    return y.to(out_dtype)
 
 
 # ----------------------------------------------------------------------------- fast mode
@@ -251,5 +256,7 @@ def _bmm_fixed_fast(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @grouped_linear.register("fast")
-def _grouped_linear_fast(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.bmm(x, weight.to(x.dtype).transpose(1, 2)).to(out_dtype or x.dtype)
+def _grouped_linear_fast(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+                         delta: torch.Tensor | None = None) -> torch.Tensor:
+    y = torch.bmm(x, weight.to(x.dtype).transpose(1, 2))
+    return y.to(out_dtype or x.dtype) if delta is None else (y.float() + delta).to(out_dtype or x.dtype)

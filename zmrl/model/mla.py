@@ -133,15 +133,18 @@ class MLAAttention(nn.Module):
         kv_cache, k8_cache, ks_cache = ctx.store.write(self.layer_idx, ctx.slot_mapping, latent, index_k8, index_scale)
 
         w_uk, w_uv = self._kv_b()
-        # q_lat[t, h] = q_nope[t, h] @ W_UK[h]: per head, rows tiled like every other linear.
-        q_lat = grouped_linear(q_nope.transpose(0, 1), w_uk.transpose(1, 2), out_dtype=torch.float32).transpose(0, 1)
         lora = self.kv_b_proj.adapter
+        q_delta = None
         if lora is not None:
-            # kv_b's LoRA in the absorbed form, unfused: + scale * (q_nope[h] @ B_UK[h]) @ A
+            # kv_b's LoRA in the absorbed form, unfused: + scale * (q_nope[h] @ B_UK[h]) @ A, added in fp32 by
+            # the q_lat GEMM's epilogue (grouped_linear's delta: the bits of the separate sum)
             b_uk, _ = self._lora_b_halves(lora)
             t = grouped_linear(q_nope.transpose(0, 1), b_uk.transpose(1, 2), out_dtype=torch.float32)  # [H, T, r]
-            q_lat = q_lat + scaled(lora.scale, grouped_linear(t, lora.lora_A.t().unsqueeze(0).expand(
-                self.num_heads, -1, -1).contiguous(), out_dtype=torch.float32)).transpose(0, 1)
+            q_delta = scaled(lora.scale, grouped_linear(t, lora.lora_A.t().unsqueeze(0).expand(
+                self.num_heads, -1, -1).contiguous(), out_dtype=torch.float32))  # [H, T, Dc]
+        # q_lat[t, h] = q_nope[t, h] @ W_UK[h]: per head, rows tiled like every other linear.
+        q_lat = grouped_linear(q_nope.transpose(0, 1), w_uk.transpose(1, 2), out_dtype=torch.float32,
+                               delta=q_delta).transpose(0, 1)
         if self.indexer is not None:
             if computes_selection:
                 positions = ctx.index_selection[self.layer_idx] = self.indexer.select(
@@ -157,12 +160,12 @@ class MLAAttention(nn.Module):
         if lora is None:
             o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=x.dtype).transpose(0, 1)  # [T, H, v]
         else:
-            # + scale * (o_lat[h] @ A^T) @ B_UV[h]^T, added in fp32 before the single rounding
+            # + scale * (o_lat[h] @ A^T) @ B_UV[h]^T, added in fp32 before the single rounding (the epilogue's delta)
             _, b_uv = self._lora_b_halves(lora)
-            o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=torch.float32)
             a = linear(o_lat.reshape(-1, self.kv_lora_rank), lora.lora_A, out_dtype=torch.float32)
             a = a.view(T, H, -1).transpose(0, 1)  # [H, T, r]
-            o = (o + scaled(lora.scale, grouped_linear(a, b_uv, out_dtype=torch.float32))).to(x.dtype).transpose(0, 1)
+            o_delta = scaled(lora.scale, grouped_linear(a, b_uv, out_dtype=torch.float32))  # [H, T, v]
+            o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=x.dtype, delta=o_delta).transpose(0, 1)
         o = o.reshape(T, H * self.v_dim)
         if hasattr(self, "g_proj"):
             o = (o.float() * sigmoid(self.g_proj(x, out_dtype=torch.float32))).to(x.dtype)

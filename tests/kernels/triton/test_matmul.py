@@ -462,6 +462,35 @@ def test_grouped_linear_rows_equal_linear(device, interpret, dtype):
     assert torch.equal(triton_impl(grouped_linear)(xd, wd), grouped_linear.impls["torch"](xd, wd))
 
 
+def test_grouped_linear_delta_equals_the_sum(device, interpret):
+    """``grouped_linear`` with a ``delta`` (the absorbed MLA LoRA terms, fp32 [G, M, N]) equals the unfused
+    ``(fp32 result + delta).to(out)`` bitwise, for the fp32 x bf16 split path (o_lat through W_UV) and bf16
+    operands, fp32 and bf16 outputs, on the Triton and torch backends; its gradients equal the unfused
+    ones (the delta's is the output's, in fp32)."""
+    g = torch.Generator().manual_seed(21)
+    G, M, K, N = (3, 9, 40, 24) if interpret else (64, 70, 512, 128)
+    for x_dtype, w_dtype in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)):
+        x = torch.randn(G, M, K, generator=g).to(device, x_dtype)
+        w = (torch.randn(G, N, K, generator=g) / K**0.5).to(device, w_dtype)
+        delta = torch.randn(G, M, N, generator=g).to(device)
+        for impl, out_dtype in itertools.product(("triton", "torch"), (torch.float32, torch.bfloat16)):
+            op = triton_impl(grouped_linear) if impl == "triton" else grouped_linear.impls["torch"]
+            fused = op(x, w, out_dtype=out_dtype, delta=delta)
+            plain = (op(x, w, out_dtype=torch.float32) + delta).to(out_dtype)
+            assert torch.equal(fused, plain), (impl, x_dtype, out_dtype)
+        with pytest.raises(ValueError, match="delta must be"):
+            triton_impl(grouped_linear)(x, w, delta=delta[:, :1])
+    x = torch.randn(G, M, K, generator=g).to(device).requires_grad_()
+    w = torch.randn(G, N, K, generator=g).to(device, torch.bfloat16).requires_grad_()
+    d = torch.randn(G, M, N, generator=g).to(device).requires_grad_()
+    gy = torch.randn(G, M, N, generator=g).to(device, torch.bfloat16)
+    op = triton_impl(grouped_linear)
+    fused = torch.autograd.grad(op(x, w, out_dtype=torch.bfloat16, delta=d), [x, w, d], gy)
+    plain = torch.autograd.grad((op(x, w, out_dtype=torch.float32) + d).to(torch.bfloat16), [x, w, d], gy)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+
+
 def test_grouped_linear_grads(device):
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 9, 40, generator=g).to(device).requires_grad_(True)

@@ -933,7 +933,8 @@ def linear_blockdiag_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
 
 
 # ------------------------------------------------------------------------------- grouped_linear
-def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                     delta: torch.Tensor | None = None) -> torch.Tensor:
     g, m, k = x.shape
     n = weight.shape[1]
     y = torch.empty(g, m, n, dtype=out_dtype, device=x.device)
@@ -941,15 +942,18 @@ def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
         # linear's config: a row of group g equals Triton linear(row, weight[g]) bitwise.
         cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
         xs = x if (x.stride(-1) == 1 or k <= 1) else x.contiguous()
-        _launch(xs, weight, None, y, cfg, m, n, k)
+        # the kernel reads the delta with y's strides: [G, M, N] contiguous
+        d = None if delta is None else (delta if delta.is_contiguous() else delta.contiguous())
+        _launch(xs, weight, None, y, cfg, m, n, k, delta=d)
     return y
 
 
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
+                delta: torch.Tensor | None = None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return _grouped_forward(x, weight, out_dtype)
+        return _grouped_forward(x, weight, out_dtype, delta)
 
     @staticmethod
     @with_backward_matmuls
@@ -959,22 +963,27 @@ class _GroupedLinearFn(torch.autograd.Function):
         g = gy.to(cdt)
         dx = torch.bmm(g, w.to(cdt)).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = torch.bmm(g.transpose(1, 2), x.to(cdt)).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
+        d_delta = gy.float() if ctx.needs_input_grad[3] else None
+        return dx, dw, None, d_delta
 
 
 @grouped_linear.register("triton")
-def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Triton ``grouped_linear``: y[g] = x[g] @ weight[g]^T for x [G, M, K], weight [G, N, K]
-    (any strides, e.g. expanded or transposed views)."""
-    if compute_in_fp64(x, weight):
-        return grouped_linear.impls["torch"](x, weight, out_dtype)
+def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+                          delta: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton ``grouped_linear``: y[g] = x[g] @ weight[g]^T (+ delta[g], fp32, in the epilogue) for x [G, M, K],
+    weight [G, N, K] (any strides, e.g. expanded or transposed views)."""
+    if compute_in_fp64(x, weight, delta):
+        return grouped_linear.impls["torch"](x, weight, out_dtype, delta)
     out_dtype = out_dtype or x.dtype
     g, m, k = x.shape
     if weight.shape[0] != g or weight.shape[2] != k:
         raise ValueError(f"grouped_linear: x {tuple(x.shape)} vs weight {tuple(weight.shape)}")
-    if _needs_grad(x, weight):
-        return _GroupedLinearFn.apply(x, weight, out_dtype)
-    return _grouped_forward(x, weight, out_dtype)
+    if delta is not None:
+        _ops.check_delta(delta, (g, m, weight.shape[1]))
+    if _needs_grad(x, weight, delta):
+        return _GroupedLinearFn.apply(x, weight, out_dtype, delta)
+    return _grouped_forward(x, weight, out_dtype, delta)
 
 
 # ------------------------------------------------------------------------------------ bmm_fixed
