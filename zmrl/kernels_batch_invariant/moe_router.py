@@ -140,6 +140,25 @@ def moe_combine(
     return acc.to(out_dtype or expert_outputs.dtype)
 
 
+@invariant_op
+def moe_combine_rows(
+    rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``moe_combine`` of expert outputs stored as rows in another order (the MoE's expert-sorted rows):
+    ``sum_j weights[:, j] * rows[slot_rows[:, j]]``, bitwise ``moe_combine(rows[slot_rows], weights, out_dtype)``.
+
+    rows: [N, D]; slot_rows: [T, k] integer, the row holding slot (t, j), a permutation of range(N) with
+    N = T * k (each row is one slot; the backward writes each row's gradient once); weights: [T, k].
+    Saves the un-sort of the rows into slot order (a full read and write of [T * k, D]) and, in the
+    backward, its gather.
+    """
+    t, k = weights.shape
+    if slot_rows.shape != (t, k) or rows.dim() != 2 or rows.shape[0] != t * k:
+        raise ValueError(f"moe_combine_rows: rows {tuple(rows.shape)}, slot_rows {tuple(slot_rows.shape)} and "
+                         f"weights {tuple(weights.shape)} must be [T*k, D], [T, k], [T, k]")
+    return moe_combine(rows[slot_rows.reshape(-1)].view(t, k, -1), weights, out_dtype)
+
+
 # ----------------------------------------------------------------------------- fast mode (stock kernels)
 
 
@@ -185,6 +204,14 @@ def moe_combine_fast(
     cdt = torch.float64 if expert_outputs.dtype == torch.float64 else torch.float32
     y = torch.bmm(weights.to(cdt)[:, None, :], expert_outputs.to(cdt))[:, 0]
     return y.to(out_dtype or expert_outputs.dtype)
+
+
+@moe_combine_rows.register("fast")
+def moe_combine_rows_fast(
+    rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    t, k = weights.shape
+    return moe_combine_fast(rows[slot_rows.reshape(-1)].view(t, k, -1), weights, out_dtype)
 
 
 # ----------------------------------------------------------------------------- references

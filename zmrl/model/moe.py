@@ -10,7 +10,7 @@ from torch import nn
 
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
-from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_route
+from zmrl.kernels_batch_invariant.moe_router import moe_combine_rows, moe_route
 
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, Weight, project
@@ -71,11 +71,9 @@ def _dispatch_rows(h: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Te
     return h[order // top_k]
 
 
-def _unsort_rows(y_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """``y_sorted[argsort(order)]`` (row ``order[i]`` of the result is row i of ``y_sorted``) as one
-    ``index_copy_``: the same values without a second sort, and a gather (not an accumulating
-    scatter) as its backward."""
-    return y_sorted.new_empty(y_sorted.shape).index_copy_(0, order, y_sorted)
+def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inv with inv[order[i]] = i (``argsort(order)`` for a permutation, without a sort)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 class Router(Weight):
@@ -131,8 +129,10 @@ class MoE(nn.Module):
             order = torch.argsort(flat_ids, stable=True)
             counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
             y_sorted = self._routed_experts(_dispatch_rows(h, order, self.top_k), counts)
-        y = _unsort_rows(y_sorted, order).view(T, self.top_k, -1)
-        routed = moe_combine(y, route.weights, out_dtype=torch.float32)
+        # slot (t, j) is row t * top_k + j of the unsorted pairs, held at sorted row slot_rows[t, j]: the
+        # combine reads the expert-sorted rows where they are (bitwise moe_combine of the un-sorted rows)
+        slot_rows = _inverse_permutation(order).view(T, self.top_k)
+        routed = moe_combine_rows(y_sorted, slot_rows, route.weights, out_dtype=torch.float32)
         if self.latent:
             # fp32 combine -> (norm ->) one rounding to the model dtype -> up-projection
             h = routed.to(x.dtype) if self.latent_norm is None else self.latent_norm(routed, out_dtype=x.dtype)

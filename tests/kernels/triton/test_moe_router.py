@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_combine_ref, moe_route, moe_route_ref
+from zmrl.kernels_batch_invariant.moe_router import (moe_combine, moe_combine_ref, moe_combine_rows, moe_route,
+                                                    moe_route_ref)
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
 from .rowwise_helpers import assert_rows_invariant, batch_sizes, randn
@@ -134,3 +135,52 @@ def test_combine_gradient(device, interpret) -> None:
     want = torch.autograd.grad(moe_combine_ref(eod, wd), (eod, wd), gy.double())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+def _permuted(t: int, k: int, d: int, device, dtype, seed: int):
+    """Slot-order outputs eo [T, k, D], the same rows stored in a random order (rows [T*k, D]) and each
+    slot's row (slot_rows [T, k]), as the MoE layer holds its expert-sorted rows."""
+    eo = randn(t, k, d, device=device, seed=seed, dtype=dtype)
+    order = torch.randperm(t * k, generator=torch.Generator().manual_seed(seed)).to(device)
+    rows = eo.reshape(t * k, d)[order]  # sorted row i holds slot order[i]
+    slot_rows = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=device)).view(t, k)
+    return eo, rows, slot_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_rows_is_the_combine_of_the_unsorted_rows(device, interpret, dtype) -> None:
+    """moe_combine_rows reads each slot's row where it is: bitwise moe_combine of the rows put in slot
+    order (the same values summed in the same order), on both backends; shape errors are one line."""
+    for t, k, d in ([(3, 1, 5), (4, 8, 70), (2, 3, 1100)] if interpret else [(3, 1, 5), (64, 8, 2048), (9, 16, 7168)]):
+        eo, rows, slot_rows = _permuted(t, k, d, device, dtype, seed=d)
+        w = randn(t, k, device=device, seed=d + 1).abs()
+        for out_dtype in (torch.float32, dtype):
+            want = triton_impl(moe_combine)(eo, w, out_dtype)
+            assert torch.equal(triton_impl(moe_combine_rows)(rows, slot_rows, w, out_dtype), want)
+            assert torch.equal(moe_combine_rows.impls["torch"](rows, slot_rows, w, out_dtype),
+                               moe_combine.impls["torch"](eo, w, out_dtype))
+    with pytest.raises(ValueError, match="must be \\[T\\*k, D\\]"):
+        triton_impl(moe_combine_rows)(rows[1:], slot_rows, w)
+
+
+def test_combine_rows_gradient(device, interpret) -> None:
+    """The hand-written backward (one program per token) against autograd of the torch op: each row's gradient
+    is w * g rounded once to the rows' dtype, bitwise the torch op's (the same product and rounding); the
+    weight gradient sums D products in another order (fp32: ~D ulps of sum |g y| apart); twice the same bits."""
+    t, k, d = (5, 3, 40) if interpret else (64, 8, 2048)
+    for dtype in (torch.float32, torch.bfloat16):
+        _, rows, slot_rows = _permuted(t, k, d, device, dtype, seed=7)
+        rows.requires_grad_(True)
+        w = randn(t, k, device=device, seed=8).requires_grad_(True)
+        gy = randn(t, d, device=device, seed=9)
+        got = torch.autograd.grad(triton_impl(moe_combine_rows)(rows, slot_rows, w, torch.float32), (rows, w), gy)
+        again = torch.autograd.grad(triton_impl(moe_combine_rows)(rows, slot_rows, w, torch.float32), (rows, w), gy)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
+        want = torch.autograd.grad(moe_combine_rows.impls["torch"](rows, slot_rows, w, torch.float32), (rows, w), gy)
+        assert got[0].dtype == dtype
+        if interpret and dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest)
+            assert bool(((got[0].float() - want[0].float()).abs() <= 2.0 ** -7 * want[0].float().abs()).all())
+        else:
+            assert torch.equal(got[0], want[0])
+        bound = d * 2.0 ** -23 * torch.einsum("td,tkd->tk", gy.abs(), rows.detach().float()[slot_rows].abs())
+        assert bool(((got[1] - want[1]).abs() <= bound + 1e-30).all())

@@ -16,6 +16,8 @@ torch under autograd. Selection is not differentiable (as in the torch op).
 
 ``moe_combine``: one program per (token, feature block), ``acc = acc + w_j * y_j`` in fp32 for j = 0..k-1
 in slot order. Backward is hand-written (``dY_j = w_j * g``, ``dw_j = <g, Y_j>``) with stock torch ops.
+``moe_combine_rows``: the same kernel reading slot (t, j) from row ``slot_rows[t, j]`` of the expert-sorted
+rows (the same values in the same order: the same bits); its backward is one Triton pass per token.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from ._common import cdiv, next_pow2, sigmoid
 
 moe_route = _ops.moe_route
 moe_combine = _ops.moe_combine
+moe_combine_rows = _ops.moe_combine_rows
 RouterOutput = _ops.RouterOutput
 
 
@@ -154,27 +157,92 @@ def moe_route_triton(
 
 
 @triton.jit
-def _combine_kernel(eo_ptr, w_ptr, y_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(eo_ptr, rows_ptr, w_ptr, y_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                    GATHER: tl.constexpr):
+    """y[t] = sum_j w[t, j] * eo[slot (t, j)]: row t*K + j of eo, or row rows[t, j] (GATHER: moe_combine_rows).
+    Both read the same values in the same order: the same bits."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = c < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):  # slot order, one fp32 accumulator
         wj = tl.load(w_ptr + t * K + j).to(tl.float32)
-        acc = acc + wj * tl.load(eo_ptr + (t * K + j) * D + c, mask=m, other=0.0).to(tl.float32)
+        row = tl.load(rows_ptr + t * K + j).to(tl.int64) if GATHER else t * K + j
+        acc = acc + wj * tl.load(eo_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * D + c, acc.to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _combine_launch(eo: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    t, k, d = eo.shape
+def _combine_launch(eo: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
+                    slot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """eo: [T, k, D] in slot order, or (``slot_rows`` [T, k] given) [T*k, D] rows in any order."""
+    t, k = w.shape
+    d = eo.shape[-1]
     eo_c, w_c = eo.contiguous(), w.contiguous()
+    rows = eo_c if slot_rows is None else slot_rows.contiguous()  # any pointer when not gathering
     y = torch.empty(t, d, dtype=out_dtype, device=eo.device)
     if t and d:
         block_d = min(next_pow2(d), 1024)
-        _combine_kernel[(t, cdiv(d, block_d))](eo_c, w_c, y, d, K=k, BLOCK_D=block_d, num_warps=4)
+        _combine_kernel[(t, cdiv(d, block_d))](eo_c, rows, w_c, y, d, K=k, BLOCK_D=block_d,
+                                                GATHER=slot_rows is not None, num_warps=4)
     elif t:
         y.zero_()
     return y
+
+
+@triton.jit
+def _combine_rows_bwd_kernel(g_ptr, rows_ptr, w_ptr, eo_ptr, geo_ptr, gw_ptr, D,
+                             K: tl.constexpr, K_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                             NEED_GEO: tl.constexpr, NEED_GW: tl.constexpr):
+    """One program per token t, its k slots as the rows of a [K_P, BLOCK_D] tile walking D in ascending
+    blocks: d eo[rows[t, j]] = w[t, j] * g[t] (each row written once: rows is a permutation) and
+    d w[t, j] = sum_d g[t, d] * eo[rows[t, j], d] in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, K_P)
+    jm = j < K
+    row = tl.load(rows_ptr + t * K + j, mask=jm, other=0).to(tl.int64)
+    wj = tl.load(w_ptr + t * K + j, mask=jm, other=0.0).to(tl.float32)
+    dot = tl.zeros([K_P], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + tl.arange(0, BLOCK_D)
+        cm = c < D
+        g = tl.load(g_ptr + t * D + c, mask=cm, other=0.0).to(tl.float32)
+        tile = jm[:, None] & cm[None, :]
+        if NEED_GEO:
+            tl.store(geo_ptr + row[:, None] * D + c[None, :], (wj[:, None] * g[None, :]).to(geo_ptr.dtype.element_ty),
+                     mask=tile)
+        if NEED_GW:
+            eo = tl.load(eo_ptr + row[:, None] * D + c[None, :], mask=tile, other=0.0).to(tl.float32)
+            dot += tl.sum(eo * g[None, :], axis=1)
+    if NEED_GW:
+        tl.store(gw_ptr + t * K + j, dot.to(gw_ptr.dtype.element_ty), mask=jm)
+
+
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, slot_rows: torch.Tensor, w: torch.Tensor,  # type: ignore[override]
+                out_dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(rows, slot_rows, w)
+        return _combine_launch(rows, w, out_dtype, slot_rows)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple:  # type: ignore[override]
+        rows, slot_rows, w = ctx.saved_tensors
+        need_geo, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        t, k = w.shape
+        d = rows.shape[1]
+        # every row is one slot's (slot_rows is a permutation): each gradient row is written once
+        g_rows = torch.empty_like(rows) if need_geo else None
+        g_w = torch.empty_like(w) if need_gw else None
+        if t and d and (need_geo or need_gw):
+            rows_c = rows.contiguous()
+            _combine_rows_bwd_kernel[(t,)](
+                g.contiguous(), slot_rows.contiguous(), w.contiguous(), rows_c,
+                rows_c if g_rows is None else g_rows, w if g_w is None else g_w, d,
+                K=k, K_P=next_pow2(k), BLOCK_D=min(next_pow2(d), 512), NEED_GEO=need_geo, NEED_GW=need_gw,
+                num_warps=4)
+        elif need_gw:
+            g_w.zero_()
+        return g_rows, None, g_w, None
 
 
 class _Combine(torch.autograd.Function):
@@ -195,6 +263,24 @@ class _Combine(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g_w = torch.einsum("td,tkd->tk", gf, eo.to(torch.float32)).to(w.dtype)
         return g_eo, g_w, None
+
+
+@moe_combine_rows.register("triton")
+def moe_combine_rows_triton(
+    rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Triton ``moe_combine_rows``: the combine kernel reading slot (t, j) from row ``slot_rows[t, j]``;
+    hand-written backward (one program per token: its rows' gradients and its weights' gradients)."""
+    t, k = weights.shape
+    if slot_rows.shape != (t, k) or rows.dim() != 2 or rows.shape[0] != t * k:
+        raise ValueError(f"moe_combine_rows: rows {tuple(rows.shape)}, slot_rows {tuple(slot_rows.shape)} and "
+                         f"weights {tuple(weights.shape)} must be [T*k, D], [T, k], [T, k]")
+    if rows.dtype == torch.float64:  # gradchecks only
+        return moe_combine_rows.impls["torch"](rows, slot_rows, weights, out_dtype)
+    od = out_dtype or rows.dtype
+    if torch.is_grad_enabled() and (rows.requires_grad or weights.requires_grad):
+        return _CombineRows.apply(rows, slot_rows, weights, od)
+    return _combine_launch(rows, weights, od, slot_rows)
 
 
 @moe_combine.register("triton")
