@@ -17,14 +17,17 @@ are recomputed with the same ``linear`` and differentiated in closed form,
     dz = g * (onehot(token) - softmax(z / T)) / T         (T = 0 or 1: no division, as in the forward)
     d hidden = dz @ W,   d W += dz^T hidden,   d bias += sum_rows dz
 
-so only one chunk's [chunk_rows, V] logits, their softmax and their gradient are alive at a time.
-The GEMMs are stock (cuBLAS 16-bit GEMMs with fp32 accumulation when hidden and weight share a
-16-bit dtype on CUDA, as the Triton ``linear`` backward does; fp32 otherwise, fp64 for fp64 inputs);
-weight and bias gradients accumulate over the chunks in fp32 in chunk order.
+so only one chunk's [chunk_rows, V] logits and their gradient are alive at a time. On CUDA, dz comes from
+one fused kernel reading each row's logits twice and writing dz once in the GEMMs' dtype
+(triton/logprob_grads.py: ~10 bytes moved per logit instead of ~28); the torch composition
+``_softmax_grad_torch`` runs elsewhere and for fp64. The GEMMs are stock (cuBLAS 16-bit GEMMs with fp32
+accumulation when hidden and weight share a 16-bit dtype on CUDA, as the Triton ``linear`` backward does;
+fp32 otherwise, fp64 for fp64 inputs); weight and bias gradients accumulate over the chunks in fp32 in
+chunk order.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -104,6 +107,52 @@ def _grad_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
+def _inverse_temperatures(segments: Segments, start: int, stop: int, z: torch.Tensor) -> torch.Tensor | None:
+    """1/T per row of the chunk [start, stop) in z's dtype (1 where T is 0 or 1); None when no row is scaled
+    (decided on the host: no device sync). The gradient's softmax multiplies by 1/T, where the forward
+    divides by T: the two agree to rounding."""
+    runs = _runs(segments, start, stop)
+    if not any(_scales(t) for _, _, t in runs):
+        return None
+    inv_t = torch.ones(stop - start, dtype=z.dtype, device=z.device)
+    for a, b, t in runs:
+        if _scales(t):
+            inv_t[a - start:b - start] = 1.0 / t
+    return inv_t
+
+
+def _softmax_grad_torch(z: torch.Tensor, token_ids: torch.Tensor, g: torch.Tensor, inv_t: torch.Tensor | None,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """dz = inv_t * g * (onehot(token_ids) - softmax(z * inv_t)) [C, V] in ``out_dtype``, from logits z [C, V]
+    (overwritten), token_ids [C], g [C] and inv_t [C] (None: no row scaled) in z's dtype: the torch
+    composition, for fp64 and where the fused kernel (triton/logprob_grads.py) does not run."""
+    if inv_t is not None:
+        z.mul_(inv_t[:, None])
+    dz = torch.softmax(z, dim=-1)
+    g = g[:, None]
+    dz.mul_(-g).scatter_add_(1, token_ids[:, None].long(), g)
+    if inv_t is not None:
+        dz.mul_(inv_t[:, None])
+    return dz.to(out_dtype)
+
+
+SoftmaxGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype], torch.Tensor]
+_softmax_grad_kernel: tuple[SoftmaxGrad, Callable[[torch.device], bool]] | None = None
+
+
+def register_softmax_grad_kernel(fn: SoftmaxGrad, runs_on: Callable[[torch.device], bool]) -> None:
+    """Install a fused ``_softmax_grad_torch`` (same arguments; fp32 logits only, z left unmodified) for devices
+    where ``runs_on(device)`` (triton/logprob_grads.py); elsewhere the torch composition runs."""
+    global _softmax_grad_kernel
+    _softmax_grad_kernel = (fn, runs_on)
+
+
+def _softmax_grad(z: torch.Tensor) -> SoftmaxGrad:
+    if _softmax_grad_kernel is not None and z.dtype == torch.float32 and _softmax_grad_kernel[1](z.device):
+        return _softmax_grad_kernel[0]
+    return _softmax_grad_torch
+
+
 class _LMHeadTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
@@ -125,31 +174,24 @@ class _LMHeadTokenLogprobs(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=zdt, device=weight.device) if need_w else None
         db = torch.zeros(bias.shape, dtype=zdt, device=bias.device) if need_b else None
         g_all = grad.to(zdt)
+        # The bias gradient is summed over the rows from the fp32 dz (the model's lm_head has no bias: rare),
+        # so dz is then produced in fp32 and rounded to the GEMMs' dtype after the sum.
+        dz_dtype = zdt if need_b else gdt
         for start in range(0, r, ctx.chunk_rows):
             stop = min(start + ctx.chunk_rows, r)
             h = hidden[start:stop]
             with torch.no_grad():
                 z = linear(h, weight, bias, out_dtype=zdt)
-            runs = _runs(ctx.segments, start, stop)
-            scaled = any(_scales(t) for _, _, t in runs)  # decided on the host: no device sync
-            if scaled:
-                inv_t = torch.ones(stop - start, 1, dtype=zdt, device=z.device)
-                for a, b, t in runs:
-                    if _scales(t):
-                        inv_t[a - start:b - start] = 1.0 / t
-                z.mul_(inv_t)  # the gradient's softmax; the forward's true division is matched to rounding
-            dz = torch.softmax(z, dim=-1)
+            inv_t = _inverse_temperatures(ctx.segments, start, stop, z)
+            dz = _softmax_grad(z)(z, token_ids[start:stop], g_all[start:stop], inv_t, dz_dtype)
             del z
-            g = g_all[start:stop, None]
-            dz.mul_(-g).scatter_add_(1, token_ids[start:stop, None].long(), g)
-            if scaled:
-                dz.mul_(inv_t)
-            if need_h:
-                dh[start:stop] = (dz.to(gdt) @ w).to(hidden.dtype)
-            if need_w:
-                dw += (dz.to(gdt).t() @ h.to(gdt)).to(zdt)
             if need_b:
                 db += dz.sum(0)
+                dz = dz.to(gdt)
+            if need_h:
+                dh[start:stop] = (dz @ w).to(hidden.dtype)
+            if need_w:
+                dw += (dz.t() @ h.to(gdt)).to(zdt)
         return (dh, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype),
                 None, None, None)
 

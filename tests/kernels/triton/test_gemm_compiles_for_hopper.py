@@ -156,3 +156,15 @@ def test_mla_query_split_builds_for_sm90():
         _build_ir(_split_query_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
                                         for n in _split_query_kernel.arg_names}, consts)
 
+
+@compiled_only
+def test_lm_head_softmax_grad_builds_for_sm90():
+    """The lm_head backward's logit gradient, with and without temperatures, for each output dtype."""
+    from zmrl.kernels_batch_invariant.triton._common import MAX_ROW_BLOCK
+    from zmrl.kernels_batch_invariant.triton.logprob_grads import _softmax_grad_kernel
+
+    for scale, out in itertools.product((False, True), ("bf16", "fp16", "fp32")):
+        consts = dict(SCALE=scale, BLOCK=MAX_ROW_BLOCK)
+        ptrs = {"z_ptr": "*fp32", "tok_ptr": "*i64", "g_ptr": "*fp32", "inv_t_ptr": "*fp32", "dz_ptr": f"*{out}"}
+        _build_ir(_softmax_grad_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
+                                         for n in _softmax_grad_kernel.arg_names}, consts)
