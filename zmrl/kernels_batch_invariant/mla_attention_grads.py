@@ -85,7 +85,7 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
                 continue
             q_rows = [None if t is None else t[c0:c1] for t in (g_ql, g_qr, g_q)]
             if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
-                _zero(*q_rows)
+                _zero(*(q_rows[2:] if g_q is not None else q_rows[:2]))  # (g_ql, g_qr are views of g_q)
             else:
                 args = (grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u[:n_u], inv[:-1].view(valid.shape),
                         softmax_scale, dc)
