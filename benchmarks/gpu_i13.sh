@@ -126,8 +126,7 @@ has newk && step gpu_tests_newk "${T_NEWK:-300}" $PY -m pytest -p no:cacheprovid
   tests/kernels/triton/test_rowwise_grads.py tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_short_conv.py \
   tests/kernels/triton/test_norms.py tests/kernels/triton/test_glu.py tests/kernels/triton/test_l2norm.py \
   tests/kernels/triton/test_kda_gate.py "tests/kernels/triton/test_kda_decode_step.py::test_one_recurrent_binary_for_every_caller" \
-  tests/kernels/triton/test_mla_attention_bwd.py tests/kernels/triton/test_mla_attention_grads_gpu.py \
-  tests/trainer/test_gradients_gpu.py
+  tests/kernels/triton/test_mla_attention_bwd.py tests/kernels/triton/test_mla_attention_grads_gpu.py tests/trainer/test_gradients_gpu.py
 
 has rowwise && step gpu_tests_rowwise_grads 60 $PYTEST -k grad "tests/kernels/triton/test_kda_chunk.py::test_gradients_match_float64" \
   tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_norms.py tests/kernels/triton/test_l2norm.py \

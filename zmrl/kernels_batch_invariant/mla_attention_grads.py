@@ -32,7 +32,7 @@ from .numerics import backward_matmuls, current_numerics
 # time (scores/probabilities and their gradient, updated in place), so chunks are as large as memory
 # allows: each chunk costs a host sync (``unique``) and a fixed set of launches.
 CHUNK_ELEMS = 1 << 27
-# The bf16 path pads a chunk's key count to a multiple of this (16-byte-aligned bf16 rows).
+# A chunk's key count is padded to a multiple of this (16-byte-aligned bf16 and fp32 rows: _chunk_keys).
 KEY_PAD = 8
 
 
@@ -112,13 +112,14 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
     ``backward_matmul_precision="bf16"`` the products take bf16 operands instead (``_chunk_grads_bf16``)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
-    masked = ~_listed(loc, n_u).unsqueeze(1)  # [G, 1, U]
-    k = flat.index_select(0, u).to(cdt)  # [U, D]
+    k, listed = _chunk_keys(flat, u, loc, cdt)
+    n_pad = k.shape[0]
+    masked = ~listed.unsqueeze(1)  # [G, 1, U]
     c, kr = k[:, :dc], k[:, dc:]  # [U, Dc] latents (also the values), [U, Dr] rope keys
     ql = q_lat.detach().to(cdt).reshape(g * h, dc)
     qr = q_pe.detach().to(cdt).reshape(g * h, -1)
-    s = torch.mm(ql, c.t()).addmm_(qr, kr.t(), beta=scale, alpha=scale).view(g, h, n_u)  # scale * (q . k)
-    p = _probabilities(s, masked).view(g * h, n_u)
+    s = torch.mm(ql, c.t()).addmm_(qr, kr.t(), beta=scale, alpha=scale).view(g, h, n_pad)  # scale * (q . k)
+    p = _probabilities(s, masked).view(g * h, n_pad)
     gof = go.to(cdt).reshape(g * h, dc)
     delta = (gof * (p @ c)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
     ds = torch.mm(gof, c.t()).sub_(delta).mul_(p)  # dS / scale, [G*H, U]
@@ -128,10 +129,10 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
             rows = buf.view(g * h, -1)
             torch.addmm(rows, ds, kpart, beta=0, alpha=scale, out=rows)
     if g_kv is not None:
-        dk = torch.empty(n_u, k.shape[1], dtype=cdt, device=k.device)
+        dk = torch.empty(n_pad, k.shape[1], dtype=cdt, device=k.device)
         torch.addmm(torch.mm(p.t(), gof), ds.t(), ql, alpha=scale, out=dk[:, :dc])  # dK_latent + dV
         torch.addmm(dk[:, dc:], ds.t(), qr, beta=0, alpha=scale, out=dk[:, dc:])  # dK_rope
-        g_kv.index_add_(0, u, dk)  # u is unique: one add per row
+        g_kv.index_add_(0, u, dk[:n_u])  # u is unique: one add per row
 
 
 def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
@@ -150,15 +151,7 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     g, h, _ = q_lat.shape
     n_u = u.numel()
     bf = torch.bfloat16
-    k = flat.index_select(0, u).to(bf)  # [U, D]
-    listed = _listed(loc, n_u)
-    # U padded to a multiple of KEY_PAD with zero keys that no query lists (P = dS = 0 there, exactly): the
-    # [G*H, U] operands' rows are then 16-byte aligned, which cuBLAS's sm90 kernels need (unaligned rows
-    # ran on its sm75 "align1" kernels, benchmarks/mla_bwd_gemms.py)
-    n_pad = -(-n_u // KEY_PAD) * KEY_PAD
-    if n_pad != n_u:
-        k = torch.cat([k, k.new_zeros(n_pad - n_u, k.shape[1])])
-        listed = torch.nn.functional.pad(listed, (0, n_pad - n_u))
+    k, listed = _chunk_keys(flat, u, loc, bf)
     c = k[:, :dc]
     qs = stages.query(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
     p16 = stages.softmax(_mm_f32(qs, k.t()), listed, h)  # [G*H, U]
@@ -170,6 +163,22 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
         dk = _mm_f32(ds16.t(), qs)  # scale * dS^T q: dK (latent and rope)
         dk[:, :dc] += _mm_f32(p16.t(), go16)  # + dV (the latents are the values)
         g_kv.index_add_(0, u, dk[:n_u])  # u is unique: one add per row
+
+
+def _chunk_keys(flat: torch.Tensor, u: torch.Tensor, loc: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's keys K [U', D] in ``dtype`` and which of them each query lists [G, U'], U' = U rounded up to
+    KEY_PAD with zero keys that no query lists (P = dS = 0 there, exactly; their key gradients are dropped).
+    The [G*H, U'] operands' rows are then 16-byte aligned, which cuBLAS's sm90 kernels need: unaligned rows ran
+    on its sm75 "align1" kernels, ~5x slower (benchmarks/mla_bwd_gemms.py)."""
+    n_u = u.numel()
+    k = flat.index_select(0, u).to(dtype)
+    listed = _listed(loc, n_u)
+    n_pad = -(-n_u // KEY_PAD) * KEY_PAD
+    if n_pad != n_u:
+        k = torch.cat([k, k.new_zeros(n_pad - n_u, k.shape[1])])
+        listed = torch.nn.functional.pad(listed, (0, n_pad - n_u))
+    return k, listed
 
 
 def _softmax_bf16_torch(s: torch.Tensor, listed: torch.Tensor, heads: int) -> torch.Tensor:

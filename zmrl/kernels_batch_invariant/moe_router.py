@@ -152,11 +152,21 @@ def moe_combine_rows(
     Saves the un-sort of the rows into slot order (a full read and write of [T * k, D]) and, in the
     backward, its gather.
     """
+    return moe_combine(in_slot_order(rows, slot_rows, weights), weights, out_dtype)
+
+
+def check_combine_rows(rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor) -> None:
+    """``moe_combine_rows``' shapes: rows [T*k, D], slot_rows [T, k], weights [T, k]."""
     t, k = weights.shape
     if slot_rows.shape != (t, k) or rows.dim() != 2 or rows.shape[0] != t * k:
         raise ValueError(f"moe_combine_rows: rows {tuple(rows.shape)}, slot_rows {tuple(slot_rows.shape)} and "
                          f"weights {tuple(weights.shape)} must be [T*k, D], [T, k], [T, k]")
-    return moe_combine(rows[slot_rows.reshape(-1)].view(t, k, -1), weights, out_dtype)
+
+
+def in_slot_order(rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The rows gathered into slot order [T, k, D] (shapes checked): what ``moe_combine`` takes."""
+    check_combine_rows(rows, slot_rows, weights)
+    return rows[slot_rows.reshape(-1)].view(*weights.shape, -1)
 
 
 # ----------------------------------------------------------------------------- fast mode (stock kernels)
@@ -210,8 +220,7 @@ def moe_combine_fast(
 def moe_combine_rows_fast(
     rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    t, k = weights.shape
-    return moe_combine_fast(rows[slot_rows.reshape(-1)].view(t, k, -1), weights, out_dtype)
+    return moe_combine_fast(in_slot_order(rows, slot_rows, weights), weights, out_dtype)
 
 
 # ----------------------------------------------------------------------------- references

@@ -943,8 +943,7 @@ def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
         cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
         xs = x if (x.stride(-1) == 1 or k <= 1) else x.contiguous()
         # the kernel reads the delta with y's strides: [G, M, N] contiguous
-        d = None if delta is None else (delta if delta.is_contiguous() else delta.contiguous())
-        _launch(xs, weight, None, y, cfg, m, n, k, delta=d)
+        _launch(xs, weight, None, y, cfg, m, n, k, delta=None if delta is None else delta.contiguous())
     return y
 
 

@@ -271,10 +271,7 @@ def moe_combine_rows_triton(
 ) -> torch.Tensor:
     """Triton ``moe_combine_rows``: the combine kernel reading slot (t, j) from row ``slot_rows[t, j]``;
     hand-written backward (one program per token: its rows' gradients and its weights' gradients)."""
-    t, k = weights.shape
-    if slot_rows.shape != (t, k) or rows.dim() != 2 or rows.shape[0] != t * k:
-        raise ValueError(f"moe_combine_rows: rows {tuple(rows.shape)}, slot_rows {tuple(slot_rows.shape)} and "
-                         f"weights {tuple(weights.shape)} must be [T*k, D], [T, k], [T, k]")
+    _ops.check_combine_rows(rows, slot_rows, weights)
     if rows.dtype == torch.float64:  # gradchecks only
         return moe_combine_rows.impls["torch"](rows, slot_rows, weights, out_dtype)
     od = out_dtype or rows.dtype
