@@ -385,3 +385,95 @@ def print_profile(title: str, rows: list[dict[str, Any]]) -> None:
     """``profile_step``'s rows as a table under ``title``."""
     print(f"\n{title}")
     print(table(rows, [("name", "kernel", "s"), ("calls", "calls", "d"), ("ms_per_step", "ms", ".3f"), ("share", "share", ".1%")]))
+
+
+def _describe(a: Any) -> str | None:
+    if isinstance(a, torch.Tensor):
+        dt = str(a.dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "f32")
+        return "x".join(map(str, a.shape)) + ":" + dt
+    if isinstance(a, (list, tuple)) and a and all(isinstance(t, torch.Tensor) for t in a):
+        first = _describe(a[0])
+        return f"{len(a)}*{first}" if all(t.shape == a[0].shape for t in a) else f"[{len(a)} tensors]"
+    return None
+
+
+_SITE_SKIP = ("/kernels_batch_invariant/", "/model/layers.py", "/lora/layers.py")  # wrappers, not callers
+
+
+def _call_site() -> str:
+    """The innermost frame in zmrl/ outside the kernel floor and the Linear / LoRA wrappers: which layer
+    issued the op."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "/zmrl/" in name and not any(s in name for s in _SITE_SKIP):
+            return f"{name.split('/zmrl/')[-1]}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+def op_profile(step: Callable[[], Any], cuda: bool, steps: int = 2) -> list[dict[str, Any]]:
+    """Device time per invariant-op call, by (op, argument shapes, issuing site), over ``steps`` eager calls
+    of ``step``: every ``InvariantOp`` call runs inside a ``record_function`` named after it, and an
+    outermost op's row sums the kernels launched inside it (its nested ops included). The last row is the
+    time of the kernels outside every op (the glue: casts, adds, routing, cache writes). Without CUDA
+    (``--smoke``) CPU time instead, and no glue row."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from zmrl.kernels_batch_invariant._dispatch import InvariantOp
+
+    original = InvariantOp.__call__
+
+    def labelled(self: InvariantOp, *args: Any, **kwargs: Any) -> Any:
+        shapes = [d for d in map(_describe, (*args, *kwargs.values())) if d]
+        with record_function(f"op:{self.name} {' '.join(shapes)} @{_call_site()}"):
+            return original(self, *args, **kwargs)
+
+    InvariantOp.__call__ = labelled  # special methods are looked up on the type
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        InvariantOp.__call__ = original
+    events = prof.events()
+    total_us = sum(k.duration for e in events for k in e.kernels)
+    rows: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if not e.name.startswith("op:"):
+            continue
+        parent, nested = e.cpu_parent, False
+        while parent is not None:
+            nested = nested or parent.name.startswith("op:")
+            parent = parent.cpu_parent
+        if nested:
+            continue
+        r = rows.setdefault(e.name[3:], {"op": e.name[3:], "calls": 0, "ms_per_step": 0.0, "kernels": 0})
+        r["calls"] += 1
+        r["ms_per_step"] += (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+        r["kernels"] += _kernel_count(e)
+    out = sorted(rows.values(), key=lambda r: -r["ms_per_step"])
+    for r in out:
+        r["calls"] //= steps
+        r["kernels"] //= steps
+        r["ms_per_step"] /= steps
+    if not cuda:
+        return out
+    in_ops = sum(r["ms_per_step"] for r in out)
+    out.append({"op": "(kernels outside every op)", "calls": 0, "ms_per_step": total_us / 1e3 / steps - in_ops,
+                "kernels": 0})
+    return out
+
+
+def _kernel_count(e: Any) -> int:
+    return len(e.kernels) + sum(_kernel_count(c) for c in e.cpu_children)
+
+
+def print_op_profile(title: str, rows: list[dict[str, Any]], top: int = 40) -> None:
+    total = sum(r["ms_per_step"] for r in rows) or 1.0
+    print(f"\n{title} (all kernels {total:.3f} ms per step)")
+    shown = rows[:top] + ([rows[-1]] if len(rows) > top else [])
+    print(table([{**r, "share": r["ms_per_step"] / total} for r in shown],
+                [("op", "op, arguments @ site", "s"), ("calls", "calls", "d"), ("kernels", "kernels", "d"),
+                 ("ms_per_step", "ms", ".3f"), ("share", "share", ".1%")]))

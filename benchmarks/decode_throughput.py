@@ -36,7 +36,7 @@ import torch
 
 from _common import (OOM_ERRORS, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
                      default_out, empty_cache, env, free_gib, kv_state_bytes_per_seq, model_config, pick_device,
-                     print_profile, profile_step, setup_logging, table, write_json)
+                     op_profile, print_op_profile, print_profile, profile_step, setup_logging, table, write_json)
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.lora import LoraConfig, apply_lora
 from zmrl.model import ModelCache, SequenceState, forward_incremental
@@ -118,6 +118,9 @@ def main() -> int:
     ap.add_argument("--profile-ctx", type=int, default=8192, help="context of the profiles (0 = no profile)")
     ap.add_argument("--profile-batches", type=_ints, default=[1, 256],
                     help="batches whose graph-replayed step is profiled (at --profile-ctx)")
+    ap.add_argument("--op-census", type=_ints, default=[], metavar="BATCHES",
+                    help="batches whose eager bitwise step (at --profile-ctx) is timed per op call: op, argument "
+                         "shapes, issuing site (which GEMMs, norms, attention calls a step spends its time in)")
     ap.add_argument("--mem-fraction", type=float, default=0.85, help="skip combos needing more of the free memory")
     ap.add_argument("--time-budget-s", type=float, default=170.0, help="skip the remaining combos after this")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
@@ -132,6 +135,7 @@ def main() -> int:
     if a.smoke:
         a.batches, a.contexts, a.profile_ctx, a.iters, a.warmup = [1, 3], [192], 192, 2, 1
         a.profile_batches = [1, 3]
+        a.op_census = [3]
     modes = [m for m in a.modes.split(",") if m]
     t_start = time.perf_counter()
     torch.manual_seed(a.seed)
@@ -156,6 +160,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     profile: list[dict[str, Any]] | None = None
     profile_graph: dict[int, list[dict[str, Any]]] = {}  # graph-replayed steps, by batch
+    op_census: dict[int, list[dict[str, Any]]] = {}  # eager steps per op call, by batch
     for ctx in sorted(a.contexts):
         ctx_tokens = ctx - PENDING
         if ctx_tokens < PAGE or ctx_tokens + steps + 1 > cfg.max_position_embeddings:
@@ -250,6 +255,12 @@ def main() -> int:
                         reset_seqs(seqs, template, ctx_tokens)
                         with kernel_mode(mode):
                             profile = profile_step(step, dev.type == "cuda")
+                if batch in a.op_census and ctx == a.profile_ctx:
+                    reset_seqs(seqs, template, ctx_tokens)
+                    with kernel_mode("bitwise"):
+                        step()  # warm: the eager path's first call
+                        reset_seqs(seqs, template, ctx_tokens)
+                        op_census[batch] = op_profile(step, dev.type == "cuda")
                 if "bitwise_ms" in row and "fast_ms" in row:
                     # throughput ratio (bitwise tok/s / fast tok/s): the targets are >= 0.95 decode, >= 0.90 training
                     row["bitwise_over_fast"] = row["fast_ms"] / row["bitwise_ms"]
@@ -289,12 +300,15 @@ def main() -> int:
         step_ms = next((r.get("graph_ms") for r in results if r["batch"] == b and r["context"] == a.profile_ctx), None)
         print_profile(f"Graph-replayed step, batch {b}, context {a.profile_ctx} (kernels busy "
                       f"{prof[-1]['ms_per_step']:.2f} ms" + (f" of a {step_ms:.2f} ms step)" if step_ms else ")"), prof)
+    for b, rows in sorted(op_census.items()):
+        print_op_profile(f"Eager bitwise step per op call, batch {b}, context {a.profile_ctx}", rows)
     payload = {"benchmark": "decode_throughput", **env(), "preset": "tiny" if a.smoke else "bench",
                "layers": cfg.num_hidden_layers,
                "dtype": "bfloat16", "copy_bandwidth_tb_s": bw, "weight_bytes_per_token_batch1": weight_bytes,
                "lora_r": a.lora, "pending_kda_rows": PENDING, "warmup": a.warmup, "iters": a.iters, "results": results,
                "profile_batch1": profile,
                "profile_graph": {str(b): p for b, p in profile_graph.items()}, "profile_context": a.profile_ctx,
+               "op_census": {str(b): p for b, p in op_census.items()},
                "wall_s": time.perf_counter() - t_start}
     write_json(a.out or default_out("decode_throughput" + ("_smoke" if a.smoke else "")), payload)
     return 0 if any(f"{m}_ms" in r for r in results for m in modes) else 1

@@ -36,8 +36,9 @@
 #                 decode shapes, then the Triton KDA and MLA tests (the KDA ones under both forms);
 #   prefill / prefill_chunk  prefill_throughput.py in the default (recurrent) / the chunked KDA form;
 #   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
+#   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
-# T_<STEP> their limits; RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
+# T_<STEP> their limits; DECODE_ARGS extra flags of decode_lora (e.g. --op-census 64,256); RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
 # and extra flags; CENSUS_ARGS / ROLLOUT_ARGS extra flags of those steps.
 #
 # The KDA backward through fla-core is opt-in (ZMRL_KDA_FLA_BACKWARD=1, see
@@ -101,6 +102,13 @@ $PY -c "import xdist" 2>/dev/null && XDIST="-n ${XDIST_WORKERS:-8}"
 STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
+# The third session's kernels (MoE combine over sorted rows, GEMM epilogue delta, fused logit gradient) with
+# the MLA backward's aligned key counts and the whole-trainer gradients.
+has final && step gpu_tests_final "${T_FINAL:-240}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+  tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_logprob_grads.py tests/kernels/triton/test_lm_head_logprobs_gpu.py \
+  tests/kernels/triton/test_matmul.py tests/kernels/triton/test_mla_attention_bwd.py tests/kernels/triton/test_mla_attention_grads_gpu.py \
+  tests/trainer/test_gradients_gpu.py
+
 has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py
 
 has kda_bwd && step gpu_tests_kda_bwd "${T_KDA_BWD:-220}" $PYTEST -k "H16 or deterministic or path_is_taken" tests/kernels/triton/test_kda_chunk_bwd_gpu.py
@@ -151,7 +159,7 @@ has lora_sweep && step lora_sweep "${T_LORA_SWEEP:-240}" $PY benchmarks/lora_gem
   --out "$OUT/lora_sweep.json"
 
 has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
-  --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 --out "$OUT/decode_lora.json"
+  --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 ${DECODE_ARGS:-} --out "$OUT/decode_lora.json"
 
 # The KDA decode step vs fla's recurrent step, and its launch / column-block sweep (decode == chunk checked
 # per configuration, the chunk forward timed), with the GPU decode tests (every row vs kda_chunk).
