@@ -414,10 +414,15 @@ def _call_site() -> str:
 
 def op_profile(step: Callable[[], Any], cuda: bool, steps: int = 2) -> list[dict[str, Any]]:
     """Device time per invariant-op call, by (op, argument shapes, issuing site), over ``steps`` eager calls
-    of ``step``: every ``InvariantOp`` call runs inside a ``record_function`` named after it, and an
-    outermost op's row sums the kernels launched inside it (its nested ops included). The last row is the
-    time of the kernels outside every op (the glue: casts, adds, routing, cache writes). Without CUDA
-    (``--smoke``) CPU time instead, and no glue row."""
+    of ``step``: every ``InvariantOp`` call runs inside a ``record_function`` named after it, and each kernel
+    counts for the outermost op whose GPU-side range (the profiler's GPU user annotation: first to last
+    kernel of the op) holds its start; nested ops count for their caller. Only kernel time counts, not the
+    gaps inside a range (an eager step leaves the GPU waiting for the host). The last row is the kernels
+    outside every op (the glue: casts, adds, routing, cache writes). Without CUDA (``--smoke``) the CPU time
+    of the outermost ops instead, and no glue row."""
+    import bisect
+
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
     from zmrl.kernels_batch_invariant._dispatch import InvariantOp
 
@@ -437,37 +442,59 @@ def op_profile(step: Callable[[], Any], cuda: bool, steps: int = 2) -> list[dict
                 torch.cuda.synchronize()
     finally:
         InvariantOp.__call__ = original
-    events = prof.events()
-    total_us = sum(k.duration for e in events for k in e.kernels)
     rows: dict[str, dict[str, Any]] = {}
-    for e in events:
-        if not e.name.startswith("op:"):
+
+    def row(label: str) -> dict[str, Any]:
+        return rows.setdefault(label, {"op": label, "calls": 0, "ms_per_step": 0.0, "kernels": 0})
+
+    events = prof.events()
+    if not cuda:
+        for e in events:
+            if e.name.startswith("op:") and not _has_op_parent(e):
+                r = row(e.name[3:])
+                r["calls"] += 1
+                r["ms_per_step"] += e.cpu_time_total / 1e3
+        return _per_step(rows, steps)
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    ranges = sorted(((e.time_range.start, e.time_range.end, e.name[3:]) for e in device if e.name.startswith("op:")))
+    top: list[tuple[float, float, str]] = []
+    for start, end, label in ranges:
+        if top and start < top[-1][1]:
+            continue  # inside the previous outermost range: a nested op
+        top.append((start, end, label))
+        row(label)["calls"] += 1
+    starts = [t[0] for t in top]
+    glue = row("(kernels outside every op)")
+    for e in device:
+        if e.name.startswith("op:"):
             continue
-        parent, nested = e.cpu_parent, False
-        while parent is not None:
-            nested = nested or parent.name.startswith("op:")
-            parent = parent.cpu_parent
-        if nested:
-            continue
-        r = rows.setdefault(e.name[3:], {"op": e.name[3:], "calls": 0, "ms_per_step": 0.0, "kernels": 0})
-        r["calls"] += 1
-        r["ms_per_step"] += (e.device_time_total if cuda else e.cpu_time_total) / 1e3
-        r["kernels"] += _kernel_count(e)
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        r = row(top[i][2]) if i >= 0 and e.time_range.start < top[i][1] else glue
+        r["ms_per_step"] += e.time_range.elapsed_us() / 1e3
+        r["kernels"] += 1
+    rows.pop(glue["op"])
+    out = _per_step(rows, steps)
+    glue["ms_per_step"] /= steps
+    glue["kernels"] //= steps
+    return out + [glue]
+
+
+def _has_op_parent(e: Any) -> bool:
+    parent = e.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("op:"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _per_step(rows: dict[str, dict[str, Any]], steps: int) -> list[dict[str, Any]]:
     out = sorted(rows.values(), key=lambda r: -r["ms_per_step"])
     for r in out:
         r["calls"] //= steps
         r["kernels"] //= steps
         r["ms_per_step"] /= steps
-    if not cuda:
-        return out
-    in_ops = sum(r["ms_per_step"] for r in out)
-    out.append({"op": "(kernels outside every op)", "calls": 0, "ms_per_step": total_us / 1e3 / steps - in_ops,
-                "kernels": 0})
     return out
-
-
-def _kernel_count(e: Any) -> int:
-    return len(e.kernels) + sum(_kernel_count(c) for c in e.cpu_children)
 
 
 def print_op_profile(title: str, rows: list[dict[str, Any]], top: int = 40) -> None:

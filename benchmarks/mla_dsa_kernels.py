@@ -116,11 +116,13 @@ def mla_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, A
     return rows
 
 
-def dsa_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, Any]]:
+def dsa_rows(device: torch.device, smoke: bool, quick: bool, bandwidth_tb_s: float) -> list[dict[str, Any]]:
     hi, di, page = (4, 32, 64) if smoke else (32, 128, 64)
     topk = 64 if smoke else 2048
     cases = [("decode", 1, 300 if smoke else 32768), ("decode", 4 if smoke else 64, 200 if smoke else 4096),
              ("decode", 4 if smoke else 256, 200 if smoke else 8192), ("prefill", 1, 130 if smoke else 4096)]
+    if not smoke:  # the RL decode batches at 8K and 32K
+        cases += [("decode", 1, 8192), ("decode", 64, 8192), ("decode", 64, 32768), ("decode", 256, 32768)]
     if quick and not smoke:
         cases = [c for c in cases if c[0] == "decode"]
     rows = []
@@ -151,6 +153,9 @@ def dsa_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, A
         with kernel_mode("fast"):
             row["scores_fast_ms"] = bench(lambda: dsa_index_scores(*args), device)
             row["topk_fast_ms"] = bench(lambda: dsa_topk(sc, args[7], topk), device)
+        # the top-k's bound: its scores read once and the selection written, at the copy bandwidth of this run
+        row["topk_bound_ms"] = (sc.numel() * 4 + nq * topk * 8) / (bandwidth_tb_s * 1e12) * 1e3
+        row["topk_frac_bound"] = row["topk_bound_ms"] / row["topk_triton_ms"]
         row["topk_equal_torch"] = bool(torch.equal(topk_t(sc, args[7], topk),
                                                    dsa_topk.impls["torch"](sc, args[7], topk)))
         rows.append(row)
@@ -219,6 +224,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
     ap.add_argument("--quick", action="store_true", help="decode cases only")
     ap.add_argument("--sweep", action="store_true", help="also time sparse-MLA launch configurations")
+    ap.add_argument("--dsa-only", action="store_true", help="the indexer's scores and top-k only")
     a = ap.parse_args()
     if a.smoke:
         device = torch.device("cpu")
@@ -227,7 +233,9 @@ def main() -> None:
     else:
         sys.stderr.write("mla_dsa_kernels.py: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)\n")
         raise SystemExit(2)
-    rows = mla_rows(device, a.smoke, a.quick) + dsa_rows(device, a.smoke, a.quick)
+    from benchmarks._common import copy_bandwidth_tb_s
+    bandwidth = copy_bandwidth_tb_s(device) if device.type == "cuda" else 1.0
+    rows = ([] if a.dsa_only else mla_rows(device, a.smoke, a.quick)) + dsa_rows(device, a.smoke, a.quick, bandwidth)
     if a.sweep:
         rows += mla_sweep_rows(device, a.smoke)
     keys: list[str] = []

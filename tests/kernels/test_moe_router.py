@@ -12,6 +12,7 @@ from zmrl.kernels_batch_invariant.moe_router import (
     moe_combine_ref,
     moe_route,
     moe_route_ref,
+    moe_sort,
 )
 from zmrl.kernels_batch_invariant.pointwise import sigmoid
 
@@ -268,3 +269,18 @@ def test_gradients() -> None:
     moe_combine(eo32, r.weights).sum().backward()
     assert x32.grad is not None and w32.grad is not None and eo32.grad is not None
     assert torch.isfinite(w32.grad).all() and w32.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 1, 4), (5, 3, 8), (64, 8, 64), (7, 2, 896)])
+def test_sort_groups_pairs_by_expert_stably(t: int, k: int, e: int) -> None:
+    """``moe_sort``: the order of a stable sort by expert id (pairs of one expert in pair order), offsets that
+    bound each expert's rows (empty experts included) and the inverse permutation."""
+    ids = torch.randint(0, min(e, 6) if t < 8 else e, (t, k), generator=torch.Generator().manual_seed(t * k))
+    got = moe_sort(ids, e)
+    flat = ids.reshape(-1)
+    want_order = torch.tensor(sorted(range(flat.numel()), key=lambda i: (int(flat[i]), i)))
+    assert torch.equal(got.order, want_order)
+    assert got.offsets.dtype == torch.int32 and got.offsets.shape == (e + 1,)
+    assert torch.equal(got.offsets.long(), torch.cat([torch.zeros(1, dtype=torch.long),
+                                                      torch.bincount(flat, minlength=e).cumsum(0)]))
+    assert torch.equal(got.order[got.slot_rows], torch.arange(flat.numel()))

@@ -18,7 +18,7 @@ from zmrl.kernels_batch_invariant.kda_gate import kda_gate
 from zmrl.kernels_batch_invariant.l2norm import l2_norm
 from zmrl.kernels_batch_invariant.logprob import log_softmax, token_logprobs
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
-from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_combine_rows, moe_route
+from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_combine_rows, moe_route, moe_sort
 from zmrl.kernels_batch_invariant.norms import layer_norm, rms_norm, rms_norm_gated
 from zmrl.kernels_batch_invariant.pointwise import relu, sigmoid, silu, softplus
 from zmrl.kernels_batch_invariant.short_conv import causal_short_conv
@@ -73,6 +73,8 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
     # the expert-sorted rows of 3 tokens x 8 slots, slot (t, j) at row slot_rows[t, j] (a permutation)
     "moe_combine_rows": (moe_combine_rows, (_r(24, 4096), torch.randperm(24, generator=torch.Generator().manual_seed(0))
                                             .view(3, 8), _r(3, 8))),
+    # 4096 tokens x 8 slots over 64 experts: a sort long enough to run threaded
+    "moe_sort": (moe_sort, (torch.randint(0, 64, (4096, 8), generator=torch.Generator().manual_seed(0)), 64)),
     "causal_short_conv": (causal_short_conv, (_r(100, 4096), _r(4096, 4), torch.tensor([0, 37, 100]))),
 }
 
@@ -82,7 +84,7 @@ def _flat(out: Any) -> list[torch.Tensor]:
         return [out]
     if isinstance(out, (tuple, list)):
         return [t for o in out for t in _flat(o)]
-    return [getattr(out, f) for f in out.__dataclass_fields__]  # RouterOutput
+    return [getattr(out, f) for f in out.__dataclass_fields__]  # RouterOutput, ExpertOrder
 
 
 @pytest.mark.parametrize("name", list(CASES))

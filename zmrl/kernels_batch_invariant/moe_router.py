@@ -155,6 +155,33 @@ def moe_combine_rows(
     return moe_combine(in_slot_order(rows, slot_rows, weights), weights, out_dtype)
 
 
+@dataclass(frozen=True)
+class ExpertOrder:
+    """The MoE's (token, slot) pairs grouped by expert, stably (pair order kept within an expert).
+
+    order: [P] int64, sorted row r holds pair ``order[r]`` (pair i = token i // k, slot i % k);
+    offsets: [E+1] int32, rows ``offsets[e]:offsets[e+1]`` are expert e's; slot_rows: [P] int64, pair i sits
+    at sorted row ``slot_rows[i]`` (the inverse permutation of ``order``)."""
+
+    order: torch.Tensor
+    offsets: torch.Tensor
+    slot_rows: torch.Tensor
+
+
+@invariant_op
+def moe_sort(expert_ids: torch.Tensor, num_experts: int) -> ExpertOrder:
+    """Group the pairs of ``expert_ids`` ([T, k] or [P] integer ids in [0, num_experts)) by expert: the order
+    of a stable sort by id, the experts' row offsets and the inverse permutation. Integer work only (no
+    rounding): every backend gives the same result, and the shapes follow from the input's alone (no host
+    read: CUDA-graph capturable)."""
+    flat = expert_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    slot_rows = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return ExpertOrder(order, offsets, slot_rows)
+
+
 def check_combine_rows(rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor) -> None:
     """``moe_combine_rows``' shapes: rows [T*k, D], slot_rows [T, k], weights [T, k]."""
     t, k = weights.shape

@@ -10,7 +10,7 @@ from torch import nn
 
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
-from zmrl.kernels_batch_invariant.moe_router import moe_combine_rows, moe_route
+from zmrl.kernels_batch_invariant.moe_router import moe_combine_rows, moe_route, moe_sort
 
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, Weight, project
@@ -71,11 +71,6 @@ def _dispatch_rows(h: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Te
     return h[order // top_k]
 
 
-def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inv with inv[order[i]] = i (``argsort(order)`` for a permutation, without a sort)."""
-    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-
-
 class Router(Weight):
     """``mlp.gate``: router weight [E, D] plus the selection-only correction bias [E] (fp32)."""
 
@@ -116,22 +111,16 @@ class MoE(nn.Module):
         h = self.latent_down_proj(x) if self.latent else x
         # Every (token, slot) pair is computed by its expert's invariant linears; a token's result does
         # not depend on how many other tokens chose the same expert.
-        flat_ids = route.expert_ids.reshape(-1)
+        pairs = moe_sort(route.expert_ids, len(self.experts))
+        rows = _dispatch_rows(h, pairs.order, self.top_k)
         if self._device_dispatch(x):
             # CUDA: no host sync (CUDA-graph capturable): the expert offsets stay on the device.
-            # offsets[e] = number of (token, slot) pairs routed to experts < e, read off the sorted
-            # ids; fixed shape [E+1] whatever the routing. Same sorted order as argsort(stable).
-            sorted_ids, order = torch.sort(flat_ids, stable=True)
-            bounds = torch.arange(len(self.experts) + 1, device=flat_ids.device, dtype=flat_ids.dtype)
-            offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
-            y_sorted = self._grouped_experts(_dispatch_rows(h, order, self.top_k), offsets)
+            y_sorted = self._grouped_experts(rows, pairs.offsets)
         else:
-            order = torch.argsort(flat_ids, stable=True)
-            counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
-            y_sorted = self._routed_experts(_dispatch_rows(h, order, self.top_k), counts)
+            y_sorted = self._routed_experts(rows, pairs.offsets.diff().tolist())
         # slot (t, j) is row t * top_k + j of the unsorted pairs, held at sorted row slot_rows[t, j]: the
         # combine reads the expert-sorted rows where they are (bitwise moe_combine of the un-sorted rows)
-        slot_rows = _inverse_permutation(order).view(T, self.top_k)
+        slot_rows = pairs.slot_rows.view(T, self.top_k)
         routed = moe_combine_rows(y_sorted, slot_rows, route.weights, out_dtype=torch.float32)
         if self.latent:
             # fp32 combine -> (norm ->) one rounding to the model dtype -> up-projection

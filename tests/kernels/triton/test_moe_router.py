@@ -7,7 +7,7 @@ import torch
 
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.moe_router import (moe_combine, moe_combine_ref, moe_combine_rows, moe_route,
-                                                    moe_route_ref)
+                                                    moe_route_ref, moe_sort)
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
 from .rowwise_helpers import assert_rows_invariant, batch_sizes, randn
@@ -191,3 +191,19 @@ def test_combine_rows_gradient(device, interpret) -> None:
             assert torch.equal(got[0], want[0])
         bound = d * 2.0 ** -23 * torch.einsum("td,tkd->tk", gy.abs(), rows.detach().float()[slot_rows].abs())
         assert bool(((got[1] - want[1]).abs() <= bound + 1e-30).all())
+
+
+@pytest.mark.parametrize("pairs,e", [(1, 64), (24, 64), (2048, 64), (4096, 896), (9000, 64)])
+def test_sort_matches_torch_op(device, interpret, pairs, e) -> None:
+    """The counting-sort program (and, past SORT_MAX_PAIRS, the torch fallback) gives the torch op's exact
+    permutation, offsets and inverse, skewed routing and empty experts included."""
+    if interpret and pairs > 2048:
+        pytest.skip("long sorts: on the GPU")
+    g = torch.Generator().manual_seed(pairs)
+    ids = torch.randint(0, e, (pairs,), generator=g)
+    ids[: pairs // 3] = torch.randint(0, 3, (pairs // 3,), generator=g)  # a few hot experts
+    got = triton_impl(moe_sort)(ids.to(device).view(-1, 1), e)
+    want = moe_sort.impls["torch"](ids.view(-1, 1), e)
+    for f in ("order", "offsets", "slot_rows"):
+        a, b = getattr(got, f), getattr(want, f)
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b), f

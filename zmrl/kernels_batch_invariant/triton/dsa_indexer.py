@@ -19,13 +19,14 @@ Static width (CUDA-graph decode): with ``kv_len`` the output is ``[Q, kv_len]`` 
 past a query's position store -inf, the others compute exactly what they compute without it.
 
 ``dsa_topk``: batches of at least ``TOPK_MIN_ROWS`` rows run the kernel below, smaller ones torch's
-stable sort (both exact, hence identical). Kernel: one program per row. The fp32 scores are mapped to order-preserving int32 keys
-(``-0.0`` folded onto ``+0.0`` first, because torch's sort treats them as equal); a 32-step bitwise
-binary search over the row (each step one ascending pass counting ``key >= candidate``) finds the exact
-k-th largest key T. The row is then scanned in ascending position order keeping every key > T and the
+stable sort (both exact, hence identical). Kernel: one program per row. The fp32 scores are mapped to
+order-preserving 32-bit keys (``-0.0`` folded onto ``+0.0`` first, because torch's sort treats them as
+equal); a radix select, one byte per pass from the top (four passes, each a 256-bin histogram of the next
+byte of the keys that match the bytes chosen so far), finds the exact k-th largest key T and how many keys
+equal to T are kept. The row is then scanned in ascending position order keeping every key > T and the
 first ``k - count(key > T)`` keys == T (lowest positions first: the (score desc, position asc) tie
 rule), written in ascending order through a running prefix sum, -1 padded. Rows with at most k
-candidates keep all of them. Exact by construction; speed is secondary (32 + 2 passes over the row).
+candidates keep all of them. Exact by construction: five passes over the row.
 
 Fast mode (in ``dsa_indexer.py``): a plain fp32 matmul for the scores and ``torch.topk`` (not tie-stable)
 for the selection.
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 _INTERPRET = INTERPRET
 KEYS_PER_PROGRAM = 256  # score kernel: keys per program (4 blocks of 64); q is loaded once per program
 TOPK_BLOCK = 1024  # top-k kernel: row elements per scan step
+RADIX = tl.constexpr(256)  # top-k kernel: bins of one radix-select pass (one byte of the 32-bit keys)
 # Fewer rows than this: torch's stable sort (same result, exact either way); see dsa_topk_triton.
 TOPK_MIN_ROWS = 128
 # Whether the score kernel uses the FP8 tensor-core dot; set to False on the first compile failure.
@@ -102,6 +104,15 @@ def _index_scores_kernel(
         tl.store(out_ptr + qi * width + pos, score, mask=in_out)
 
 
+@triton.jit
+def _order_key(x):
+    """fp32 scores -> int64 keys in [0, 2^32) with the scores' order (-0.0 folded onto +0.0 first, as torch's
+    sort treats them as equal): sign-magnitude bits flipped to two's-complement order, then offset by 2^31."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+
+
 @triton.jit(do_not_specialize=["width", "score_stride", "K"])
 def _topk_kernel(scores_ptr, qpos_ptr, out_ptr, width, score_stride, K, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -116,43 +127,38 @@ def _topk_kernel(scores_ptr, qpos_ptr, out_ptr, width, score_stride, K, BLOCK: t
             pos = j0 + offs
             tl.store(out_row + pos, pos.to(tl.int64), mask=pos < n)
     else:
-        one = tl.full([], 1, tl.int64)
-        t = tl.full([], -2147483648, tl.int64)
-        # Bitwise binary search for the largest T with count(key >= T) >= K: the K-th largest key.
-        for b in range(0, 32):
-            cand = t + (one << (31 - b))
-            cnt = tl.zeros([], tl.int32)
+        # Radix select of the K-th largest key T, one byte per pass from the top: a pass histograms the
+        # next byte of the keys whose higher bytes equal T's so far and keeps the largest byte value d with
+        # count(byte >= d) >= need; need drops by the count above d. After four passes ``prefix`` is T and
+        # ``need`` the number of keys == T to keep.
+        lanes = tl.arange(0, RADIX)
+        prefix = tl.zeros([], tl.int64)
+        need = K.to(tl.int32)
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p  # a constexpr: p is
+            hist = tl.zeros([RADIX], tl.int32)
             for j0 in range(0, n, BLOCK):
                 pos = j0 + offs
                 m = pos < n
-                x = tl.load(base + pos, mask=m, other=0.0)
-                x = tl.where(x == 0.0, 0.0, x)  # -0.0 == +0.0 for the tie rule
-                bits = x.to(tl.int32, bitcast=True)
-                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-                cnt += tl.sum(((key >= cand) & m).to(tl.int32), axis=0)
-            if cnt >= K:
-                t = cand
-        n_gt = tl.zeros([], tl.int32)
-        for j0 in range(0, n, BLOCK):
-            pos = j0 + offs
-            m = pos < n
-            x = tl.load(base + pos, mask=m, other=0.0)
-            x = tl.where(x == 0.0, 0.0, x)
-            bits = x.to(tl.int32, bitcast=True)
-            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-            n_gt += tl.sum(((key > t) & m).to(tl.int32), axis=0)
-        need = K - n_gt  # ties at T to keep, lowest positions first
+                key = _order_key(tl.load(base + pos, mask=m, other=0.0))
+                match = m & ((key >> (shift + 8)) == prefix)
+                digit = tl.where(match, (key >> shift) & (RADIX - 1), 0).to(tl.int32)
+                # keys that do not match land in bin 0 here and are taken out of it again
+                hist += tl.histogram(digit, RADIX)
+                hist -= tl.where(lanes == 0, tl.sum((~match).to(tl.int32), axis=0), 0)
+            at_least = tl.sum(hist, axis=0) - (tl.cumsum(hist, axis=0) - hist)  # count(byte >= b), non-increasing
+            d = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
+            need -= tl.sum(tl.where(lanes > d, hist, 0), axis=0)
+            prefix = (prefix << 8) | d.to(tl.int64)
+        # Keep every key > T and the first ``need`` keys == T (lowest positions first), ascending.
         eq_seen = tl.zeros([], tl.int32)
         sel_seen = tl.zeros([], tl.int32)
         for j0 in range(0, n, BLOCK):
             pos = j0 + offs
             m = pos < n
-            x = tl.load(base + pos, mask=m, other=0.0)
-            x = tl.where(x == 0.0, 0.0, x)
-            bits = x.to(tl.int32, bitcast=True)
-            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-            eq = (key == t) & m
-            gt = (key > t) & m
+            key = _order_key(tl.load(base + pos, mask=m, other=0.0))
+            eq = (key == prefix) & m
+            gt = (key > prefix) & m
             eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) + eq_seen  # 1-based among ties so far
             sel = gt | (eq & (eq_rank <= need))
             sel_i = sel.to(tl.int32)
