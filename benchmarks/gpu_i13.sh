@@ -36,6 +36,7 @@
 #                 decode shapes, then the Triton KDA and MLA tests (the KDA ones under both forms);
 #   prefill / prefill_chunk  prefill_throughput.py in the default (recurrent) / the chunked KDA form;
 #   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
+#   final3        the LoRA epilogue, radix top-k and MoE sort GPU tests (this session's kernels);
 #   final2 / dsa  the top-k and MoE-sort kernels' GPU tests (with final's but test_matmul) / their benchmark;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -118,6 +119,13 @@ has final2 && step gpu_tests_final2 "${T_FINAL2:-200}" $PY -m pytest -p no:cache
   tests/kernels/triton/test_mla_attention_grads_gpu.py tests/trainer/test_gradients_gpu.py
 has final2 && step gpu_tests_moe_dispatch 60 env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider -q -rfEs \
   tests/model/test_moe_dispatch.py
+# The fourth session's kernels: the LoRA epilogue (fused == unfused bits, gradients, row invariance), the radix
+# top-k, the MoE counting sort, with the layers that call them (project / Linear on the GPU) and the MoE dispatch.
+has final3 && step gpu_tests_final3 "${T_FINAL3:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+  tests/kernels/triton/test_matmul.py::test_lora_in_the_epilogue_equals_the_unfused_delta \
+  tests/kernels/triton/test_matmul.py::test_delta_in_the_epilogue_equals_the_sum \
+  tests/kernels/triton/test_dsa_indexer.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_static_kv_len.py \
+  tests/model/test_moe_dispatch.py tests/model/test_layers.py
 has dsa && step dsa_kernels "${T_DSA:-90}" $PY benchmarks/mla_dsa_kernels.py --dsa-only --out "$OUT/dsa_kernels.json"
 
 has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from zmrl.kernels_batch_invariant import InvariantOp, current_numerics, linear, numerics_scope
+from zmrl.kernels_batch_invariant.matmul import resolve_delta
 from zmrl.lora import LoraAdapter
 from zmrl.model.layers import Linear, project
 from tests.kernels.triton.gemm_launches import count_gemm_launches
@@ -104,7 +105,8 @@ def test_project_keeps_negative_zero_of_projections_without_adapter(monkeypatch)
     at +0.0, so the -0.0 is injected into the torch ``linear`` before its delta and rounding."""
     real = linear.impls["torch"]
 
-    def negative_zero_base(x, weight, bias=None, out_dtype=None, delta=None):
+    def negative_zero_base(x, weight, bias=None, out_dtype=None, delta=None, lora=None):
+        delta = resolve_delta(delta, lora, "linear")
         y = real(x, weight, bias, out_dtype=torch.float32)
         y = torch.where(y.abs() < 0.2, torch.full_like(y, -0.0), y)
         return (y if delta is None else y + delta).to(out_dtype or x.dtype)

@@ -21,6 +21,7 @@ invariance over batch size, row position, operand layout and thread count.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -72,6 +73,37 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a, b)
 
 
+@dataclass(frozen=True)
+class LoraUp:
+    """The up half of a LoRA delta, ``scale * t @ b^T``, handed to a GEMM so that it adds the delta in its
+    epilogue instead of reading it from memory: t [..., r] fp32 (``x @ lora_A^T``, rows as the GEMM's x
+    rows), b [N, r] fp32 (``lora_B``; [E, N, r] for ``expert_linear``), scale (``alpha / r``).
+
+    Its value is defined as ``linear(t, b, out_dtype=fp32)`` (per expert for ``expert_linear``), times
+    ``scale`` unless that is 1: a backend that fuses it computes that same product, so the output is
+    bitwise the unfused ``delta`` path's."""
+
+    t: torch.Tensor
+    b: torch.Tensor
+    scale: float = 1.0
+
+
+def lora_delta(lora: LoraUp, linear_fn=None) -> torch.Tensor:
+    """``lora``'s delta as an fp32 tensor [..., N] (the unfused composition that defines it); ``linear_fn``: a
+    backend's own ``linear`` (default the op)."""
+    d = (linear_fn or linear)(lora.t, lora.b, out_dtype=torch.float32)
+    return d if lora.scale == 1.0 else lora.scale * d
+
+
+def resolve_delta(delta: torch.Tensor | None, lora: LoraUp | None, op: str) -> torch.Tensor | None:
+    """The one delta of a call given ``delta`` or ``lora`` (not both)."""
+    if lora is None:
+        return delta
+    if delta is not None:
+        raise ValueError(f"{op}: pass delta or lora, not both")
+    return lora_delta(lora)
+
+
 @invariant_op
 def linear(
     x: torch.Tensor,
@@ -79,14 +111,17 @@ def linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     delta: torch.Tensor | None = None,
+    lora: LoraUp | None = None,
 ) -> torch.Tensor:
     """``y = x @ weight.T (+ bias) (+ delta)`` with each row computed independently of the others.
 
     x: [..., K]; weight: [N, K]; returns [..., N] in ``out_dtype`` (default x.dtype). ``delta``: an
     fp32 [..., N] tensor (a LoRA delta) added to the fp32 result before the single rounding: bitwise
     ``(linear(x, weight, bias, torch.float32) + delta).to(out_dtype)``, in one pass where a backend can
-    fuse it (the Triton GEMM adds it in its epilogue).
+    fuse it (the Triton GEMM adds it in its epilogue). ``lora`` (instead of ``delta``): the delta as its
+    factors, ``delta = lora_delta(lora)``, which the Triton GEMM computes in its epilogue.
     """
+    delta = resolve_delta(delta, lora, "linear")
     out_dtype = out_dtype or x.dtype
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
@@ -133,7 +168,8 @@ def bmm_fixed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @linear.register("fast")
-def _linear_fast(x, weight, bias=None, out_dtype=None, delta=None):
+def _linear_fast(x, weight, bias=None, out_dtype=None, delta=None, lora=None):
+    delta = resolve_delta(delta, lora, "linear")
     y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     return y.to(out_dtype or x.dtype) if delta is None else (y.float() + delta).to(out_dtype or x.dtype)
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import invariant_op
-from .matmul import check_delta, linear
+from .matmul import LoraUp, check_delta, linear
 from .moe_gemm_grads import ExpertLinearFn
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
@@ -94,14 +94,21 @@ def check_expert_args(x: torch.Tensor, weights: Weights, offsets: list[int],
 
 @invariant_op
 def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor,
-                  out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
+                  lora: LoraUp | None = None) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ weights[e].T (+ delta[rows of e])`` for expert-sorted rows.
 
     x: [M, K] (rows sorted by expert); weights: E x [N, K] or [E, N, K]; offsets: E+1 ints (host list
     or tensor; see the module doc for device offsets), ``offsets[0] == 0``, ``offsets[E] == M``.
     Returns [M, N] in ``out_dtype`` (default x.dtype). Experts with no rows are skipped. ``delta``: an
     fp32 [M, N] tensor (the experts' LoRA delta) added before the single rounding, as ``linear``'s.
+    ``lora`` (instead of ``delta``): the delta as its factors, t [M, r] and stacked b [E, N, r]:
+    ``delta = expert_lora_delta(lora, offsets)``, which the Triton GEMM computes in its epilogue.
     """
+    if lora is not None:
+        if delta is not None:
+            raise ValueError("expert_linear: pass delta or lora, not both")
+        delta = expert_lora_delta(lora, offsets)
     offs = as_offsets(offsets)
     check_expert_args(x, weights, offs)
     out_dtype = out_dtype or x.dtype
@@ -117,6 +124,13 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
         # through one linear per expert.
         return ExpertLinearFn.apply(_per_expert_linear, x, offs, out_dtype, isinstance(weights, torch.Tensor), *ws)
     return _per_expert_linear(x, weights, offs, out_dtype)
+
+
+def expert_lora_delta(lora: LoraUp, offsets: Sequence[int] | torch.Tensor, expert_linear_fn=None) -> torch.Tensor:
+    """The experts' LoRA delta from its factors (the unfused composition that defines it): expert e's rows
+    ``scale * t[rows] @ b[e]^T`` in fp32; ``expert_linear_fn``: a backend's own ``expert_linear`` (default the op)."""
+    d = (expert_linear_fn or expert_linear)(lora.t, lora.b, offsets, out_dtype=torch.float32)
+    return d if lora.scale == 1.0 else lora.scale * d
 
 
 def _per_expert_linear(x: torch.Tensor, weights: Weights, offs: list[int], out_dtype: torch.dtype) -> torch.Tensor:
@@ -141,9 +155,14 @@ def expert_linear_ref(x: torch.Tensor, weights: Weights, offsets: Sequence[int] 
 
 @expert_linear.register("fast")
 def _expert_linear_fast(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor,
-                        out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+                        out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
+                        lora: LoraUp | None = None) -> torch.Tensor:
     """Stock kernels, not invariant: one ``torch._grouped_mm`` launch for stacked bf16 weights on CUDA
     (where this torch has it), else one cuBLAS/MKL ``F.linear`` per expert."""
+    if lora is not None:
+        if delta is not None:
+            raise ValueError("expert_linear: pass delta or lora, not both")
+        delta = expert_lora_delta(lora, offsets)
     if delta is not None:
         return (_expert_linear_fast(x, weights, offsets, torch.float32) + delta).to(out_dtype or x.dtype)
     dev = device_offsets(offsets, x)

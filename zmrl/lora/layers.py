@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from zmrl.kernels_batch_invariant import linear, linear_blockdiag
-from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
+from zmrl.kernels_batch_invariant.matmul import LoraUp, lora_delta
+from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_lora_delta
 from zmrl.model.layers import scaled
 
 
@@ -25,7 +26,12 @@ class LoraAdapter(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(out_features, r))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up(linear(x, self.lora_A, out_dtype=torch.float32))
+        return lora_delta(self.factors(x))
+
+    def factors(self, x: torch.Tensor) -> LoraUp:
+        """The delta of x as its up factors (``t = x @ lora_A^T`` in fp32, lora_B, the scale): what
+        ``Linear.forward`` hands to the GEMM, which adds ``forward(x)`` in its epilogue."""
+        return LoraUp(linear(x, self.lora_A, out_dtype=torch.float32), self.lora_B, self.scale)
 
     def up(self, t: torch.Tensor) -> torch.Tensor:
         """The delta from ``t = x @ lora_A^T`` (fp32): ``model.layers.project`` computes the A products
@@ -71,9 +77,13 @@ class ExpertLoRA(nn.Module):
 
         ``offsets``: a host list, or an int tensor [E+1] on x's device, which is passed through
         unread (no host sync on CUDA: the batched expert LoRA is CUDA-graph capturable)."""
+        up = self.grouped_factors(proj, x, offsets)
+        return None if up is None else expert_lora_delta(up, offsets)
+
+    def grouped_factors(self, proj: str, x: torch.Tensor, offsets: list[int] | torch.Tensor) -> LoraUp | None:
+        """``grouped_delta`` as its up factors (t = the experts' A products in fp32, the stacked B factors,
+        the scale): what the MoE hands to ``expert_linear``, which adds the delta in its epilogue."""
         if proj not in self.projs:
             return None
-        a = getattr(self, f"{proj}_lora_A")
-        b = getattr(self, f"{proj}_lora_B")
-        t = expert_linear(x, a, offsets, out_dtype=torch.float32)
-        return scaled(self.scale, expert_linear(t, b, offsets, out_dtype=torch.float32))
+        t = expert_linear(x, getattr(self, f"{proj}_lora_A"), offsets, out_dtype=torch.float32)
+        return LoraUp(t, getattr(self, f"{proj}_lora_B"), self.scale)

@@ -15,8 +15,10 @@ class Linear(nn.Module):
     ``adapter`` is the hook the LoRA package uses: when set, its fp32 output is added to the fp32
     base output before the single rounding (never merged into the weight), so the engine and the
     trainer compute ``base(x) + adapter(x)`` identically; the ``linear`` op adds it in the GEMM's
-    epilogue (its ``delta``), bitwise the unfused sum. ``extra`` does the same for a per-call delta
-    (batched expert LoRA, whose tensors live in the MoE layer).
+    epilogue (its ``delta``), bitwise the unfused sum. An adapter with ``factors(x)`` (a ``LoraUp``:
+    its delta as up factors) hands those instead, and the GEMM computes the delta in its epilogue (its
+    ``lora``: the same value, without writing and reading it). ``extra`` adds a per-call delta (the
+    per-expert fallback of the MoE's batched expert LoRA).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
@@ -30,6 +32,9 @@ class Linear(nn.Module):
                 extra: torch.Tensor | None = None) -> torch.Tensor:
         if self.adapter is None and extra is None:
             return linear(x, self.weight, self.bias, out_dtype=out_dtype)
+        factors = getattr(self.adapter, "factors", None)
+        if factors is not None and extra is None:
+            return linear(x, self.weight, self.bias, out_dtype=out_dtype or x.dtype, lora=factors(x))
         deltas = [d for d in (None if self.adapter is None else self.adapter(x), extra) if d is not None]
         if len(deltas) == 1 and deltas[0].dtype == torch.float32:
             # the GEMM adds the fp32 delta before its one rounding: the bits of the sum below

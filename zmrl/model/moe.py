@@ -163,12 +163,12 @@ class MoE(nn.Module):
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
             weights = [getattr(m, name).weight for m in self.experts]
-            delta = None if lora is None else lora.grouped_delta(name, x, offsets)
-            if delta is None:
+            up = None if lora is None else lora.grouped_factors(name, x, offsets)
+            if up is None:
                 return expert_linear(x, weights, offsets)
-            # Linear.forward with ``extra``: fp32 base + fp32 delta, one rounding to x's dtype (the
-            # GEMM adds the delta in its epilogue).
-            return expert_linear(x, weights, offsets, delta=delta)
+            # fp32 base + the experts' fp32 LoRA delta, one rounding to x's dtype (the GEMM computes the
+            # delta from its factors in its epilogue: the value of ``lora.grouped_delta``)
+            return expert_linear(x, weights, offsets, lora=up)
 
         act = self.experts[0].glu(proj("gate_proj", hs), proj("up_proj", hs))
         return proj("down_proj", act)

@@ -28,8 +28,8 @@ SEQ_LENS = [1, 63, 64, 65, 130, 300]
 
 @pytest.fixture(autouse=True)
 def topk_kernel_always(monkeypatch):
-    """Run the Triton top-k kernel even for the small batches here (by default batches under
-    TOPK_MIN_ROWS rows use torch's stable sort, which gives the same result)."""
+    """Run the Triton top-k kernel for every batch here (by default a few long rows use torch's stable sort,
+    which gives the same result)."""
     from zmrl.kernels_batch_invariant.triton import dsa_indexer as tdsa
     monkeypatch.setattr(tdsa, "TOPK_MIN_ROWS", 0)
 
@@ -200,9 +200,11 @@ def test_bench_indexer_32k(device, interpret):
 
 
 def test_topk_small_batches_use_sort_with_same_result(device, monkeypatch):
-    """Below TOPK_MIN_ROWS the dispatcher uses the stable sort: the same selection as the kernel."""
+    """Below TOPK_MIN_ROWS rows wider than TOPK_SORT_WIDTH the dispatcher uses the stable sort: the same
+    selection as the kernel."""
     from zmrl.kernels_batch_invariant.triton import dsa_indexer as tdsa
     monkeypatch.setattr(tdsa, "TOPK_MIN_ROWS", 4)
+    monkeypatch.setattr(tdsa, "TOPK_SORT_WIDTH", 100)
     qpos = torch.tensor([5, 100, 150, 199, 0, 64]).to(device)
     s = tie_scores(len(qpos), 200, seed=9).to(device)
     small = topk_fn(s[:3], qpos[:3], 32)  # 3 rows: sort

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
-from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear, linear_blockdiag, linear_concat
-from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref
+from zmrl.kernels_batch_invariant.matmul import (LoraUp, bmm_fixed, grouped_linear, linear, linear_blockdiag, linear_concat,
+                                                 lora_delta)
+from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref, expert_lora_delta
 from zmrl.kernels_batch_invariant.triton import triton_impl
 from tests.kernels.triton.gemm_launches import count_gemm_launches
 
@@ -629,6 +630,57 @@ def test_delta_in_the_epilogue_equals_the_sum(device, interpret, k):
     plain = torch.autograd.grad((_lin(xs, w, out_dtype=torch.float32) + d).to(torch.bfloat16), [xs, w, d], gy)
     for a, b_ in zip(fused, plain):
         assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("k,r", [(40, 32), (300, 8), (1100, 32)])  # r = 8: a zero-padded BLOCK_R; 1100: split K
+def test_lora_in_the_epilogue_equals_the_unfused_delta(device, interpret, k, r):
+    """``linear`` / ``expert_linear`` with ``lora`` (the LoRA delta as its up factors, computed in the GEMM's
+    epilogue) equal the ``delta`` path with that delta computed by its defining composition
+    (``lora_delta``: the fp32 x fp32 product and the scale), bitwise, for bf16 and fp32 base weights, with or
+    without bias, at scale 1 and 2; row invariant; the gradients (of x, t and b) equal the unfused ones."""
+    g = torch.Generator().manual_seed(k + r)
+    m = 37
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    t = torch.randn(m, r, generator=g).to(device)
+    for w_dtype, scale in ((torch.bfloat16, 1.0), (torch.float32, 2.0)):
+        w = (torch.randn(48, k, generator=g) / k**0.5).to(device, w_dtype)
+        b = (torch.randn(48, r, generator=g) / r**0.5).to(device)
+        bias = torch.randn(48, generator=g).to(device, w_dtype)
+        up = LoraUp(t, b, scale)
+        for bb, out_dtype in itertools.product((None, bias), (torch.bfloat16, torch.float32)):
+            fused = _lin(x, w, bb, out_dtype=out_dtype, lora=up)
+            unfused = _lin(x, w, bb, out_dtype=out_dtype, delta=lora_delta(up, _lin))
+            assert torch.equal(fused, unfused), (w_dtype, bb, out_dtype)
+        _assert_rows_invariant(lambda rows, w=w, up=up: _lin(rows[:, :k], w, lora=LoraUp(rows[:, k:].float(), up.b, scale)),
+                               torch.cat([x, t.to(torch.bfloat16)], dim=-1), [1, 2, 7, 17] if interpret else GPU_MS, seed=5)
+        ws = torch.stack([w, w.flip(0), w * 0.5])
+        bs = torch.stack([b, b.flip(0), b * 3])
+        off = _offsets([9, 0, m - 9])
+        eup = LoraUp(t, bs, scale)
+        fused = triton_impl(expert_linear)(x, ws, off, lora=eup)
+        unfused = expert_lora_delta(eup, off, triton_impl(expert_linear))
+        assert torch.equal(fused, triton_impl(expert_linear)(x, ws, off, delta=unfused))
+        dev_off = torch.tensor(off, device=device)
+        assert torch.equal(triton_impl(expert_linear)(x, ws, dev_off, lora=eup), fused)  # device offsets
+    with pytest.raises(ValueError, match="delta or lora"):
+        _lin(x, w, delta=lora_delta(up, _lin), lora=up)
+    # gradients: fused vs unfused, through x, t and b (fp32 base weight, bf16 output)
+    w = (torch.randn(48, k, generator=g) / k**0.5).to(device).requires_grad_()
+    xs, ts, bs1 = x.float().requires_grad_(), t.clone().requires_grad_(), b.clone().requires_grad_()
+    gy = torch.randn(m, 48, generator=g).to(device, torch.bfloat16)
+    fused = torch.autograd.grad(_lin(xs, w, out_dtype=torch.bfloat16, lora=LoraUp(ts, bs1, 2.0)), [xs, w, ts, bs1], gy)
+    plain = torch.autograd.grad(_lin(xs, w, out_dtype=torch.bfloat16, delta=2.0 * _lin(ts, bs1, out_dtype=torch.float32)),
+                                [xs, w, ts, bs1], gy)
+    for a, b_ in zip(fused, plain):
+        torch.testing.assert_close(a, b_, rtol=0, atol=0)
+    bst = bs.clone().requires_grad_()
+    ts2 = t.clone().requires_grad_()
+    fused = torch.autograd.grad(triton_impl(expert_linear)(x, ws, off, lora=LoraUp(ts2, bst, 2.0)), [ts2, bst],
+                                gy)
+    plain = torch.autograd.grad(triton_impl(expert_linear)(
+        x, ws, off, delta=2.0 * triton_impl(expert_linear)(ts2, bst, off, out_dtype=torch.float32)), [ts2, bst], gy)
+    for a, b_ in zip(fused, plain):
+        torch.testing.assert_close(a, b_, rtol=0, atol=0)
 
 
 def test_split_k_fp32_weights(device, interpret):

@@ -47,10 +47,11 @@ def small_split(interpret, monkeypatch):
 
 
 def set_topk_path(monkeypatch, path: str) -> None:
-    """"sort": torch's stable sort (what decode batches under TOPK_MIN_ROWS rows use); "kernel": the
-    Triton top-k kernel for every batch."""
+    """"sort": torch's stable sort (what a few long decode rows use); "kernel": the Triton top-k kernel for
+    every batch."""
     from zmrl.kernels_batch_invariant.triton import dsa_indexer as tdsa
     monkeypatch.setattr(tdsa, "TOPK_MIN_ROWS", 0 if path == "kernel" else 1 << 30)
+    monkeypatch.setattr(tdsa, "TOPK_SORT_WIDTH", 0)
 
 
 def triton_ops() -> dict:

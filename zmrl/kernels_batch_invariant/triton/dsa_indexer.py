@@ -18,8 +18,8 @@ Static width (CUDA-graph decode): with ``kv_len`` the output is ``[Q, kv_len]`` 
 ``(Q, cdiv(kv_len, KEYS_PER_PROGRAM))`` follows from host shapes alone (no ``.item()``); programs
 past a query's position store -inf, the others compute exactly what they compute without it.
 
-``dsa_topk``: batches of at least ``TOPK_MIN_ROWS`` rows run the kernel below, smaller ones torch's
-stable sort (both exact, hence identical). Kernel: one program per row. The fp32 scores are mapped to
+``dsa_topk``: the kernel below, except for a few long rows (fewer than ``TOPK_MIN_ROWS`` rows of more than
+``TOPK_SORT_WIDTH`` scores), which take torch's stable sort (both exact, hence identical). Kernel: one program per row. The fp32 scores are mapped to
 order-preserving 32-bit keys (``-0.0`` folded onto ``+0.0`` first, because torch's sort treats them as
 equal); a radix select, one byte per pass from the top (four passes, each a 256-bin histogram of the next
 byte of the keys that match the bytes chosen so far), finds the exact k-th largest key T and how many keys
@@ -50,8 +50,10 @@ _INTERPRET = INTERPRET
 KEYS_PER_PROGRAM = 256  # score kernel: keys per program (4 blocks of 64); q is loaded once per program
 TOPK_BLOCK = 1024  # top-k kernel: row elements per scan step
 RADIX = tl.constexpr(256)  # top-k kernel: bins of one radix-select pass (one byte of the 32-bit keys)
-# Fewer rows than this: torch's stable sort (same result, exact either way); see dsa_topk_triton.
-TOPK_MIN_ROWS = 128
+# Fewer rows than TOPK_MIN_ROWS, each wider than TOPK_SORT_WIDTH: torch's stable sort (same result, exact either
+# way); see dsa_topk_triton.
+TOPK_MIN_ROWS = 64
+TOPK_SORT_WIDTH = 16384
 # Whether the score kernel uses the FP8 tensor-core dot; set to False on the first compile failure.
 _fp8_dot_ok: bool = not _INTERPRET
 
@@ -213,10 +215,12 @@ def dsa_topk_triton(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) ->
     """Exact top-k per row (score desc, position asc), ascending, -1 padded: ``[Q, topk]`` int64.
 
     Both implementations are exact, so their outputs are identical (the selection is a function of
-    the row alone): the choice may depend on the batch without breaking invariance. Batches of fewer
-    than ``TOPK_MIN_ROWS`` rows (decode) use the torch backend's stable sort, which spreads one long
-    row over the whole GPU; larger batches use the one-program-per-row kernel."""
-    if scores.shape[0] < TOPK_MIN_ROWS:
+    the row alone): the choice may depend on the batch without breaking invariance. A few long rows (fewer
+    than ``TOPK_MIN_ROWS`` rows of more than ``TOPK_SORT_WIDTH`` scores: decode at long context and small batch)
+    use the torch backend's stable sort, which spreads a row over the whole GPU; everything else the
+    one-program-per-row kernel (the H200 measurements behind the two limits:
+    benchmarks/results/2026-12-02_dsa_kernels_41cc49d_h200.json)."""
+    if scores.shape[0] < TOPK_MIN_ROWS and scores.shape[-1] > TOPK_SORT_WIDTH:
         return dsa_topk.impls["torch"](scores, query_pos, topk)
     return dsa_topk_kernel(scores, query_pos, topk)
 

@@ -47,6 +47,13 @@ where it still leaves >= 64 programs. Narrow outputs (N <= 2048, e.g. 2048 -> 20
 64x32 tiles: more programs at decode, at the cost of some prefill efficiency (A is re-read N/32
 times, from L2). ``benchmarks/gemm_invariant_vs_cublas.py --sweep`` measures alternatives.
 
+LoRA in the epilogue: ``linear`` / ``expert_linear`` take a LoRA delta as its up factors (``lora``: t = x @ A^T
+in fp32, B, the scale) and compute ``scale * t @ B^T`` after the K loop, with the six split MMAs of the
+standalone fp32 x fp32 product in its order and into its own zeroed accumulator, then add it as the
+``delta`` would be added: the same bits as computing the delta with ``linear(t, B)`` and passing it, without
+the launch and without writing and reading the fp32 [M, N] delta (at decode the B products were the
+slowest GEMMs per byte; at training the routed down projection's delta is [T * k, hidden] in fp32).
+
 Autograd: hand-written backwards with stock torch matmuls (the backward need not be invariant, only
 correct): dX = dY @ W, dW = dY^T X, dbias = sum dY. 16-bit operands use 16-bit cuBLAS GEMMs (fp32
 accumulation inside) so the backward never materialises an fp32 copy of a large weight; anything
@@ -260,6 +267,22 @@ def dot_acc(acc, a, b, HALF: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: t
 
 
 @triton.jit
+def _dot_split_both(acc, a, b, INTERPRET: tl.constexpr):
+    """acc + a @ b for fp32 tiles a and b, both split into three bf16 pieces (``_split_bf16``): the six
+    products down to 2^-16 relative, in this order (the three dropped ones, mid*lo, lo*mid, lo*lo, are below
+    2^-24 of |a||b| together). The GEMM's K loop and its LoRA epilogue both call it: one order."""
+    a_hi, a_mid, a_lo = _split_bf16(a)
+    b_hi, b_mid, b_lo = _split_bf16(b)
+    acc = dot_acc(acc, a_hi, b_hi, True, "ieee", INTERPRET)
+    acc = dot_acc(acc, a_hi, b_mid, True, "ieee", INTERPRET)
+    acc = dot_acc(acc, a_mid, b_hi, True, "ieee", INTERPRET)
+    acc = dot_acc(acc, a_hi, b_lo, True, "ieee", INTERPRET)
+    acc = dot_acc(acc, a_mid, b_mid, True, "ieee", INTERPRET)
+    acc = dot_acc(acc, a_lo, b_hi, True, "ieee", INTERPRET)
+    return acc
+
+
+@triton.jit
 def expert_tile(offs_ptr, pid_m, M, N_EXPERTS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(tiles in all, expert, first row, end row) of row-tile slot ``pid_m`` of expert-sorted rows, from
     the E+1 int32 row offsets: expert e's rows are cut into BLOCK_M tiles from its first row, numbered
@@ -302,12 +325,14 @@ def expert_weight_offset(woff_ptr, expert, stride_wg, W_TABLE: tl.constexpr, W_A
 @triton.jit(do_not_specialize=["M", "M_TILES"])
 def _gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, d_ptr,
-    offs_ptr, woff_ptr,
+    offs_ptr, woff_ptr, t_ptr, lb_ptr,
     M, M_TILES, N, K, N_EXPERTS,
     stride_xg, stride_xm, stride_xk,
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn, stride_ys,
-    HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr,
+    stride_tm, stride_lbg, stride_lbn, lora_scale,
+    HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr,
     X_SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr,
     SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
     K_CHUNK: tl.constexpr,
@@ -318,6 +343,12 @@ def _gemm_kernel(
 
     ``d`` (HAS_DELTA): an fp32 tensor laid out as y (same strides), added in fp32 after the bias and
     before the one rounding: the result equals storing the fp32 sum and adding d in torch.
+    HAS_LORA (plain mode of one element, or expert mode): the delta from its factors instead,
+    ``lora_scale * t @ lb^T`` with t [M, LORA_R] fp32 (rows as x's, ``stride_tm`` apart, unit column
+    stride) and lb [N, LORA_R] fp32 (expert e's at ``e * stride_lbg``; ``stride_lbn`` between rows, unit
+    stride over r): the six split MMAs of the fp32 x fp32 product in the K loop's order, over the one K
+    step the standalone product ``linear(t, lb)`` takes (r <= BLOCK_R; its zero-padded K columns add
+    exact zeros), so the added value is that product's, bit for bit.
 
     Plain/batched mode (EXPERTS=False): program (g * M_TILES + pid_m, pid_n) owns rows
     pid_m*BLOCK_M.. of batch element g (linear: one element; grouped_linear/bmm_fixed: G elements;
@@ -345,6 +376,7 @@ def _gemm_kernel(
         x_base = x_ptr
         y_base = y_ptr
         d_base = d_ptr
+        lb_base = lb_ptr + expert.to(tl.int64) * stride_lbg
     else:
         pid_g = (pid_0 // M_TILES).to(tl.int64)
         pid_m = pid_0 % M_TILES
@@ -354,6 +386,7 @@ def _gemm_kernel(
         x_base = x_ptr + pid_g * stride_xg
         y_base = y_ptr + pid_g * stride_yg
         d_base = d_ptr + pid_g * stride_yg
+        lb_base = lb_ptr
 
     n_end = N
     tile_n = pid_n
@@ -418,22 +451,15 @@ def _gemm_kernel(
             # FMA dots that took tens of microseconds per call). fp32 x fp32 (the LoRA intermediate
             # through lora_B, fp32 models): the 6 products down to 2^-16 relative; the 3 dropped ones
             # (mid*lo, lo*mid, lo*lo) are below 2^-24 of |x||W| together.
-            if SPLIT_X:
-                x_hi, x_mid, x_lo = _split_bf16(a)
-            if SPLIT_W:
-                w_hi, w_mid, w_lo = _split_bf16(b)
             if SPLIT_X and SPLIT_W:
-                acc = dot_acc(acc, x_hi, w_hi, True, "ieee", INTERPRET)
-                acc = dot_acc(acc, x_hi, w_mid, True, "ieee", INTERPRET)
-                acc = dot_acc(acc, x_mid, w_hi, True, "ieee", INTERPRET)
-                acc = dot_acc(acc, x_hi, w_lo, True, "ieee", INTERPRET)
-                acc = dot_acc(acc, x_mid, w_mid, True, "ieee", INTERPRET)
-                acc = dot_acc(acc, x_lo, w_hi, True, "ieee", INTERPRET)
+                acc = _dot_split_both(acc, a, b, INTERPRET)
             elif SPLIT_X:
+                x_hi, x_mid, x_lo = _split_bf16(a)
                 acc = dot_acc(acc, x_hi, b, True, "ieee", INTERPRET)
                 acc = dot_acc(acc, x_mid, b, True, "ieee", INTERPRET)
                 acc = dot_acc(acc, x_lo, b, True, "ieee", INTERPRET)
             else:
+                w_hi, w_mid, w_lo = _split_bf16(b)
                 acc = dot_acc(acc, a, w_hi, True, "ieee", INTERPRET)
                 acc = dot_acc(acc, a, w_mid, True, "ieee", INTERPRET)
                 acc = dot_acc(acc, a, w_lo, True, "ieee", INTERPRET)
@@ -446,6 +472,15 @@ def _gemm_kernel(
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < LORA_R
+        t = tl.load(t_ptr + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :],
+                    mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        lb = tl.load(lb_base + offs_r[:, None] + offs_n.to(tl.int64)[None, :] * stride_lbn,
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        # the standalone product's one K step: its own zeroed accumulator, the same six products
+        acc += _dot_split_both(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), t, lb, INTERPRET) * lora_scale
     tile = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
     if HAS_DELTA:
         acc += tl.load(d_base + tile, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
@@ -559,14 +594,55 @@ class _SegmentLaunch:
     x_blocks: bool = False
 
 
+# Largest output tile (BLOCK_M * BLOCK_N) of a GEMM with the LoRA epilogue (which program computes an element,
+# never its bits: the module doc).
+LORA_MAX_TILE = 128 * 128
+
+
+@dataclass(frozen=True)
+class _LoraLaunch:
+    """``_launch``'s LoRA epilogue: t [M, r] fp32 (unit column stride), b [N, r] fp32 or the stacked [E, N, r]
+    (expert mode; unit stride over r), the scale."""
+
+    t: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+def _lora_launch(lora: _ops.LoraUp | None, m: int, n: int, stacked: bool) -> _LoraLaunch | None:
+    """A LoraUp as the kernel reads it (shapes checked): t as [M, r] rows, b with unit stride over r."""
+    if lora is None:
+        return None
+    t, b = lora.t, lora.b
+    r = t.shape[-1]
+    want = (b.shape[0], n, r) if stacked else (n, r)
+    if t.dtype != torch.float32 or b.dtype != torch.float32 or t.numel() != m * r or tuple(b.shape) != want:
+        raise ValueError(f"lora: t must be fp32 [{m}, r] and b fp32 {list(want)}, got t {t.dtype} {tuple(t.shape)}, "
+                         f"b {b.dtype} {tuple(b.shape)}")
+    t2 = t.reshape(m, r)
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return _LoraLaunch(t2, b if b.stride(-1) == 1 else b.contiguous(), float(lora.scale))
+
+
 def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: torch.Tensor, cfg: GemmConfig,
             m: int, n: int, k: int, *, experts: _ExpertLaunch | None = None,
-            segments: _SegmentLaunch | None = None, delta: torch.Tensor | None = None) -> None:
+            segments: _SegmentLaunch | None = None, delta: torch.Tensor | None = None,
+            lora: _LoraLaunch | None = None) -> None:
     """Launch ``_gemm_kernel``. x3 [G, M, K], w3 [G, N, K] (any strides), y3 [G, M, N]; ``delta``: fp32,
     y3's shape and strides, added before the rounding (the kernel's HAS_DELTA).
     ``experts``: expert mode, with x3/y3 of G=1 and w3 the lowest-address expert weight as
     [1, N, K] (per-expert weights) or the stacked [E, N, K] weights.
-    ``segments``: segment mode, G=1, w3 the lowest-address weight as [1, N_s, K], y3 [1, M, sum N_s]."""
+    ``segments``: segment mode, G=1, w3 the lowest-address weight as [1, N_s, K], y3 [1, M, sum N_s].
+    ``lora``: the delta from its factors (the kernel's HAS_LORA; one element or expert mode, without
+    ``delta`` or a split K, whose epilogue is the partial sum's)."""
+    if lora is not None and (delta is not None or segments is not None or x3.shape[0] != 1
+                             or _k_chunk(x3.dtype, w3.dtype, k)):
+        raise ValueError("triton GEMM: the LoRA epilogue takes one plain or expert product without a delta or "
+                         "a split K (the callers compute such a delta unfused)")
+    if lora is not None and cfg.block_m * cfg.block_n > LORA_MAX_TILE:
+        # the epilogue's own fp32 accumulator doubles the tile's registers: a 256 x 128 tile would spill
+        cfg = GemmConfig(128, 128, cfg.block_k, 8, min(cfg.num_stages, 3))
     _check_dtype(x3, "x")
     _check_dtype(w3, "weight")
     split_x, split_w = _split_x(x3.dtype, w3.dtype), _split_w(x3.dtype, w3.dtype)
@@ -590,7 +666,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         # store fp32 and let torch round, which is what the compiled kernel's store does.
         y32 = torch.empty(y3.shape, dtype=torch.float32, device=y3.device)
         _launch(x3, w3, bias, y32, cfg, m, n, k, experts=experts, segments=segments,
-                delta=None if delta is None else delta.contiguous())
+                delta=None if delta is None else delta.contiguous(), lora=lora)
         y3.copy_(y32)
         return
     g = x3.shape[0]
@@ -616,14 +692,19 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         splits = cdiv(k, k_chunk)
         y3 = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
         grid = (*grid, splits)
+    lora_r = 0 if lora is None else lora.t.shape[1]
     _gemm_kernel[grid](
         x3, w3, bias if bias is not None else x3, y3, delta if delta is not None and not k_chunk else y3, offs, woff,
+        x3 if lora is None else lora.t, x3 if lora is None else lora.b,
         m, m_tiles, n, k, n_experts,
         x3.stride(0), x3.stride(1), x3.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
         *((y3.stride(1), y3.stride(2), y3.stride(3), y3.stride(0)) if k_chunk else
           (y3.stride(0), y3.stride(1), y3.stride(2), 0)),
+        *((0, 0, 0, 1.0) if lora is None else
+          (lora.t.stride(0), lora.b.stride(0) if lora.b.dim() == 3 else 0, lora.b.stride(-2), lora.scale)),
         HAS_BIAS=bias is not None and not k_chunk, HAS_DELTA=delta is not None and not k_chunk,
+        HAS_LORA=lora is not None, LORA_R=lora_r, BLOCK_R=max(16, next_pow2(max(lora_r, 1))),
         EXPERTS=experts is not None, SEGMENTS=segments is not None,
         X_SEGMENTS=segments is not None and segments.x_blocks,
         W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split_x,
@@ -661,17 +742,20 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------- linear
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype, delta: torch.Tensor | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype, delta: torch.Tensor | None = None,
+                    lora: _ops.LoraUp | None = None) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
     x2 = _rows(x, k)
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if lora is not None and _k_chunk(x.dtype, weight.dtype, k):
+        delta, lora = _ops.lora_delta(lora, linear_triton), None  # a split-K product: the delta unfused (same value)
     if m and n:
         cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
         bias = None if bias is None else bias.contiguous()  # the kernel reads it with unit stride
         _launch(x2.unsqueeze(0), weight.unsqueeze(0), bias, y.unsqueeze(0), cfg, m, n, k,
-                delta=_delta_rows(delta, m, n))
+                delta=_delta_rows(delta, m, n), lora=_lora_launch(lora, m, n, stacked=False))
     return y.reshape(*lead, n)
 
 
@@ -687,21 +771,36 @@ def _bwd_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return _dot_dtype(x.dtype, w.dtype)
 
 
+def lora_grads(g: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, need_t: bool,
+               need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dt, db) of ``scale * t @ b^T`` given its fp32 output gradient g [M, N] (t [M, r], b [N, r]; fp32 GEMMs
+    at the contract's backward precision, as the unfused product's backward)."""
+    if scale != 1.0:
+        g = g * scale
+    dt = (g @ b).reshape(t.shape) if need_t else None
+    db = g.t() @ t.reshape(-1, t.shape[-1]) if need_b else None
+    return dt, db
+
+
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                out_dtype: torch.dtype, delta: torch.Tensor | None = None) -> torch.Tensor:
-        # Keep only what the backward reads: x for dW, W for dX (frozen base weights: no x kept).
+                out_dtype: torch.dtype, delta: torch.Tensor | None = None, lora_t: torch.Tensor | None = None,
+                lora_b: torch.Tensor | None = None, lora_scale: float = 1.0) -> torch.Tensor:
+        # Keep only what the backward reads: x for dW, W for dX (frozen base weights: no x kept); the LoRA
+        # factors for each other's gradients.
         need_x, need_w = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None, lora_t, lora_b)
         ctx.x_meta, ctx.w_meta = (x.shape, x.dtype), (weight.shape, weight.dtype)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return _linear_forward(x, weight, bias, out_dtype, delta)
+        ctx.lora_scale = lora_scale
+        lora = None if lora_t is None else _ops.LoraUp(lora_t, lora_b, lora_scale)
+        return _linear_forward(x, weight, bias, out_dtype, delta, lora)
 
     @staticmethod
     @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w = ctx.saved_tensors
+        x, w, lora_t, lora_b = ctx.saved_tensors
         (x_shape, x_dtype), (w_shape, w_dtype) = ctx.x_meta, ctx.w_meta
         cdt = _dot_dtype(x_dtype, w_dtype)
         k, n = x_shape[-1], w_shape[0]
@@ -715,7 +814,10 @@ class _LinearFn(torch.autograd.Function):
             db = gy.reshape(-1, n).float().sum(0).to(ctx.bias_dtype)
         # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
         d_delta = gy.float() if ctx.needs_input_grad[4] else None
-        return dx, dw, db, None, d_delta
+        dt = dlb = None
+        if lora_t is not None and any(ctx.needs_input_grad[5:7]):
+            dt, dlb = lora_grads(gy.reshape(-1, n).float(), lora_t, lora_b, ctx.lora_scale, *ctx.needs_input_grad[5:7])
+        return dx, dw, db, None, d_delta, dt, dlb, None
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -724,9 +826,14 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 @linear.register("triton")
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``linear``: x [..., K] @ weight[N, K]^T (+ bias) (+ delta, fp32, in the epilogue) -> [..., N]
-    in out_dtype (default x.dtype)."""
+                  out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
+                  lora: _ops.LoraUp | None = None) -> torch.Tensor:
+    """Triton ``linear``: x [..., K] @ weight[N, K]^T (+ bias) (+ delta, fp32, or the LoRA delta from its
+    factors, in the epilogue) -> [..., N] in out_dtype (default x.dtype)."""
+    if lora is not None and (delta is not None or compute_in_fp64(x, weight, bias, lora.t, lora.b)):
+        if delta is not None:
+            raise ValueError("linear: pass delta or lora, not both")
+        delta, lora = _ops.lora_delta(lora, linear_triton), None  # fp64 (gradchecks)
     if compute_in_fp64(x, weight, bias, delta):
         return linear.impls["torch"](x, weight, bias, out_dtype, delta)  # gradchecks only
     out_dtype = out_dtype or x.dtype
@@ -735,6 +842,11 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if delta is not None:
         _ops.check_delta(delta, (*x.shape[:-1], weight.shape[0]))
         delta = delta.float()
+    if lora is not None:
+        _lora_launch(lora, math.prod(x.shape[:-1]), weight.shape[0], stacked=False)  # shapes, before autograd
+        if _needs_grad(x, weight, bias, lora.t, lora.b):
+            return _LinearFn.apply(x, weight, bias, out_dtype, None, lora.t, lora.b, float(lora.scale))
+        return _linear_forward(x, weight, bias, out_dtype, None, lora)
     if _needs_grad(x, weight, bias, delta):
         return _LinearFn.apply(x, weight, bias, out_dtype, delta)
     return _linear_forward(x, weight, bias, out_dtype, delta)
@@ -1143,9 +1255,11 @@ def _max_expert_tiles(m: int, n_experts: int, block_m: int) -> int:
 
 
 def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] | torch.Tensor,
-                    out_dtype: torch.dtype, delta: torch.Tensor | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype, delta: torch.Tensor | None = None,
+                    lora: _ops.LoraUp | None = None) -> torch.Tensor:
     """``offsets``: a host list (validated here) or an integer tensor [E+1] on x's device (trusted:
-    reading its values would sync; the kernel clamps them into [0, M])."""
+    reading its values would sync; the kernel clamps them into [0, M]). ``lora``: t [M, r], stacked b
+    [E, N, r] (in the epilogue; unfused for a split-K product)."""
     dev = offsets if isinstance(offsets, torch.Tensor) else None
     if dev is None:
         e, n, k = _moe.check_expert_args(x, weights, offsets, every_weight=False)
@@ -1156,6 +1270,8 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
     if m == 0 or n == 0:
         return y
     w_dtype = weights.dtype if isinstance(weights, torch.Tensor) else weights[0].dtype
+    if lora is not None and _k_chunk(x.dtype, w_dtype, k):
+        delta, lora = _moe.expert_lora_delta(lora, offsets, expert_linear_triton), None  # the same value, unfused
     # The config follows model dims and the bucket of the mean rows per expert (host shapes only), as
     # for linear: at batch 256 an expert sees ~32 of the 2048 routed rows, a decode-sized tile.
     cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), cdiv(m, e), experts=True)
@@ -1169,7 +1285,8 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
         offs = dev if (dev.dtype == torch.int32 and dev.is_contiguous()) else dev.to(torch.int32).contiguous()
     xs = _rows(x, k)
     _launch(xs.unsqueeze(0), w3, None, y.unsqueeze(0), cfg, m, n, k,
-            experts=_ExpertLaunch(offs, woff, align, e, n_tiles), delta=_delta_rows(delta, m, n))
+            experts=_ExpertLaunch(offs, woff, align, e, n_tiles), delta=_delta_rows(delta, m, n),
+            lora=_lora_launch(lora, m, n, stacked=True))
     return y
 
 
@@ -1201,48 +1318,67 @@ def _backward_offsets(ctx: Any) -> list[int]:
 class _ExpertLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, offsets: list[int] | torch.Tensor, out_dtype: torch.dtype, stacked: bool,
-                delta: torch.Tensor | None, *weights: torch.Tensor) -> torch.Tensor:
+                delta: torch.Tensor | None, lora_t: torch.Tensor | None, lora_b: torch.Tensor | None,
+                lora_scale: float, *weights: torch.Tensor) -> torch.Tensor:
         ws: _moe.Weights = weights[0] if stacked else list(weights)
-        ctx.offsets, ctx.stacked, ctx.x_dtype = offsets, stacked, x.dtype
+        ctx.offsets, ctx.stacked, ctx.x_dtype, ctx.lora_scale = offsets, stacked, x.dtype, lora_scale
         ctx.host_offsets = (_prefetch_offsets(offsets) if isinstance(offsets, torch.Tensor) and offsets.is_cuda
                             else None)
         # x only feeds dW: with frozen expert weights (LoRA training) it is not kept.
-        ctx.save_for_backward(x if any(ctx.needs_input_grad[5:]) else None, *weights)
-        return _expert_forward(x, ws, offsets, out_dtype, delta)
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[8:]) else None, lora_t, lora_b, *weights)
+        lora = None if lora_t is None else _ops.LoraUp(lora_t, lora_b, lora_scale)
+        return _expert_forward(x, ws, offsets, out_dtype, delta, lora)
 
     @staticmethod
     @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, *weights = ctx.saved_tensors
+        x, lora_t, lora_b, *weights = ctx.saved_tensors
         ws = weights[0] if ctx.stacked else weights
+        offsets = _backward_offsets(ctx)
         # Device offsets come from the copy the forward started (no stall); the backward is two grouped
         # kernels over the expert-sorted rows (triton/expert_grads.py via moe_gemm_grads.py), no loop over experts.
-        dx, dws = expert_linear_grads(gy, x, ws, _backward_offsets(ctx), ctx.needs_input_grad[0],
-                                      list(ctx.needs_input_grad[5:]), ctx.x_dtype)
+        dx, dws = expert_linear_grads(gy, x, ws, offsets, ctx.needs_input_grad[0],
+                                      list(ctx.needs_input_grad[8:]), ctx.x_dtype)
         # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
         d_delta = gy.float() if ctx.needs_input_grad[4] else None
-        return (dx, None, None, None, d_delta, *dws)
+        dt = dlb = None
+        if lora_t is not None and any(ctx.needs_input_grad[5:7]):
+            # the LoRA up product's backward: that of expert_linear(t, b) on scale * the output's gradient
+            g = gy.float() if ctx.lora_scale == 1.0 else gy.float() * ctx.lora_scale
+            dt, dlbs = expert_linear_grads(g, lora_t, lora_b, offsets, ctx.needs_input_grad[5],
+                                           [ctx.needs_input_grad[6]], lora_t.dtype)
+            dlb = dlbs[0]
+        return (dx, None, None, None, d_delta, dt, dlb, None, *dws)
 
 
 @expert_linear.register("triton")
 def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequence[int] | torch.Tensor,
-                         out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
+                         lora: _ops.LoraUp | None = None) -> torch.Tensor:
     """Triton ``expert_linear``: all experts in one launch; a row's result equals Triton
     ``linear(row, weights[e])`` bitwise. Offsets as an integer tensor on x's device are never read
-    on the host (capture-safe forward); host lists / other tensors take the same kernel."""
+    on the host (capture-safe forward); host lists / other tensors take the same kernel. ``lora``: the
+    experts' LoRA delta from its factors, in the epilogue."""
+    if lora is not None and (delta is not None or compute_in_fp64(x, lora.t, lora.b)):
+        if delta is not None:
+            raise ValueError("expert_linear: pass delta or lora, not both")
+        delta, lora = _moe.expert_lora_delta(lora, offsets, expert_linear_triton), None  # fp64 (gradchecks)
     dev = _moe.device_offsets(offsets, x)
     offs: list[int] | torch.Tensor = dev if dev is not None else _moe.as_offsets(offsets)
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     if not ws:
         raise ValueError("expert_linear: no experts")
     # Expert weights share one dtype (checked with the weight table), so the first one decides.
-    if compute_in_fp64(x, ws[0], delta):
-        return expert_linear.impls["torch"](x, weights, offs, out_dtype, delta)
+    if compute_in_fp64(x, ws[0], delta) or (lora is not None and compute_in_fp64(ws[0])):
+        return expert_linear.impls["torch"](x, weights, offs, out_dtype, delta, lora)
     out_dtype = out_dtype or x.dtype
+    n = weights.shape[1] if isinstance(weights, torch.Tensor) else ws[0].shape[0]
     if delta is not None:
-        n = weights.shape[1] if isinstance(weights, torch.Tensor) else ws[0].shape[0]
         _ops.check_delta(delta, (x.shape[0], n))
         delta = delta.float()
-    if _needs_grad(x, delta, *ws):
-        return _ExpertLinearFn.apply(x, offs, out_dtype, isinstance(weights, torch.Tensor), delta, *ws)
-    return _expert_forward(x, weights, offs, out_dtype, delta)
+    lt, lb, ls = (None, None, 1.0) if lora is None else (lora.t, lora.b, float(lora.scale))
+    if lora is not None:
+        _lora_launch(lora, x.shape[0], n, stacked=True)  # shapes, before autograd
+    if _needs_grad(x, delta, lt, lb, *ws):
+        return _ExpertLinearFn.apply(x, offs, out_dtype, isinstance(weights, torch.Tensor), delta, lt, lb, ls, *ws)
+    return _expert_forward(x, weights, offs, out_dtype, delta, lora)

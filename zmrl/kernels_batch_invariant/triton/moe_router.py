@@ -19,7 +19,8 @@ in slot order. Backward is hand-written (``dY_j = w_j * g``, ``dw_j = <g, Y_j>``
 ``moe_combine_rows``: the same kernel reading slot (t, j) from row ``slot_rows[t, j]`` of the expert-sorted
 rows (the same values in the same order: the same bits); its backward is one Triton pass per token.
 
-``moe_sort``: the pairs grouped by expert (a stable counting sort) in one program for decode-sized inputs.
+``moe_sort``: the pairs grouped by expert (a stable counting sort over chunks of pairs) in two launches for
+decode-sized inputs.
 """
 from __future__ import annotations
 
@@ -268,55 +269,69 @@ class _Combine(torch.autograd.Function):
         return g_eo, g_w, None
 
 
-# Pairs up to which ``moe_sort`` runs the one-program kernel (a decode step's T * k; 256 tokens x 8 = 2048):
-# beyond it torch's sort, whose many-program radix passes win on training-sized inputs (the same result).
+# ``moe_sort`` runs the counting-sort kernels up to SORT_MAX_PAIRS pairs (a decode step's T * k; 256 tokens x 8 =
+# 2048) and SORT_MAX_EXPERTS experts; beyond, torch's sort (many-program radix passes), with the same result.
 SORT_MAX_PAIRS = 8192
+SORT_MAX_EXPERTS = 256
+SORT_CHUNK = 256  # pairs per program
 
 
 @triton.jit(do_not_specialize=["P"])
-def _moe_sort_kernel(ids_ptr, order_ptr, offsets_ptr, slot_ptr, P, E: tl.constexpr, E_P: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """One program: a counting sort of P expert ids. Pass 1 counts the pairs per expert ([CHUNK, E_P] one-hot
-    tiles summed over the pairs), whose exclusive prefix sum gives each expert's first row; pass 2 gives pair i
-    the row ``first[id] + (earlier pairs of the same expert)`` (a running count per expert plus a cumulative
-    sum down the chunk: a stable sort) and writes the permutation both ways."""
+def _moe_sort_count_kernel(ids_ptr, counts_ptr, P, E_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c: how many of pairs [c * CHUNK, (c + 1) * CHUNK) each expert has ([CHUNK, E_P] one-hot summed)."""
+    c = tl.program_id(0)
     lanes = tl.arange(0, E_P)
-    pair = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_P], tl.int32)
-    for c0 in range(0, P, CHUNK):
-        i = c0 + pair
-        ids = tl.load(ids_ptr + i, mask=i < P, other=E_P)  # past the end: no expert's lane
-        counts += tl.sum((ids[:, None] == lanes[None, :]).to(tl.int32), axis=0)
-    seen = tl.cumsum(counts, axis=0) - counts  # expert e's first row
-    tl.store(offsets_ptr + lanes, seen, mask=lanes < E)
-    tl.store(offsets_ptr + E, tl.sum(counts, axis=0))
-    for c0 in range(0, P, CHUNK):
-        i = c0 + pair
-        m = i < P
-        ids = tl.load(ids_ptr + i, mask=m, other=E_P)
-        hit = (ids[:, None] == lanes[None, :]).to(tl.int32)
-        before = tl.cumsum(hit, axis=0) - hit  # pairs of the same expert earlier in this chunk
-        row = tl.sum(hit * (seen[None, :] + before), axis=1)
-        tl.store(slot_ptr + i, row.to(tl.int64), mask=m)
-        tl.store(order_ptr + row, i.to(tl.int64), mask=m)
-        seen += tl.sum(hit, axis=0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + i, mask=i < P, other=E_P)  # past the end: no expert's lane
+    tl.store(counts_ptr + c * E_P + lanes, tl.sum((ids[:, None] == lanes[None, :]).to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["P"])
+def _moe_sort_place_kernel(ids_ptr, counts_ptr, order_ptr, offsets_ptr, slot_ptr, P, N_CHUNKS,
+                           E: tl.constexpr, E_P: tl.constexpr, C_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c places its chunk's pairs: pair i goes to row ``first[id] + (pairs of that expert in earlier
+    chunks) + (earlier pairs of that expert in this chunk)``, a stable counting sort; program 0 also writes the
+    offsets."""
+    c = tl.program_id(0)
+    lanes = tl.arange(0, E_P)
+    chunks = tl.arange(0, C_P)
+    counts = tl.load(counts_ptr + chunks[:, None] * E_P + lanes[None, :], mask=(chunks < N_CHUNKS)[:, None], other=0)
+    total = tl.sum(counts, axis=0)
+    first = tl.cumsum(total, axis=0) - total  # expert e's first row
+    if c == 0:
+        tl.store(offsets_ptr + lanes, first, mask=lanes < E)
+        tl.store(offsets_ptr + E, tl.sum(total, axis=0))
+    seen = first + tl.sum(tl.where((chunks < c)[:, None], counts, 0), axis=0)
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    m = i < P
+    ids = tl.load(ids_ptr + i, mask=m, other=E_P)
+    hit = (ids[:, None] == lanes[None, :]).to(tl.int32)
+    before = tl.cumsum(hit, axis=0) - hit  # pairs of the same expert earlier in this chunk
+    row = tl.sum(hit * (seen[None, :] + before), axis=1)
+    tl.store(slot_ptr + i, row.to(tl.int64), mask=m)
+    tl.store(order_ptr + row, i.to(tl.int64), mask=m)
 
 
 @moe_sort.register("triton")
 def moe_sort_triton(expert_ids: torch.Tensor, num_experts: int) -> _ops.ExpertOrder:
-    """Triton ``moe_sort``: up to ``SORT_MAX_PAIRS`` pairs one counting-sort program (one launch instead of a
-    sort, a search and a scatter), else the torch composition; both give the same permutation."""
+    """Triton ``moe_sort``: up to ``SORT_MAX_PAIRS`` pairs and ``SORT_MAX_EXPERTS`` experts two counting-sort
+    launches (per-chunk expert counts, then every chunk placed) instead of a sort, a search and a scatter;
+    else the torch composition. Both give the same permutation."""
     flat = expert_ids.reshape(-1)
     p = flat.numel()
-    if p > SORT_MAX_PAIRS or p == 0:
+    if p > SORT_MAX_PAIRS or p == 0 or num_experts > SORT_MAX_EXPERTS:
         return moe_sort.impls["torch"](expert_ids, num_experts)
     flat = flat.contiguous()
-    order = torch.empty(p, dtype=torch.int64, device=flat.device)
-    slot_rows = torch.empty_like(order)
-    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
+    dev = flat.device
     e_p = next_pow2(num_experts)
-    _moe_sort_kernel[(1,)](flat, order, offsets, slot_rows, p, E=num_experts, E_P=e_p,
-                           CHUNK=max(16, min(256, 16384 // e_p)), num_warps=8)
+    n_chunks = cdiv(p, SORT_CHUNK)
+    counts = torch.empty((n_chunks, e_p), dtype=torch.int32, device=dev)
+    order = torch.empty(p, dtype=torch.int64, device=dev)
+    slot_rows = torch.empty_like(order)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    _moe_sort_count_kernel[(n_chunks,)](flat, counts, p, E_P=e_p, CHUNK=SORT_CHUNK, num_warps=4)
+    _moe_sort_place_kernel[(n_chunks,)](flat, counts, order, offsets, slot_rows, p, n_chunks, E=num_experts,
+                                        E_P=e_p, C_P=max(2, next_pow2(n_chunks)), CHUNK=SORT_CHUNK, num_warps=4)
     return _ops.ExpertOrder(order, offsets, slot_rows)
 
 
