@@ -111,7 +111,8 @@ class MoE(nn.Module):
         h = self.latent_down_proj(x) if self.latent else x
         # Every (token, slot) pair is computed by its expert's invariant linears; a token's result does
         # not depend on how many other tokens chose the same expert.
-        pairs = moe_sort(route.expert_ids, len(self.experts))
+        # grouped over every routed expert (the router's rows): an expert-parallel rank holds only its slice
+        pairs = moe_sort(route.expert_ids, self.gate.weight.shape[0])
         rows = _dispatch_rows(h, pairs.order, self.top_k)
         if self._device_dispatch(x):
             # CUDA: no host sync (CUDA-graph capturable): the expert offsets stay on the device.

@@ -66,15 +66,40 @@ def test_gemm_kernel_builds_for_sm90(mode, dtypes):
     x_dt, w_dt = dtypes
     # a block-diagonal product never splits K (_launch refuses it)
     k_chunks = (0, 512) if split_w and mode != "blockdiag" else (0,)
-    for k_chunk, bias, delta in itertools.product(k_chunks, (False, True), (False, True)):
-        consts = dict(HAS_BIAS=bias and not k_chunk, HAS_DELTA=delta and not k_chunk, EXPERTS=mode == "experts",
+    # the LoRA epilogue: one plain or expert product without a delta or a split K (_launch)
+    loras = (False, True) if mode in ("plain", "experts") else (False,)
+    for k_chunk, bias, delta, lora in itertools.product(k_chunks, (False, True), (False, True), loras):
+        if lora and (delta or k_chunk):
+            continue
+        consts = dict(HAS_BIAS=bias and not k_chunk, HAS_DELTA=delta and not k_chunk, HAS_LORA=lora, LORA_R=32,
+                      BLOCK_R=32, EXPERTS=mode == "experts",
                       SEGMENTS=mode in ("segments", "blockdiag"), X_SEGMENTS=mode == "blockdiag",
                       W_TABLE=mode != "plain", W_ALIGN=4, F32_DOT=f32, SPLIT_X=split_x, SPLIT_W=split_w,
                       K_CHUNK=k_chunk, INTERPRET=False, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_E=64)
         ptrs = {"x_ptr": f"*{x_dt}", "w_ptr": f"*{w_dt}", "b_ptr": "*fp32", "d_ptr": "*fp32",
-                "y_ptr": "*fp32" if k_chunk else "*bf16", "offs_ptr": "*i32", "woff_ptr": "*i64"}
+                "y_ptr": "*fp32" if k_chunk else "*bf16", "offs_ptr": "*i32", "woff_ptr": "*i64", "t_ptr": "*fp32",
+                "lb_ptr": "*fp32", "lora_scale": "fp32"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _gemm_kernel.arg_names}
         _build_ir(_gemm_kernel, sig, consts)
+
+
+@compiled_only
+def test_topk_and_moe_sort_build_for_sm90():
+    """The DSA top-k's radix select (its 256-bin histograms) and the MoE counting sort's two kernels."""
+    from zmrl.kernels_batch_invariant.triton.dsa_indexer import TOPK_BLOCK, _topk_kernel
+    from zmrl.kernels_batch_invariant.triton.moe_router import (SORT_CHUNK, _moe_sort_count_kernel,
+                                                                _moe_sort_place_kernel)
+
+    _build_ir(_topk_kernel, {"scores_ptr": "*fp32", "qpos_ptr": "*i64", "out_ptr": "*i64", "width": "i32",
+                             "score_stride": "i32", "K": "i32", "BLOCK": "constexpr"}, {"BLOCK": TOPK_BLOCK})
+    for e_p in (64, 256):
+        ptrs = {"ids_ptr": "*i64", "counts_ptr": "*i32", "order_ptr": "*i64", "offsets_ptr": "*i32", "slot_ptr": "*i64"}
+        consts = dict(E_P=e_p, CHUNK=SORT_CHUNK)
+        _build_ir(_moe_sort_count_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
+                                           for n in _moe_sort_count_kernel.arg_names}, consts)
+        consts = dict(E=e_p - 3, E_P=e_p, C_P=32, CHUNK=SORT_CHUNK)
+        _build_ir(_moe_sort_place_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
+                                           for n in _moe_sort_place_kernel.arg_names}, consts)
 
 
 @compiled_only
