@@ -90,9 +90,13 @@ class LoraUp:
 
 def lora_delta(lora: LoraUp, linear_fn=None) -> torch.Tensor:
     """``lora``'s delta as an fp32 tensor [..., N] (the unfused composition that defines it); ``linear_fn``: a
-    backend's own ``linear`` (default the op)."""
-    d = (linear_fn or linear)(lora.t, lora.b, out_dtype=torch.float32)
+    backend's own ``linear`` (default the op). fp64 factors (gradchecks) give an fp64 delta."""
+    d = (linear_fn or linear)(lora.t, lora.b, out_dtype=_lora_dtype(lora))
     return d if lora.scale == 1.0 else lora.scale * d
+
+
+def _lora_dtype(lora: LoraUp) -> torch.dtype:
+    return torch.float64 if torch.float64 in (lora.t.dtype, lora.b.dtype) else torch.float32
 
 
 def resolve_delta(delta: torch.Tensor | None, lora: LoraUp | None, op: str) -> torch.Tensor | None:

@@ -129,7 +129,8 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
 def expert_lora_delta(lora: LoraUp, offsets: Sequence[int] | torch.Tensor, expert_linear_fn=None) -> torch.Tensor:
     """The experts' LoRA delta from its factors (the unfused composition that defines it): expert e's rows
     ``scale * t[rows] @ b[e]^T`` in fp32; ``expert_linear_fn``: a backend's own ``expert_linear`` (default the op)."""
-    d = (expert_linear_fn or expert_linear)(lora.t, lora.b, offsets, out_dtype=torch.float32)
+    acc = torch.float64 if torch.float64 in (lora.t.dtype, lora.b.dtype) else torch.float32  # fp64: gradchecks
+    d = (expert_linear_fn or expert_linear)(lora.t, lora.b, offsets, out_dtype=acc)
     return d if lora.scale == 1.0 else lora.scale * d
 
 

@@ -683,6 +683,36 @@ def test_lora_in_the_epilogue_equals_the_unfused_delta(device, interpret, k, r):
         torch.testing.assert_close(a, b_, rtol=0, atol=0)
 
 
+def test_lora_epilogue_at_training_rows(device, interpret, monkeypatch):
+    """At training sizes (>= LARGE_M rows per expert: the 256-row tiles the LoRA epilogue narrows to 128 rows)
+    every row is computed and equals the unfused delta path: a grid counted for the wider tile leaves rows
+    unwritten (found by the bench-shape GPU parity test: NaN in a 32K-token prefill). Under the interpreter
+    (whose dot holds a [BLOCK_M, BLOCK_K, BLOCK_N] product, at most 2^20 elements) the 16-bit products take a
+    256 x 128 tile with a 16-wide K step, so the narrowing happens there too."""
+    from zmrl.kernels_batch_invariant.triton import matmul as tmm
+    from zmrl.kernels_batch_invariant.triton.matmul import LARGE_M, GemmConfig
+    if interpret:
+        real = tmm.linear_config
+        monkeypatch.setattr(tmm, "linear_config", lambda n, k, dtype, m=1, experts=False: (
+            GemmConfig(256, 128, 16, 8, 3) if dtype == torch.bfloat16 and m >= LARGE_M
+            else GemmConfig(32, 32, 32, 4, 3) if dtype == torch.float32 else real(n, k, dtype, m, experts)))
+    g = torch.Generator().manual_seed(7)
+    k, r, n = 40, 32, 48
+    counts = [LARGE_M + 77, 0, 2 * LARGE_M + 1000]  # the mean rows per expert picks the tile: >= LARGE_M
+    off = _offsets(counts)
+    m = off[-1]
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    t = torch.randn(m, r, generator=g).to(device)
+    ws = torch.stack([(torch.randn(n, k, generator=g) / k**0.5) for _ in counts]).to(device, torch.bfloat16)
+    bs = torch.stack([torch.randn(n, r, generator=g) / r**0.5 for _ in counts]).to(device)
+    up = LoraUp(t, bs, 1.0)
+    fused = triton_impl(expert_linear)(x, ws, off, lora=up)
+    unfused = triton_impl(expert_linear)(x, ws, off, delta=expert_lora_delta(up, off, triton_impl(expert_linear)))
+    assert torch.isfinite(fused).all() and torch.equal(fused, unfused)
+    plain = LoraUp(t, bs[0], 1.0)
+    assert torch.equal(_lin(x, ws[0], lora=plain), _lin(x, ws[0], delta=lora_delta(plain, _lin)))
+
+
 def test_split_k_fp32_weights(device, interpret):
     """fp32 weights with K > SPLIT_K_CHUNK (LoRA A factors over the hidden state, MLA's o_proj input) sum K
     in fixed chunks: the result is fp32-accurate, independent of the batch, with or without bias, and the

@@ -599,6 +599,15 @@ class _SegmentLaunch:
 LORA_MAX_TILE = 128 * 128
 
 
+def lora_config(cfg: GemmConfig) -> GemmConfig:
+    """``cfg`` for a GEMM with the LoRA epilogue: tiles above LORA_MAX_TILE become 128 x 128 on 8 warps (the
+    epilogue's own fp32 accumulator doubles the tile's registers: a 256 x 128 tile would spill). Callers apply
+    it before they size the grid from the tile (expert mode counts its row tiles from BLOCK_M)."""
+    if cfg.block_m * cfg.block_n <= LORA_MAX_TILE:
+        return cfg
+    return GemmConfig(128, 128, cfg.block_k, 8, min(cfg.num_stages, 3))
+
+
 @dataclass(frozen=True)
 class _LoraLaunch:
     """``_launch``'s LoRA epilogue: t [M, r] fp32 (unit column stride), b [N, r] fp32 or the stacked [E, N, r]
@@ -641,8 +650,8 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         raise ValueError("triton GEMM: the LoRA epilogue takes one plain or expert product without a delta or "
                          "a split K (the callers compute such a delta unfused)")
     if lora is not None and cfg.block_m * cfg.block_n > LORA_MAX_TILE:
-        # the epilogue's own fp32 accumulator doubles the tile's registers: a 256 x 128 tile would spill
-        cfg = GemmConfig(128, 128, cfg.block_k, 8, min(cfg.num_stages, 3))
+        # the caller sized the grid (expert mode: its tile count) for cfg: it must pick the LoRA tile first
+        raise ValueError(f"triton GEMM: a {cfg} tile is larger than the LoRA epilogue's (lora_config)")
     _check_dtype(x3, "x")
     _check_dtype(w3, "weight")
     split_x, split_w = _split_x(x3.dtype, w3.dtype), _split_w(x3.dtype, w3.dtype)
@@ -753,6 +762,8 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         delta, lora = _ops.lora_delta(lora, linear_triton), None  # a split-K product: the delta unfused (same value)
     if m and n:
         cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
+        if lora is not None:
+            cfg = lora_config(cfg)
         bias = None if bias is None else bias.contiguous()  # the kernel reads it with unit stride
         _launch(x2.unsqueeze(0), weight.unsqueeze(0), bias, y.unsqueeze(0), cfg, m, n, k,
                 delta=_delta_rows(delta, m, n), lora=_lora_launch(lora, m, n, stacked=False))
@@ -1275,6 +1286,8 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
     # The config follows model dims and the bucket of the mean rows per expert (host shapes only), as
     # for linear: at batch 256 an expert sees ~32 of the 2048 routed rows, a decode-sized tile.
     cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), cdiv(m, e), experts=True)
+    if lora is not None:
+        cfg = lora_config(cfg)  # before the row tiles are counted from its BLOCK_M
     w3, woff, align = _expert_weight_table(weights, x.device)
     if dev is None:
         n_tiles = _expert_tiles(offsets, cfg.block_m)
