@@ -475,7 +475,7 @@ def op_profile(step: Callable[[], Any], cuda: bool, steps: int = 2) -> list[dict
     rows.pop(glue["op"])
     out = _per_step(rows, steps)
     glue["ms_per_step"] /= steps
-    glue["kernels"] //= steps
+    glue["kernels"] /= steps
     return out + [glue]
 
 
@@ -489,10 +489,12 @@ def _has_op_parent(e: Any) -> bool:
 
 
 def _per_step(rows: dict[str, dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """Per-step means (a label whose shapes change with the step's context, e.g. a growing key width, can
+    appear in fewer than every step: fractional calls)."""
     out = sorted(rows.values(), key=lambda r: -r["ms_per_step"])
     for r in out:
-        r["calls"] //= steps
-        r["kernels"] //= steps
+        r["calls"] /= steps
+        r["kernels"] /= steps
         r["ms_per_step"] /= steps
     return out
 
@@ -502,5 +504,5 @@ def print_op_profile(title: str, rows: list[dict[str, Any]], top: int = 40) -> N
     print(f"\n{title} (all kernels {total:.3f} ms per step)")
     shown = rows[:top] + ([rows[-1]] if len(rows) > top else [])
     print(table([{**r, "share": r["ms_per_step"] / total} for r in shown],
-                [("op", "op, arguments @ site", "s"), ("calls", "calls", "d"), ("kernels", "kernels", "d"),
+                [("op", "op, arguments @ site", "s"), ("calls", "calls", ".1f"), ("kernels", "kernels", ".1f"),
                  ("ms_per_step", "ms", ".3f"), ("share", "share", ".1%")]))

@@ -135,3 +135,14 @@ def test_rollout_profile_smoke(tmp_path):
     assert r["decode_steps_sampled_in_graph"] == r["decode_steps"]
     p = r["profile"]
     assert p["steps"] == 2 and p["aten_ops_per_step"] > 0 and p["top_host_ops"]
+
+
+def test_decode_op_census_smoke(tmp_path):
+    """``decode_throughput.py --op-census``: every invariant op a LoRA decode step calls gets a row (op, shapes,
+    calling layer) with its time; the expert GEMMs carry the LoRA factors into the epilogue (no delta tensor)."""
+    res = _run("decode_throughput.py", "--lora", "8", "--modes", "bitwise", out=tmp_path / "d.json")
+    rows = res["op_census"]["3"]
+    ops = {r["op"].split()[0] for r in rows}
+    assert {"linear", "expert_linear", "moe_sort", "moe_route", "mla_attention", "kda_chunk"} <= ops, ops
+    assert all(r["calls"] > 0 and r["ms_per_step"] >= 0 and "@" in r["op"] for r in rows)  # per-step means
+    assert any(r["op"].startswith("expert_linear") and "@model/moe.py" in r["op"] for r in rows)
