@@ -121,7 +121,7 @@ has final2 && step gpu_tests_moe_dispatch 60 env ZMRL_TEST_DEVICE=cuda $PY -m py
   tests/model/test_moe_dispatch.py
 # The fourth session's kernels: the LoRA epilogue (fused == unfused bits, gradients, row invariance), the radix
 # top-k, the MoE counting sort, with the layers that call them (project / Linear on the GPU) and the MoE dispatch.
-has final3 && step gpu_tests_final3 "${T_FINAL3:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+has final3 && step gpu_tests_final3 "${T_FINAL3:-220}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
   tests/kernels/triton/test_matmul.py::test_lora_in_the_epilogue_equals_the_unfused_delta \
   tests/kernels/triton/test_matmul.py::test_delta_in_the_epilogue_equals_the_sum \
   tests/kernels/triton/test_dsa_indexer.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_static_kv_len.py \
