@@ -37,7 +37,7 @@
 #   prefill / prefill_chunk  prefill_throughput.py in the default (recurrent) / the chunked KDA form;
 #   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
 #   final3        the LoRA epilogue, radix top-k and MoE sort GPU tests (this session's kernels);
-#   final2 / dsa  the top-k and MoE-sort kernels' GPU tests (with final's but test_matmul) / their benchmark;
+#   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
 # T_<STEP> their limits; DECODE_ARGS extra flags of decode_lora (e.g. --op-census 64,256); RECOMPUTE / KDA_TOKENS / TRAINER_ARGS the trainer benchmark's policies, KDA-layer sizes
@@ -111,18 +111,11 @@ has final && step gpu_tests_final "${T_FINAL:-240}" $PY -m pytest -p no:cachepro
   tests/kernels/triton/test_matmul.py tests/kernels/triton/test_mla_attention_bwd.py tests/kernels/triton/test_mla_attention_grads_gpu.py \
   tests/trainer/test_gradients_gpu.py
 
-# This session's integer kernels (radix-select top-k, counting-sort MoE dispatch) with the kernels of 'final'
-# that need no GEMM sweep, and the MoE dispatch of the model on the GPU.
-has final2 && step gpu_tests_final2 "${T_FINAL2:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
-  tests/kernels/triton/test_dsa_indexer.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_logprob_grads.py \
-  tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_mla_attention_bwd.py \
-  tests/kernels/triton/test_mla_attention_grads_gpu.py tests/trainer/test_gradients_gpu.py
-has final2 && step gpu_tests_moe_dispatch 60 env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider -q -rfEs \
-  tests/model/test_moe_dispatch.py
 # The fourth session's kernels: the LoRA epilogue (fused == unfused bits, gradients, row invariance), the radix
 # top-k, the MoE counting sort, with the layers that call them (project / Linear on the GPU) and the MoE dispatch.
 has final3 && step gpu_tests_final3 "${T_FINAL3:-220}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
   tests/kernels/triton/test_matmul.py::test_lora_in_the_epilogue_equals_the_unfused_delta \
+  tests/kernels/triton/test_matmul.py::test_lora_epilogue_at_training_rows \
   tests/kernels/triton/test_matmul.py::test_delta_in_the_epilogue_equals_the_sum \
   tests/kernels/triton/test_dsa_indexer.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_static_kv_len.py \
   tests/model/test_moe_dispatch.py tests/model/test_layers.py

@@ -22,7 +22,7 @@ invariance over batch size, row position, operand layout and thread count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -88,24 +88,29 @@ class LoraUp:
     scale: float = 1.0
 
 
-def lora_delta(lora: LoraUp, linear_fn=None) -> torch.Tensor:
-    """``lora``'s delta as an fp32 tensor [..., N] (the unfused composition that defines it); ``linear_fn``: a
-    backend's own ``linear`` (default the op). fp64 factors (gradchecks) give an fp64 delta."""
-    d = (linear_fn or linear)(lora.t, lora.b, out_dtype=_lora_dtype(lora))
+def lora_up_product(lora: LoraUp, product: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """``scale * product(t, b, *args, out_dtype=...)`` in fp32 (fp64 for fp64 factors: gradchecks), the
+    multiply skipped at scale 1: the composition that defines a LoraUp's delta, for ``linear`` and, with the
+    expert offsets as ``args``, ``expert_linear``."""
+    acc = torch.float64 if torch.float64 in (lora.t.dtype, lora.b.dtype) else torch.float32
+    d = product(lora.t, lora.b, *args, out_dtype=acc)
     return d if lora.scale == 1.0 else lora.scale * d
 
 
-def _lora_dtype(lora: LoraUp) -> torch.dtype:
-    return torch.float64 if torch.float64 in (lora.t.dtype, lora.b.dtype) else torch.float32
+def lora_delta(lora: LoraUp, linear_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """``lora``'s delta [..., N] (the unfused composition that defines it); ``linear_fn``: a backend's own
+    ``linear`` (default the op)."""
+    return lora_up_product(lora, linear_fn or linear)
 
 
-def resolve_delta(delta: torch.Tensor | None, lora: LoraUp | None, op: str) -> torch.Tensor | None:
-    """The one delta of a call given ``delta`` or ``lora`` (not both)."""
+def resolve_delta(delta: torch.Tensor | None, lora: LoraUp | None, op: str,
+                  delta_of: Callable[[LoraUp], torch.Tensor] = lora_delta) -> torch.Tensor | None:
+    """The one delta of a call given ``delta`` or ``lora`` (not both); ``delta_of`` computes a LoraUp's."""
     if lora is None:
         return delta
     if delta is not None:
         raise ValueError(f"{op}: pass delta or lora, not both")
-    return lora_delta(lora)
+    return delta_of(lora)
 
 
 @invariant_op

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ._dispatch import invariant_op
-from .matmul import LoraUp, check_delta, linear
+from .matmul import LoraUp, check_delta, linear, lora_up_product, resolve_delta
 from .moe_gemm_grads import ExpertLinearFn
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
@@ -105,10 +105,7 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
     ``lora`` (instead of ``delta``): the delta as its factors, t [M, r] and stacked b [E, N, r]:
     ``delta = expert_lora_delta(lora, offsets)``, which the Triton GEMM computes in its epilogue.
     """
-    if lora is not None:
-        if delta is not None:
-            raise ValueError("expert_linear: pass delta or lora, not both")
-        delta = expert_lora_delta(lora, offsets)
+    delta = resolve_delta(delta, lora, "expert_linear", lambda up: expert_lora_delta(up, offsets))
     offs = as_offsets(offsets)
     check_expert_args(x, weights, offs)
     out_dtype = out_dtype or x.dtype
@@ -129,9 +126,7 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
 def expert_lora_delta(lora: LoraUp, offsets: Sequence[int] | torch.Tensor, expert_linear_fn=None) -> torch.Tensor:
     """The experts' LoRA delta from its factors (the unfused composition that defines it): expert e's rows
     ``scale * t[rows] @ b[e]^T`` in fp32; ``expert_linear_fn``: a backend's own ``expert_linear`` (default the op)."""
-    acc = torch.float64 if torch.float64 in (lora.t.dtype, lora.b.dtype) else torch.float32  # fp64: gradchecks
-    d = (expert_linear_fn or expert_linear)(lora.t, lora.b, offsets, out_dtype=acc)
-    return d if lora.scale == 1.0 else lora.scale * d
+    return lora_up_product(lora, expert_linear_fn or expert_linear, offsets)
 
 
 def _per_expert_linear(x: torch.Tensor, weights: Weights, offs: list[int], out_dtype: torch.dtype) -> torch.Tensor:
@@ -160,10 +155,7 @@ def _expert_linear_fast(x: torch.Tensor, weights: Weights, offsets: Sequence[int
                         lora: LoraUp | None = None) -> torch.Tensor:
     """Stock kernels, not invariant: one ``torch._grouped_mm`` launch for stacked bf16 weights on CUDA
     (where this torch has it), else one cuBLAS/MKL ``F.linear`` per expert."""
-    if lora is not None:
-        if delta is not None:
-            raise ValueError("expert_linear: pass delta or lora, not both")
-        delta = expert_lora_delta(lora, offsets)
+    delta = resolve_delta(delta, lora, "expert_linear", lambda up: expert_lora_delta(up, offsets))
     if delta is not None:
         return (_expert_linear_fast(x, weights, offsets, torch.float32) + delta).to(out_dtype or x.dtype)
     dev = device_offsets(offsets, x)

@@ -36,7 +36,7 @@ class LoraAdapter(nn.Module):
     def up(self, t: torch.Tensor) -> torch.Tensor:
         """The delta from ``t = x @ lora_A^T`` (fp32): ``model.layers.project`` computes the A products
         of several adapters of one input in one GEMM and finishes each delta here."""
-        return scaled(self.scale, linear(t, self.lora_B, out_dtype=torch.float32))
+        return lora_delta(LoraUp(t, self.lora_B, self.scale))
 
     @staticmethod
     def up_concat(adapters: Sequence[nn.Module], t_all: torch.Tensor) -> torch.Tensor | None:
@@ -68,8 +68,8 @@ class ExpertLoRA(nn.Module):
         if proj not in self.projs:
             return None
         a = getattr(self, f"{proj}_lora_A")[expert]
-        b = getattr(self, f"{proj}_lora_B")[expert]
-        return scaled(self.scale, linear(linear(x, a, out_dtype=torch.float32), b, out_dtype=torch.float32))
+        return lora_delta(LoraUp(linear(x, a, out_dtype=torch.float32), getattr(self, f"{proj}_lora_B")[expert],
+                                 self.scale))
 
     def grouped_delta(self, proj: str, x: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor | None:
         """``delta`` of every expert at once for expert-sorted rows (rows ``offsets[e]:offsets[e+1]``

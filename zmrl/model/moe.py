@@ -164,11 +164,9 @@ class MoE(nn.Module):
 
         def proj(name: str, x: torch.Tensor) -> torch.Tensor:
             weights = [getattr(m, name).weight for m in self.experts]
-            up = None if lora is None else lora.grouped_factors(name, x, offsets)
-            if up is None:
-                return expert_linear(x, weights, offsets)
-            # fp32 base + the experts' fp32 LoRA delta, one rounding to x's dtype (the GEMM computes the
+            # with LoRA: fp32 base + the experts' fp32 delta, one rounding to x's dtype (the GEMM computes the
             # delta from its factors in its epilogue: the value of ``lora.grouped_delta``)
+            up = None if lora is None else lora.grouped_factors(name, x, offsets)
             return expert_linear(x, weights, offsets, lora=up)
 
         act = self.experts[0].glu(proj("gate_proj", hs), proj("up_proj", hs))

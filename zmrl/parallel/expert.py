@@ -37,8 +37,8 @@ class ExpertParallelMoE(MoE):
         if group_size(group) != self.ep:
             raise RuntimeError(f"MoE was sharded for ep={self.ep} but the current EP group has "
                                f"{group_size(group)} rank(s)")
-        E, per = self.num_experts_total, self.num_experts_total // self.ep
-        counts = list(counts) + [0] * (E - len(counts))  # bincount stops at the largest id routed to
+        per = self.num_experts_total // self.ep
+        # counts has one entry per routed expert (MoE.forward sorts over the router's rows, all of them)
         offsets = [0, *itertools.accumulate(counts)]
         hs = enter_region(hs, group)  # backward: every row's input gradient comes from its owner
         lo = self.expert_lo

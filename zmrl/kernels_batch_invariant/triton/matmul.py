@@ -842,9 +842,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Triton ``linear``: x [..., K] @ weight[N, K]^T (+ bias) (+ delta, fp32, or the LoRA delta from its
     factors, in the epilogue) -> [..., N] in out_dtype (default x.dtype)."""
     if lora is not None and (delta is not None or compute_in_fp64(x, weight, bias, lora.t, lora.b)):
-        if delta is not None:
-            raise ValueError("linear: pass delta or lora, not both")
-        delta, lora = _ops.lora_delta(lora, linear_triton), None  # fp64 (gradchecks)
+        # (raises with both; fp64 factors: gradchecks)
+        delta, lora = _ops.resolve_delta(delta, lora, "linear", lambda up: _ops.lora_delta(up, linear_triton)), None
     if compute_in_fp64(x, weight, bias, delta):
         return linear.impls["torch"](x, weight, bias, out_dtype, delta)  # gradchecks only
     out_dtype = out_dtype or x.dtype
@@ -854,7 +853,6 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _ops.check_delta(delta, (*x.shape[:-1], weight.shape[0]))
         delta = delta.float()
     if lora is not None:
-        _lora_launch(lora, math.prod(x.shape[:-1]), weight.shape[0], stacked=False)  # shapes, before autograd
         if _needs_grad(x, weight, bias, lora.t, lora.b):
             return _LinearFn.apply(x, weight, bias, out_dtype, None, lora.t, lora.b, float(lora.scale))
         return _linear_forward(x, weight, bias, out_dtype, None, lora)
@@ -1373,9 +1371,9 @@ def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequen
     on the host (capture-safe forward); host lists / other tensors take the same kernel. ``lora``: the
     experts' LoRA delta from its factors, in the epilogue."""
     if lora is not None and (delta is not None or compute_in_fp64(x, lora.t, lora.b)):
-        if delta is not None:
-            raise ValueError("expert_linear: pass delta or lora, not both")
-        delta, lora = _moe.expert_lora_delta(lora, offsets, expert_linear_triton), None  # fp64 (gradchecks)
+        # (raises with both; fp64 factors: gradchecks)
+        delta, lora = _ops.resolve_delta(delta, lora, "expert_linear",
+                                         lambda up: _moe.expert_lora_delta(up, offsets, expert_linear_triton)), None
     dev = _moe.device_offsets(offsets, x)
     offs: list[int] | torch.Tensor = dev if dev is not None else _moe.as_offsets(offsets)
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
@@ -1390,8 +1388,6 @@ def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequen
         _ops.check_delta(delta, (x.shape[0], n))
         delta = delta.float()
     lt, lb, ls = (None, None, 1.0) if lora is None else (lora.t, lora.b, float(lora.scale))
-    if lora is not None:
-        _lora_launch(lora, x.shape[0], n, stacked=True)  # shapes, before autograd
     if _needs_grad(x, delta, lt, lb, *ws):
         return _ExpertLinearFn.apply(x, offs, out_dtype, isinstance(weights, torch.Tensor), delta, lt, lb, ls, *ws)
     return _expert_forward(x, weights, offs, out_dtype, delta, lora)
