@@ -53,22 +53,23 @@ def _batched_gemm_operand(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.bmm(a, b)`` (a [B, m, k], b [B, k, n]) whose element i does not depend on B.
+    """``torch.bmm(a, b)`` (a [B, m, k], b [B, k, n]) whose element i does not depend on B nor on the
+    thread count.
 
     On CPU, ATen runs a product of at least 400 multiply-adds per element as MKL's batched GEMM when
     B > 1, but as a plain GEMM (sgemm/dgemm) when B == 1, and as one plain GEMM per element when an
-    operand's layout is neither row- nor column-major. Under MKL's strict CNR mode (the numerics
-    default) the plain GEMM rounds a one-row product (a matrix-vector shape) differently from the
-    batched one: e.g. the MLA scores [1, 80] @ keys^T [80, 64] with one head per virtual shard, where
-    a decode step of one sequence got other bits than the trainer. So operands get a layout the
-    batched path accepts, and a batch of one with one row or one column runs as a batch of two (the
-    same element twice, a zero-copy expand) to reach the batched GEMM as well. A batch of one with
-    m, n >= 2 keeps the plain GEMM: it gives the batched bits on every shape scanned, and doubling it
-    would halve the speed of every one-tile ``linear`` (docs/numerics.md has the scan and the cost)."""
+    operand's layout is neither row- nor column-major. The batched GEMM computes each element on one
+    thread, so its bits depend neither on B nor on the thread count. The plain GEMM does neither
+    reliably: under MKL's strict CNR mode it rounds a one-row product (e.g. the MLA scores [1, 80] @
+    keys^T [80, 64] of a one-sequence decode step) differently from the batched one, and on CPUs where
+    MKL ignores CNR (AMD) it splits the K reduction at 3 or more threads (a [16, 576] @ [576, 32]
+    tile: other bits at 3 and 4 threads than at 1 and 2). So operands get a layout the batched path
+    accepts, and a batch of one runs as a batch of two (the same element twice, a zero-copy expand):
+    twice the work of a one-tile product, the price of its bits not depending on the machine."""
     if a.device.type != "cpu":
         return torch.bmm(a, b)
     a, b = _batched_gemm_operand(a), _batched_gemm_operand(b)
-    if a.shape[0] == 1 and (a.shape[1] == 1 or b.shape[2] == 1):
+    if a.shape[0] == 1:
         return torch.bmm(a.expand(2, -1, -1), b.expand(2, -1, -1))[:1]
     return torch.bmm(a, b)
 
