@@ -36,7 +36,8 @@
 #                 decode shapes, then the Triton KDA and MLA tests (the KDA ones under both forms);
 #   prefill / prefill_chunk  prefill_throughput.py in the default (recurrent) / the chunked KDA form;
 #   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
-#   final3        the LoRA epilogue, radix top-k and MoE sort GPU tests (this session's kernels);
+#   final3        the LoRA epilogue (linear, expert_linear, linear_concat), rows read in place, radix top-k and
+#                 MoE sort GPU tests;
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -117,6 +118,9 @@ has final3 && step gpu_tests_final3 "${T_FINAL3:-220}" $PY -m pytest -p no:cache
   tests/kernels/triton/test_matmul.py::test_lora_in_the_epilogue_equals_the_unfused_delta \
   tests/kernels/triton/test_matmul.py::test_lora_epilogue_at_training_rows \
   tests/kernels/triton/test_matmul.py::test_delta_in_the_epilogue_equals_the_sum \
+  tests/kernels/triton/test_matmul.py::test_linear_concat_lora_in_the_epilogue \
+  tests/kernels/triton/test_matmul.py::test_linear_concat_lora_gradients \
+  tests/kernels/triton/test_matmul.py::test_column_block_rows_are_read_in_place \
   tests/kernels/triton/test_dsa_indexer.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_static_kv_len.py \
   tests/model/test_moe_dispatch.py tests/model/test_layers.py
 has dsa && step dsa_kernels "${T_DSA:-90}" $PY benchmarks/mla_dsa_kernels.py --dsa-only --out "$OUT/dsa_kernels.json"

@@ -146,3 +146,11 @@ def test_decode_op_census_smoke(tmp_path):
     assert {"linear", "expert_linear", "moe_sort", "moe_route", "mla_attention", "kda_chunk"} <= ops, ops
     assert all(r["calls"] > 0 and r["ms_per_step"] >= 0 and "@" in r["op"] for r in rows)  # per-step means
     assert any(r["op"].startswith("expert_linear") and "@model/moe.py" in r["op"] for r in rows)
+
+
+def test_cpu_gemm_threads_smoke(tmp_path):
+    """The batched GEMM every CPU product reaches gives a tile the same bits at 1, 2, 3, 4 and 8 threads (the
+    plain GEMM need not: on AMD it splits K at 3+ threads), and both timings are reported."""
+    res = _run("cpu_gemm_threads.py", out=tmp_path / "c.json")
+    assert res["scan"]["one_tile_shapes"] == 4 and res["scan"]["batched_gemm_differs"] == []
+    assert all(r["plain_us"] > 0 and r["batched_us"] > 0 for r in res["one_tile_linear"])

@@ -104,8 +104,31 @@ def lora_delta(lora: LoraUp, linear_fn: Callable[..., torch.Tensor] | None = Non
     return lora_up_product(lora, linear_fn or linear)
 
 
-def resolve_delta(delta: torch.Tensor | None, lora: LoraUp | None, op: str,
-                  delta_of: Callable[[LoraUp], torch.Tensor] = lora_delta) -> torch.Tensor | None:
+@dataclass(frozen=True)
+class LoraUpConcat:
+    """The up halves of several adapters of one input side by side, handed to ``linear_concat``: t [..., sum r_s]
+    fp32 (the adapters' A products side by side, rows as x's), bs (each adapter's ``lora_B`` [N_s, r_s] fp32, in
+    the order of the concatenated weights), one scale.
+
+    Its value is defined as ``linear_blockdiag(t, bs, out_dtype=fp32)`` times ``scale`` unless that is 1: column
+    block s is ``lora_delta(LoraUp(t_s, bs[s], scale))`` bitwise (the block-diagonal product's contract), so a
+    backend that fuses it into the GEMM gives each projection the bits ``linear(x, w_s, lora=...)`` gives it."""
+
+    t: torch.Tensor
+    bs: tuple[torch.Tensor, ...]
+    scale: float = 1.0
+
+
+def lora_concat_delta(lora: LoraUpConcat, blockdiag_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """``lora``'s delta [..., sum N_s] (the unfused composition that defines it); ``blockdiag_fn``: a backend's
+    own ``linear_blockdiag`` (default the op)."""
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in (lora.t, *lora.bs)) else torch.float32
+    d = (blockdiag_fn or linear_blockdiag)(lora.t, list(lora.bs), out_dtype=acc)
+    return d if lora.scale == 1.0 else lora.scale * d
+
+
+def resolve_delta(delta: torch.Tensor | None, lora: LoraUp | LoraUpConcat | None, op: str,
+                  delta_of: Callable[..., torch.Tensor] = lora_delta) -> torch.Tensor | None:
     """The one delta of a call given ``delta`` or ``lora`` (not both); ``delta_of`` computes a LoraUp's."""
     if lora is None:
         return delta
@@ -196,6 +219,7 @@ def linear_concat(
     weights: Sequence[torch.Tensor],
     out_dtype: torch.dtype | None = None,
     delta: torch.Tensor | None = None,
+    lora: LoraUpConcat | None = None,
 ) -> torch.Tensor:
     """Several projections of the same input at once: bitwise ``torch.cat([linear(x, w) for w in
     weights], -1)``.
@@ -206,9 +230,12 @@ def linear_concat(
     launch (one weight read per layer input instead of one launch per projection at decode).
     ``delta``: fp32 [..., sum N_i] (the LoRA deltas side by side), added before the one rounding as in
     ``linear``: column block i is bitwise ``linear(x, weights[i], out_dtype=out_dtype, delta=delta_i)``.
+    ``lora`` (instead of ``delta``): the deltas as their up factors, ``delta = lora_concat_delta(lora)``, which
+    the Triton GEMM computes in its epilogue (``project()``'s adapted projections of one input).
     """
     if not weights:
         raise ValueError("linear_concat: no weights")
+    delta = resolve_delta(delta, lora, "linear_concat", lora_concat_delta)
     widths = [w.shape[0] for w in weights]
     if delta is None:
         return torch.cat([linear(x, w, out_dtype=out_dtype) for w in weights], dim=-1)
@@ -227,7 +254,7 @@ def linear_blockdiag(
 
     x: [..., sum K_s]; weights: [N_s, K_s] each (one dtype); returns [..., sum N_s] in ``out_dtype``
     (default x.dtype). The LoRA use: the B factors of several adapters of one input applied to their
-    A products side by side (``LoraAdapter.up_concat``), which the Triton backend runs as one launch.
+    A products side by side (``lora_concat_delta``), which the Triton backend runs as one launch.
     """
     ks = check_blockdiag(x, weights)
     return torch.cat([linear(xs, w, out_dtype=out_dtype) for xs, w in zip(x.split(ks, dim=-1), weights)], dim=-1)
@@ -280,8 +307,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
 
 
 @linear_concat.register("fast")
-def _linear_concat_fast(x, weights, out_dtype=None, delta=None):
+def _linear_concat_fast(x, weights, out_dtype=None, delta=None, lora=None):
     """One cuBLAS ``linear`` per weight (the stock kernels fast mode measures against)."""
+    delta = resolve_delta(delta, lora, "linear_concat", lambda up: lora_concat_delta(up, _linear_blockdiag_fast))
     y = torch.cat([_linear_fast(x, w, None, None if delta is None else torch.float32) for w in weights], dim=-1)
     return y.to(out_dtype or x.dtype) if delta is None else (y + delta).to(out_dtype or x.dtype)
 

@@ -10,10 +10,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from zmrl.kernels_batch_invariant import linear, linear_blockdiag
-from zmrl.kernels_batch_invariant.matmul import LoraUp, lora_delta
+from zmrl.kernels_batch_invariant import linear
+from zmrl.kernels_batch_invariant.matmul import LoraUp, LoraUpConcat, lora_delta
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_lora_delta
-from zmrl.model.layers import scaled
 
 
 class LoraAdapter(nn.Module):
@@ -39,15 +38,16 @@ class LoraAdapter(nn.Module):
         return lora_delta(LoraUp(t, self.lora_B, self.scale))
 
     @staticmethod
-    def up_concat(adapters: Sequence[nn.Module], t_all: torch.Tensor) -> torch.Tensor | None:
-        """The deltas of several adapters of one input side by side, from their A products side by side
-        (``t_all`` [..., sum r], fp32): bitwise ``torch.cat([a.up(t_a) for ...], -1)`` with every B factor
-        in one launch (``linear_blockdiag``) and at most one scale multiply. None (the caller then
-        calls ``up`` per adapter) unless every adapter is a LoraAdapter and all share one scale."""
+    def factors_concat(adapters: Sequence[nn.Module], t_all: torch.Tensor) -> LoraUpConcat | None:
+        """The deltas of several adapters of one input side by side as their up factors, from their A products
+        side by side (``t_all`` [..., sum r], fp32): ``lora_concat_delta`` of it is bitwise
+        ``torch.cat([a.up(t_a) for ...], -1)``, and ``linear_concat(..., lora=)`` computes it in the GEMM's
+        epilogue. None (the caller then calls ``up`` per adapter) unless every adapter is a LoraAdapter and all
+        share one scale."""
         scale = getattr(adapters[0], "scale", None)
         if any(type(a) is not LoraAdapter or a.scale != scale for a in adapters):
             return None
-        return scaled(scale, linear_blockdiag(t_all, [a.lora_B for a in adapters], out_dtype=torch.float32))
+        return LoraUpConcat(t_all, tuple(a.lora_B for a in adapters), scale)
 
 
 class ExpertLoRA(nn.Module):

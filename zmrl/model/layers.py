@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from zmrl.kernels_batch_invariant import linear, linear_concat
+from zmrl.kernels_batch_invariant.matmul import LoraUpConcat, lora_concat_delta
 
 
 class Linear(nn.Module):
@@ -50,20 +51,20 @@ class Linear(nn.Module):
 
 def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     """``[lin(x) for lin in linears]`` bitwise, in few GEMM launches: at decode a layer input's
-    projections with LoRA adapters take three (all A factors in one ``linear_concat``, all B factors in
-    one ``linear_blockdiag``, all base weights in one ``linear_concat`` that adds the deltas in its
-    epilogue) instead of one to three per projection.
+    projections with LoRA adapters take two (all A factors in one ``linear_concat``, then all base
+    weights in one ``linear_concat`` that computes every adapter's B product in its epilogue) instead of
+    one to three per projection.
 
     Exactly ``Linear.forward``'s arithmetic: a projection without adapter is its base product rounded
     once to x.dtype (the fused GEMM's columns are the separate GEMMs' bits); with an adapter, the fp32
-    base plus the adapter's fp32 delta, rounded once (the ``delta`` of ``linear`` / ``linear_concat``).
-    An adapter joins the A fusion when it exposes ``lora_A`` [r, in] and ``up(t)`` (its delta from
-    ``t = x @ lora_A^T`` in fp32), and the B fusion when its class's ``up_concat`` accepts the group
-    (``LoraAdapter``s of one scale); any other adapter is called as ``adapter(x)``. Projections without
-    adapter get their own ``linear_concat`` without delta: a delta of +0.0 would turn a -0.0 result into
-    +0.0, so they stay out of the fused epilogue. Anything else (a bias, a subclass such as a
-    row-parallel piece) runs each projection on its own. The outputs are column views of one
-    [.., sum N] tensor per group (with adapters / without)."""
+    base plus the adapter's fp32 delta, rounded once (the ``lora`` / ``delta`` of ``linear`` /
+    ``linear_concat``). An adapter joins the A fusion when it exposes ``lora_A`` [r, in] and ``up(t)`` (its
+    delta from ``t = x @ lora_A^T`` in fp32), and the B fusion when its class's ``factors_concat`` accepts
+    the group (``LoraAdapter``s of one scale: a ``LoraUpConcat``); any other adapter is called as
+    ``adapter(x)``. Projections without adapter get their own ``linear_concat`` without delta: a delta of
+    +0.0 would turn a -0.0 result into +0.0, so they stay out of the fused epilogue. Anything else (a
+    bias, a subclass such as a row-parallel piece) runs each projection on its own. The outputs are
+    column views of one [.., sum N] tensor per group (with adapters / without)."""
     if len(linears) < 2 or any(type(lin) is not Linear or lin.bias is not None for lin in linears):
         return [lin(x) for lin in linears]
     weights = [lin.weight for lin in linears]
@@ -72,15 +73,16 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     if not adapted:
         return list(linear_concat(x, weights).split(widths, dim=-1))
     a_weights, a_widths = [weights[i] for i in adapted], [widths[i] for i in adapted]
-    pieces = _adapter_deltas(x, [linears[i].adapter for i in adapted], a_widths)
+    terms = _adapter_terms(x, [linears[i].adapter for i in adapted], a_widths)
     out: list[torch.Tensor | None] = [None] * len(linears)
-    if all(d.dtype == torch.float32 for d in pieces):
-        delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+    if isinstance(terms, LoraUpConcat):
+        outs = linear_concat(x, a_weights, out_dtype=x.dtype, lora=terms).split(a_widths, dim=-1)
+    elif all(d.dtype == torch.float32 for d in terms):
+        delta = terms[0] if len(terms) == 1 else torch.cat(terms, dim=-1)
         outs = linear_concat(x, a_weights, out_dtype=x.dtype, delta=delta).split(a_widths, dim=-1)
-    else:  # a delta of another dtype (one per adapter: up_concat's joint delta is fp32): the fp32 sum in
-        # torch, as Linear.forward does
+    else:  # a delta of another dtype (one per adapter): the fp32 sum in torch, as Linear.forward does
         base = linear_concat(x, a_weights, out_dtype=torch.float32).split(a_widths, dim=-1)
-        outs = [(y + d).to(x.dtype) for y, d in zip(base, pieces, strict=True)]
+        outs = [(y + d).to(x.dtype) for y, d in zip(base, terms, strict=True)]
     for i, y in zip(adapted, outs):
         out[i] = y
     plain = [i for i, lin in enumerate(linears) if lin.adapter is None]
@@ -90,20 +92,22 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     return out
 
 
-def _adapter_deltas(x: torch.Tensor, adapters: list[nn.Module], widths: list[int]) -> list[torch.Tensor]:
-    """The adapters' deltas of x: one tensor [.., sum widths] when every adapter is fusable and its class's
-    ``up_concat`` takes them all at once, else one per adapter (fused A products where possible)."""
+def _adapter_terms(x: torch.Tensor, adapters: list[nn.Module],
+                   widths: list[int]) -> LoraUpConcat | list[torch.Tensor]:
+    """The adapters' terms for x: one ``LoraUpConcat`` (their deltas as up factors, for the GEMM's epilogue)
+    when every adapter is fusable and its class's ``factors_concat`` takes them all at once, else one delta
+    per adapter (fused A products, and a fused B product for the group that fuses, where possible)."""
     fusable = [j for j, a in enumerate(adapters) if hasattr(a, "lora_A") and hasattr(a, "up")]
     pieces: list[torch.Tensor | None] = [None] * len(adapters)
     if fusable:
         group = [adapters[j] for j in fusable]
         t_all = linear_concat(x, [a.lora_A for a in group], out_dtype=torch.float32)
-        up_concat = getattr(type(group[0]), "up_concat", None)
-        joint = None if up_concat is None else up_concat(group, t_all)
+        factors_concat = getattr(type(group[0]), "factors_concat", None)
+        joint = None if factors_concat is None else factors_concat(group, t_all)
         if joint is not None and len(group) == len(adapters):
-            return [joint]
+            return joint
         if joint is not None:
-            ups = joint.split([widths[j] for j in fusable], dim=-1)
+            ups = lora_concat_delta(joint).split([widths[j] for j in fusable], dim=-1)
         else:
             ts = t_all.split([a.lora_A.shape[0] for a in group], dim=-1)
             ups = [a.up(t) for a, t in zip(group, ts)]

@@ -66,8 +66,8 @@ def test_gemm_kernel_builds_for_sm90(mode, dtypes):
     x_dt, w_dt = dtypes
     # a block-diagonal product never splits K (_launch refuses it)
     k_chunks = (0, 512) if split_w and mode != "blockdiag" else (0,)
-    # the LoRA epilogue: one plain or expert product without a delta or a split K (_launch)
-    loras = (False, True) if mode in ("plain", "experts") else (False,)
+    # the LoRA epilogue: one plain, expert or concatenated product without a delta or a split K (_launch)
+    loras = (False, True) if mode in ("plain", "experts", "segments") else (False,)
     for k_chunk, bias, delta, lora in itertools.product(k_chunks, (False, True), (False, True), loras):
         if lora and (delta or k_chunk):
             continue
@@ -78,7 +78,7 @@ def test_gemm_kernel_builds_for_sm90(mode, dtypes):
                       K_CHUNK=k_chunk, INTERPRET=False, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_E=64)
         ptrs = {"x_ptr": f"*{x_dt}", "w_ptr": f"*{w_dt}", "b_ptr": "*fp32", "d_ptr": "*fp32",
                 "y_ptr": "*fp32" if k_chunk else "*bf16", "offs_ptr": "*i32", "woff_ptr": "*i64", "t_ptr": "*fp32",
-                "lb_ptr": "*fp32", "lora_scale": "fp32"}
+                "lb_ptr": "*fp32", "lboff_ptr": "*i64", "lora_scale": "fp32"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _gemm_kernel.arg_names}
         _build_ir(_gemm_kernel, sig, consts)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
-from zmrl.kernels_batch_invariant.matmul import (LoraUp, bmm_fixed, grouped_linear, linear, linear_blockdiag, linear_concat,
-                                                 lora_delta)
+from zmrl.kernels_batch_invariant.matmul import (LoraUp, LoraUpConcat, bmm_fixed, grouped_linear, linear, linear_blockdiag,
+                                                 linear_concat, lora_concat_delta, lora_delta)
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref, expert_lora_delta
 from zmrl.kernels_batch_invariant.triton import triton_impl
 from tests.kernels.triton.gemm_launches import count_gemm_launches
@@ -380,6 +380,27 @@ def _assert_rows_invariant(fn, pool: torch.Tensor, sizes: list[int], seed: int, 
             pytest.fail(f"batch of {b}: row {bad} differs from the same row computed alone")
 
 
+def test_column_block_rows_are_read_in_place(device, interpret):
+    """A column block of wider rows (project()'s outputs feeding the next projection) reaches the GEMM without a
+    copy when its row stride and K are multiples of 16 and it starts 16-byte aligned (the kernel then sees what
+    contiguous rows would give it), and is copied otherwise; either way every row has the bits of the
+    contiguous rows' product, whatever the batch."""
+    from zmrl.kernels_batch_invariant.triton.matmul import _rows
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(40, 96, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(24, 32, generator=g) / 32**0.5).to(device, torch.bfloat16)
+    block = wide[:, 32:64]  # row stride 96, K 32, 64-byte offset
+    assert _rows(block, 32).data_ptr() == block.data_ptr(), "read in place"
+    assert _rows(wide[:, 4:36], 32).data_ptr() != wide[:, 4:36].data_ptr(), "8-byte offset: copied"
+    assert _rows(wide[:, :24], 24).is_contiguous(), "K not a multiple of 16: copied"
+    one = _rows(wide[3:4, 32:64], 32)
+    assert one.stride() == (32, 1) and one.data_ptr() == wide[3:4, 32:64].data_ptr(), "one row: contiguous strides"
+    alone = torch.stack([_lin(block[i:i + 1].contiguous(), w)[0] for i in range(40)])
+    assert torch.equal(_lin(block, w), alone)
+    _assert_rows_invariant(lambda r: _lin(torch.cat([r, r, r], dim=-1)[:, 32:64], w), block.contiguous(),
+                           [1, 2, 17] if interpret else GPU_MS, seed=4, unaligned=False)
+
+
 @pytest.mark.parametrize("dtype", _dtypes())
 def test_linear_row_invariance(device, interpret, dtype):
     # interpreter: few, small calls (each tile costs milliseconds there)
@@ -683,9 +704,101 @@ def test_lora_in_the_epilogue_equals_the_unfused_delta(device, interpret, k, r):
         torch.testing.assert_close(a, b_, rtol=0, atol=0)
 
 
+def _concat_lora_case(g, device, w_dtype, k, ns, rs, m, scale):
+    """Base weights [N_s, K] (views of one allocation: one segment table), x [m, K] bf16, t [m, sum r_s] and
+    B_s [N_s, r_s] fp32 (B as views of one allocation too when the ranks agree)."""
+    wide = (torch.randn(sum(ns), k, generator=g) / k**0.5).to(device, w_dtype)
+    ws = list(wide.split(list(ns)))
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    t = torch.randn(m, sum(rs), generator=g).to(device)
+    if len(set(rs)) == 1:
+        bs = (torch.randn(sum(ns), rs[0], generator=g) / rs[0]**0.5).to(device).split(list(ns))
+    else:
+        bs = tuple((torch.randn(n, r, generator=g) / r**0.5).to(device) for n, r in zip(ns, rs))
+    return x, ws, LoraUpConcat(t, tuple(bs), scale)
+
+
+@pytest.mark.parametrize("rs", [(32, 32, 32), (8, 8, 8), (32, 8, 32)])  # r = 8: zero-padded BLOCK_R; mixed: unfused
+def test_linear_concat_lora_in_the_epilogue(device, interpret, rs, monkeypatch):
+    """``linear_concat(..., lora=)`` (project()'s adapted projections: every B product in the base GEMM's
+    epilogue) is bitwise the ``delta`` path with the delta of its definition (``lora_concat_delta``: the
+    block-diagonal product of the B factors, then the scale), and column block s is bitwise Triton
+    ``linear(x, w_s, lora=LoraUp(t_s, B_s))`` — for bf16 and fp32 base weights, scale 1 and 2, segments that
+    are not tile multiples; one launch where the ranks agree; the rows do not depend on the batch."""
+    from zmrl.kernels_batch_invariant.triton.matmul import SPLIT_K_CHUNK
+    g = torch.Generator().manual_seed(sum(rs))
+    cat, bd = triton_impl(linear_concat), triton_impl(linear_blockdiag)
+    ns, m = (7, 16, 33), 19
+    cases = [(torch.bfloat16, 40, 1.0), (torch.float32, 40, 2.0), (torch.float32, SPLIT_K_CHUNK + 20, 1.0)]
+    if not interpret:
+        cases.append((torch.bfloat16, 2048, 2.0))
+    for w_dtype, k, scale in cases:
+        x, ws, up = _concat_lora_case(g, device, w_dtype, k, ns, rs, m, scale)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            launches = count_gemm_launches(monkeypatch)
+            fused = cat(x, ws, out_dtype=out_dtype, lora=up)
+            n_launches = len(launches)
+            monkeypatch.undo()
+            split_k = w_dtype == torch.float32 and k > SPLIT_K_CHUNK
+            if len(set(rs)) == 1 and not split_k:
+                assert n_launches == 1, "one launch: every B product in the epilogue"
+            unfused = cat(x, ws, out_dtype=out_dtype, delta=lora_concat_delta(up, bd))
+            assert torch.equal(fused, unfused), (w_dtype, k, scale, out_dtype)
+            ts = up.t.split(list(rs), dim=-1)
+            blocks = [_lin(x, w, out_dtype=out_dtype, lora=LoraUp(t, b, scale)) for w, t, b in zip(ws, ts, up.bs)]
+            assert torch.equal(fused, torch.cat(blocks, -1))
+    x, ws, up = _concat_lora_case(g, device, torch.bfloat16, 40, ns, rs, 17, 2.0)
+    _assert_rows_invariant(lambda rows: cat(rows[:, :40], ws, lora=LoraUpConcat(rows[:, 40:].float(), up.bs, 2.0)),
+                           torch.cat([x, up.t.to(torch.bfloat16)], dim=-1), [1, 2, 7, 17] if interpret else GPU_MS, seed=9)
+    # one projection: linear's own epilogue
+    one = LoraUpConcat(up.t[:, :rs[0]], up.bs[:1], 2.0)
+    assert torch.equal(cat(x, ws[:1], lora=one), _lin(x, ws[0], lora=LoraUp(one.t, one.bs[0], 2.0)))
+    with pytest.raises(ValueError, match="delta or lora"):
+        cat(x, ws, delta=lora_concat_delta(up, bd), lora=up)
+    with pytest.raises(ValueError, match="one B"):
+        cat(x, ws, lora=LoraUpConcat(up.t, up.bs[:2], 2.0))
+    # the torch backend computes the defining composition
+    xc, wc = x.cpu().float(), [w.cpu().float() for w in ws]
+    upc = LoraUpConcat(up.t.cpu(), tuple(b.cpu() for b in up.bs), 2.0)
+    assert torch.equal(linear_concat.impls["torch"](xc, wc, lora=upc),
+                       linear_concat.impls["torch"](xc, wc, delta=lora_concat_delta(upc, linear_blockdiag.impls["torch"])))
+
+
+@pytest.mark.parametrize("frozen", [False, True])  # trainable base weights (the dW GEMM) / frozen (LoRA training)
+def test_linear_concat_lora_gradients(device, interpret, frozen):
+    """The gradients of x, the base weights, t and every B of the fused ``linear_concat(..., lora=)`` match
+    float64 (fp32 GEMMs of <= 40 terms: a few ulps of the largest value, 1e-5 relative is ample) and are
+    bitwise the same on a second backward pass (run-to-run determinism)."""
+    g = torch.Generator().manual_seed(31)
+    cat = triton_impl(linear_concat)
+    ns, k, r, m = (8, 24, 5), 40, 8, 11
+    x, ws, up = _concat_lora_case(g, device, torch.float32, k, ns, (r,) * 3, m, 2.0)
+    x = x.float().requires_grad_()
+    ws = [w.clone().requires_grad_(not frozen) for w in ws]
+    t = up.t.clone().requires_grad_()
+    bs = [b.clone().requires_grad_() for b in up.bs]
+    wanted = [x, t, *bs, *([] if frozen else ws)]
+    gy = torch.randn(m, sum(ns), generator=g).to(device)
+
+    def grads():
+        y = cat(x, ws, out_dtype=torch.float32, lora=LoraUpConcat(t, tuple(bs), 2.0))
+        return torch.autograd.grad(y, wanted, gy)
+
+    got = grads()
+    assert all(torch.equal(a, b) for a, b in zip(got, grads())), "the backward is deterministic"
+    pd = [p.detach().double().requires_grad_() for p in wanted]
+    xd, td, bd = pd[0], pd[1], pd[2:5]
+    wd = pd[5:] if not frozen else [w.detach().double() for w in ws]
+    ys = [xd @ w.t() + 2.0 * ts @ b.t() for w, ts, b in zip(wd, td.split(r, dim=-1), bd)]
+    ref = torch.autograd.grad(torch.cat(ys, -1), pd, gy.double())
+    for a, want in zip(got, ref):
+        assert a.shape == want.shape
+        assert (a.double() - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
+
+
 def test_lora_epilogue_at_training_rows(device, interpret, monkeypatch):
-    """At training sizes (>= LARGE_M rows per expert: the 256-row tiles the LoRA epilogue narrows to 128 rows)
-    every row is computed and equals the unfused delta path: a grid counted for the wider tile leaves rows
+    """At training sizes (>= LARGE_M rows per expert, or rows of a linear / linear_concat: the 256-row tiles the
+    LoRA epilogue narrows to 128 rows) every row is computed and equals the unfused delta path: a grid counted for the wider tile leaves rows
     unwritten (found by the bench-shape GPU parity test: NaN in a 32K-token prefill). Under the interpreter
     (whose dot holds a [BLOCK_M, BLOCK_K, BLOCK_N] product, at most 2^20 elements) the 16-bit products take a
     256 x 128 tile with a 16-wide K step, so the narrowing happens there too."""
@@ -711,6 +824,12 @@ def test_lora_epilogue_at_training_rows(device, interpret, monkeypatch):
     assert torch.isfinite(fused).all() and torch.equal(fused, unfused)
     plain = LoraUp(t, bs[0], 1.0)
     assert torch.equal(_lin(x, ws[0], lora=plain), _lin(x, ws[0], delta=lora_delta(plain, _lin)))
+    # linear_concat: its column tiles are counted for the narrowed tile too
+    both = LoraUpConcat(torch.cat([t, t.flip(0)], dim=-1), (bs[0], bs[2]), 1.0)
+    fused = triton_impl(linear_concat)(x, [ws[0], ws[2]], lora=both)
+    unfused = triton_impl(linear_concat)(x, [ws[0], ws[2]],
+                                         delta=lora_concat_delta(both, triton_impl(linear_blockdiag)))
+    assert torch.isfinite(fused).all() and torch.equal(fused, unfused)
 
 
 def test_split_k_fp32_weights(device, interpret):

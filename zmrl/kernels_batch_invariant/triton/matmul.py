@@ -325,7 +325,7 @@ def expert_weight_offset(woff_ptr, expert, stride_wg, W_TABLE: tl.constexpr, W_A
 @triton.jit(do_not_specialize=["M", "M_TILES"])
 def _gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, d_ptr,
-    offs_ptr, woff_ptr, t_ptr, lb_ptr,
+    offs_ptr, woff_ptr, t_ptr, lb_ptr, lboff_ptr,
     M, M_TILES, N, K, N_EXPERTS,
     stride_xg, stride_xm, stride_xk,
     stride_wg, stride_wn, stride_wk,
@@ -348,7 +348,10 @@ def _gemm_kernel(
     stride) and lb [N, LORA_R] fp32 (expert e's at ``e * stride_lbg``; ``stride_lbn`` between rows, unit
     stride over r): the six split MMAs of the fp32 x fp32 product in the K loop's order, over the one K
     step the standalone product ``linear(t, lb)`` takes (r <= BLOCK_R; its zero-padded K columns add
-    exact zeros), so the added value is that product's, bit for bit.
+    exact zeros), so the added value is that product's, bit for bit. With SEGMENTS (``linear_concat`` with
+    ``LoraUpConcat``): segment s's B starts ``lboff_ptr[s]`` elements after ``lb_ptr`` and its t columns are
+    s * LORA_R.. of t's rows (every adapter of the group has rank LORA_R), so each segment adds the delta
+    ``linear(x, w_s, lora=...)`` adds.
 
     Plain/batched mode (EXPERTS=False): program (g * M_TILES + pid_m, pid_n) owns rows
     pid_m*BLOCK_M.. of batch element g (linear: one element; grouped_linear/bmm_fixed: G elements;
@@ -377,6 +380,7 @@ def _gemm_kernel(
         y_base = y_ptr
         d_base = d_ptr
         lb_base = lb_ptr + expert.to(tl.int64) * stride_lbg
+        t_base = t_ptr
     else:
         pid_g = (pid_0 // M_TILES).to(tl.int64)
         pid_m = pid_0 % M_TILES
@@ -387,6 +391,7 @@ def _gemm_kernel(
         y_base = y_ptr + pid_g * stride_yg
         d_base = d_ptr + pid_g * stride_yg
         lb_base = lb_ptr
+        t_base = t_ptr
 
     n_end = N
     tile_n = pid_n
@@ -415,6 +420,9 @@ def _gemm_kernel(
             xcol0 = tl.load(offs_ptr + N_EXPERTS + 1 + seg)
             k_end = tl.load(offs_ptr + N_EXPERTS + 2 + seg) - xcol0
             x_base += xcol0.to(tl.int64) * stride_xk
+        if HAS_LORA:
+            lb_base += tl.load(lboff_ptr + seg)
+            t_base += seg * LORA_R
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -475,7 +483,7 @@ def _gemm_kernel(
     if HAS_LORA:
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < LORA_R
-        t = tl.load(t_ptr + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :],
+        t = tl.load(t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :],
                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         lb = tl.load(lb_base + offs_r[:, None] + offs_n.to(tl.int64)[None, :] * stride_lbn,
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)
@@ -611,11 +619,18 @@ def lora_config(cfg: GemmConfig) -> GemmConfig:
 @dataclass(frozen=True)
 class _LoraLaunch:
     """``_launch``'s LoRA epilogue: t [M, r] fp32 (unit column stride), b [N, r] fp32 or the stacked [E, N, r]
-    (expert mode; unit stride over r), the scale."""
+    (expert mode; unit stride over r), the scale. Segment mode: t [M, S * r], b the lowest-address segment's B
+    [N_s, r] and ``b_table`` int64 [S], every segment's B offset from it in elements (``rank``: r)."""
 
     t: torch.Tensor
     b: torch.Tensor
     scale: float
+    b_table: torch.Tensor | None = None
+    rank: int = 0
+
+    @property
+    def r(self) -> int:
+        return self.rank or self.t.shape[1]
 
 
 def _lora_launch(lora: _ops.LoraUp | None, m: int, n: int, stacked: bool) -> _LoraLaunch | None:
@@ -643,12 +658,13 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     ``experts``: expert mode, with x3/y3 of G=1 and w3 the lowest-address expert weight as
     [1, N, K] (per-expert weights) or the stacked [E, N, K] weights.
     ``segments``: segment mode, G=1, w3 the lowest-address weight as [1, N_s, K], y3 [1, M, sum N_s].
-    ``lora``: the delta from its factors (the kernel's HAS_LORA; one element or expert mode, without
-    ``delta`` or a split K, whose epilogue is the partial sum's)."""
-    if lora is not None and (delta is not None or segments is not None or x3.shape[0] != 1
-                             or _k_chunk(x3.dtype, w3.dtype, k)):
-        raise ValueError("triton GEMM: the LoRA epilogue takes one plain or expert product without a delta or "
-                         "a split K (the callers compute such a delta unfused)")
+    ``lora``: the delta from its factors (the kernel's HAS_LORA; one element, expert or segment mode (with its
+    ``b_table``), without ``delta``, x blocks or a split K, whose epilogue is the partial sum's)."""
+    if lora is not None and (delta is not None or x3.shape[0] != 1 or _k_chunk(x3.dtype, w3.dtype, k)
+                             or (segments is not None) != (lora.b_table is not None)
+                             or (segments is not None and segments.x_blocks)):
+        raise ValueError("triton GEMM: the LoRA epilogue takes one plain, expert or concatenated product without "
+                         "a delta or a split K (the callers compute such a delta unfused)")
     if lora is not None and cfg.block_m * cfg.block_n > LORA_MAX_TILE:
         # the caller sized the grid (expert mode: its tile count) for cfg: it must pick the LoRA tile first
         raise ValueError(f"triton GEMM: a {cfg} tile is larger than the LoRA epilogue's (lora_config)")
@@ -701,10 +717,11 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         splits = cdiv(k, k_chunk)
         y3 = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
         grid = (*grid, splits)
-    lora_r = 0 if lora is None else lora.t.shape[1]
+    lora_r = 0 if lora is None else lora.r
     _gemm_kernel[grid](
         x3, w3, bias if bias is not None else x3, y3, delta if delta is not None and not k_chunk else y3, offs, woff,
         x3 if lora is None else lora.t, x3 if lora is None else lora.b,
+        offs if lora is None or lora.b_table is None else lora.b_table,
         m, m_tiles, n, k, n_experts,
         x3.stride(0), x3.stride(1), x3.stride(2),
         w3.stride(0), w3.stride(1), w3.stride(2),
@@ -734,16 +751,26 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """[..., K] -> contiguous, 16-byte aligned [M, K] rows.
+    """[..., K] -> 16-byte aligned [M, K] rows of unit column stride, in the layout of contiguous rows as the
+    compiler sees it.
 
-    Triton compiles a kernel variant per pointer alignment and per stride divisibility. Token rows
-    reach a linear from many storages (engine decode batches, packed trainer batches, views at odd
-    offsets); canonicalising them means every call with the same (N, K, dtypes) runs the one variant,
-    so row invariance never rests on the compiler emitting the same MMA sequence for two variants.
-    Free for the usual contiguous, aligned activations."""
+    Triton compiles a kernel variant per pointer alignment and per integer argument's divisibility by 16
+    (and equality to 1). Token rows reach a linear from many storages (engine decode batches, packed trainer
+    batches, views at odd offsets); canonicalising them means every call with the same (N, K, dtypes) runs
+    the one variant, so row invariance never rests on the compiler emitting the same MMA sequence for two
+    variants. Rows that are a column block of wider rows (``project()``'s outputs: a row stride S > K) are
+    read where they are when S and K are both multiples of 16 and the start is 16-byte aligned: every
+    integer the kernel is specialised on (the row stride, and the batch stride M * S) then has the
+    properties contiguous rows would give it, so it is the same compiled kernel, reading other addresses.
+    Anything else is copied (free for the usual contiguous, aligned activations)."""
     x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
+    s_row = x2.stride(0)
+    canonical = (x2.shape[0] <= 1 or s_row == k or (k % 16 == 0 and s_row % 16 == 0 and s_row >= k)) and (
+        k <= 1 or x2.stride(1) == 1)
+    if not canonical:
         x2 = x2.contiguous()
+    if x2.shape[0] == 1 and x2.stride(0) != k:
+        x2 = x2.as_strided((1, k), (k, 1))  # one row: any row stride is valid, give it contiguous rows' one
     if x2.data_ptr() % 16:
         x2 = x2.clone()  # fresh allocations are aligned
     return x2
@@ -863,12 +890,14 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 # ------------------------------------------------------------------------------- linear_concat
 def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: torch.dtype,
-                    delta: torch.Tensor | None = None, x_blocks: bool = False) -> torch.Tensor:
+                    delta: torch.Tensor | None = None, x_blocks: bool = False,
+                    lora: _ops.LoraUpConcat | None = None) -> torch.Tensor:
     """All segments in one launch. The config is ``linear``'s for the summed N (which program computes
     an element, never its bits: module doc), so each column equals Triton ``linear(x, w_s)``'s.
     ``x_blocks`` (``linear_blockdiag``): segment s reads x's s-th block of K_s columns instead of all
     of x; the config's BLOCK_K is a function of (dtypes, M bucket) only, as for every linear, so a
-    block's K loop is the one Triton ``linear(x_block, w_s)`` runs."""
+    block's K loop is the one Triton ``linear(x_block, w_s)`` runs. ``lora`` (checked by the caller:
+    ``_fusable_concat_lora``): every segment's LoRA delta in the epilogue."""
     lead, k = x.shape[:-1], x.shape[-1]
     ns = [w.shape[0] for w in weights]
     n = sum(ns)
@@ -879,14 +908,37 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
         w0 = weights[0]
         k_cfg = max(w.shape[1] for w in weights) if x_blocks else k
         cfg = linear_config(n, k_cfg, _config_dtype(x.dtype, w0.dtype), m)
+        launch_lora = None
+        if lora is not None:
+            cfg = lora_config(cfg)  # before the column tiles are counted from BLOCK_N
+            b_table = _weight_table(list(lora.bs), x.device, "lora_B")
+            t2 = lora.t.reshape(m, lora.t.shape[-1])
+            launch_lora = _LoraLaunch(t2 if t2.stride(-1) == 1 else t2.contiguous(), lora.bs[b_table.base_index],
+                                      float(lora.scale), b_table.table, lora.bs[0].shape[1])
         what = "linear_blockdiag" if x_blocks else "linear_concat"
         table = _weight_table(weights, x.device, what)
         cols = _column_offsets(tuple(ns), x.device, tuple(w.shape[1] for w in weights) if x_blocks else None)
         seg = _SegmentLaunch(cols, table.table, table.align, len(weights),
                              sum(cdiv(c, cfg.block_n) for c in ns), x_blocks)
         _launch(x2.unsqueeze(0), weights[table.base_index].unsqueeze(0), None, y.unsqueeze(0), cfg, m, n, k_cfg,
-                segments=seg, delta=_delta_rows(delta, m, n))
+                segments=seg, delta=_delta_rows(delta, m, n), lora=launch_lora)
     return y.reshape(*lead, n)
+
+
+def _fusable_concat_lora(x: torch.Tensor, ws: list[torch.Tensor], lora: _ops.LoraUpConcat) -> bool:
+    """Whether the segment-mode epilogue can add ``lora``'s deltas (shapes checked, ValueError otherwise): one
+    fp32 B per weight, all of one rank r and one layout, t fp32 [..., S * r], and a K the GEMM does not split
+    (a split-K product's epilogue is its partial sums')."""
+    t, bs = lora.t, list(lora.bs)
+    rs = [b.shape[-1] if b.dim() == 2 else -1 for b in bs]
+    if (len(bs) != len(ws) or any(b.dim() != 2 or b.shape[0] != w.shape[0] for b, w in zip(bs, ws))
+            or tuple(t.shape[:-1]) != tuple(x.shape[:-1]) or t.shape[-1] != sum(rs)):
+        raise ValueError(f"linear_concat: lora must hold one B [N_s, r_s] per weight and t [..., sum r_s] with x's "
+                         f"rows, got t {tuple(t.shape)} and B {[tuple(b.shape) for b in bs]} for weights "
+                         f"{[tuple(w.shape) for w in ws]}")
+    return (all(tt.dtype == torch.float32 for tt in (t, *bs)) and len(set(rs)) == 1
+            and all(b.stride() == bs[0].stride() and b.stride(-1) == 1 for b in bs)
+            and not _k_chunk(x.dtype, ws[0].dtype, x.shape[-1]))
 
 
 def _one_segment_table(ws: list[torch.Tensor]) -> bool:
@@ -921,11 +973,15 @@ def _column_offsets(ns: tuple[int, ...], device: torch.device, ks: tuple[int, ..
 class _LinearConcatFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, out_dtype: torch.dtype, delta: torch.Tensor | None,
-                *weights: torch.Tensor) -> torch.Tensor:
-        need_w = any(ctx.needs_input_grad[3:])
-        ctx.save_for_backward(x if need_w else None, *weights)
+                lora_t: torch.Tensor | None, lora_scale: float, n_weights: int, *tensors: torch.Tensor) -> torch.Tensor:
+        # tensors: the weights, then (with lora_t) one LoRA B per weight
+        weights, lora_bs = tensors[:n_weights], tensors[n_weights:]
+        need_w = any(ctx.needs_input_grad[6:6 + n_weights])
+        ctx.save_for_backward(x if need_w else None, lora_t, *weights, *lora_bs)
         ctx.x_meta = (x.shape, x.dtype)
-        return _concat_forward(x, list(weights), out_dtype, delta)
+        ctx.n_weights, ctx.lora_scale = n_weights, lora_scale
+        lora = None if lora_t is None else _ops.LoraUpConcat(lora_t, tuple(lora_bs), lora_scale)
+        return _concat_forward(x, list(weights), out_dtype, delta, lora=lora)
 
     @staticmethod
     @with_backward_matmuls
@@ -937,14 +993,15 @@ class _LinearConcatFn(torch.autograd.Function):
         # weights side by side when copying them costs less than the [M, K] result (the usual trainer
         # case: a K-loop over all segments with one fp32 accumulator, one rounding), else a chain of
         # addmm's into one buffer (no separate add kernels), segment by segment in order.
-        x, *weights = ctx.saved_tensors
+        x, lora_t, *tensors = ctx.saved_tensors
+        weights, lora_bs = tensors[:ctx.n_weights], tensors[ctx.n_weights:]
         x_shape, x_dtype = ctx.x_meta
         cdt = _dot_dtype(x_dtype, weights[0].dtype)
         k = x_shape[-1]
         widths = [w.shape[0] for w in weights]
         g2 = gy.reshape(-1, gy.shape[-1]).to(cdt)
         m = g2.shape[0]
-        need_w = list(ctx.needs_input_grad[3:])
+        need_w = list(ctx.needs_input_grad[6:6 + ctx.n_weights])
         dx = None
         if ctx.needs_input_grad[0]:
             if sum(widths) <= m or len(weights) == 1:
@@ -970,15 +1027,28 @@ class _LinearConcatFn(torch.autograd.Function):
                     c0 += w.shape[0]
         # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
         d_delta = gy.float() if ctx.needs_input_grad[2] else None
-        return (dx, None, d_delta, *dws)
+        dt, dbs = None, [None] * len(lora_bs)
+        need_b = list(ctx.needs_input_grad[6 + ctx.n_weights:])
+        if lora_t is not None and (ctx.needs_input_grad[3] or any(need_b)):
+            # segment s: scale * t_s @ B_s^T with the output gradient's column block s
+            g32 = gy.reshape(-1, gy.shape[-1]).float().split(widths, dim=-1)
+            ts = lora_t.reshape(-1, lora_t.shape[-1]).split([b.shape[1] for b in lora_bs], dim=-1)
+            parts = [lora_grads(g, t, b, ctx.lora_scale, ctx.needs_input_grad[3], need)
+                     for g, t, b, need in zip(g32, ts, lora_bs, need_b)]
+            if ctx.needs_input_grad[3]:
+                dt = torch.cat([p[0] for p in parts], dim=-1).reshape(lora_t.shape)
+            dbs = [p[1] for p in parts]
+        return (dx, None, d_delta, dt, None, None, *dws, *dbs)
 
 
 @linear_concat.register("triton")
 def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
-                         out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
+                         lora: _ops.LoraUpConcat | None = None) -> torch.Tensor:
     """Triton ``linear_concat``: one launch over every weight (segment mode of ``_gemm_kernel``);
     bitwise the concatenation of Triton ``linear`` per weight. ``delta`` (fp32 [..., sum N]) is added in
-    the epilogue: column block s is bitwise Triton ``linear(x, w_s, delta=delta_s)``."""
+    the epilogue: column block s is bitwise Triton ``linear(x, w_s, delta=delta_s)``; ``lora`` (the deltas
+    as their up factors) is computed there: column block s is bitwise Triton ``linear(x, w_s, lora=...)``."""
     ws = list(weights)
     if not ws:
         raise ValueError("linear_concat: no weights")
@@ -986,6 +1056,21 @@ def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
     for w in ws:
         if w.dim() != 2 or w.shape[1] != k:
             raise ValueError(f"linear_concat: x has {k} features but a weight is {tuple(w.shape)}")
+    if lora is not None:
+        if delta is not None:
+            raise ValueError("linear_concat: pass delta or lora, not both")
+        fp64 = compute_in_fp64(x, lora.t, *lora.bs, *ws)
+        fusable = _fusable_concat_lora(x, ws, lora)
+        if len(ws) == 1 and not fp64:
+            # one projection: linear's own epilogue (a one-block product is linear(t, B): the same delta)
+            return linear_triton(x, ws[0], None, out_dtype, lora=_ops.LoraUp(lora.t, lora.bs[0], lora.scale))
+        if fp64 or not _one_segment_table(ws) or not fusable:
+            delta, lora = _ops.lora_concat_delta(lora, None if fp64 else linear_blockdiag_triton), None
+        else:
+            out_dtype = out_dtype or x.dtype
+            if _needs_grad(x, lora.t, *lora.bs, *ws):
+                return _LinearConcatFn.apply(x, out_dtype, None, lora.t, float(lora.scale), len(ws), *ws, *lora.bs)
+            return _concat_forward(x, ws, out_dtype, lora=lora)
     if compute_in_fp64(x, delta, *ws):
         return linear_concat.impls["torch"](x, ws, out_dtype, delta)
     out_dtype = out_dtype or x.dtype
@@ -998,7 +1083,7 @@ def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
         parts = [None] * len(ws) if delta is None else delta.split(widths, dim=-1)
         return torch.cat([linear_triton(x, w, None, out_dtype, d) for w, d in zip(ws, parts)], dim=-1)
     if _needs_grad(x, delta, *ws):
-        return _LinearConcatFn.apply(x, out_dtype, delta, *ws)
+        return _LinearConcatFn.apply(x, out_dtype, delta, None, 1.0, len(ws), *ws)
     return _concat_forward(x, ws, out_dtype, delta)
 
 
