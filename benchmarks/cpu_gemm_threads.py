@@ -75,14 +75,11 @@ def scan(ks: tuple[int, ...] = SCAN_K, ns: tuple[int, ...] = SCAN_N) -> dict:
             "plain_gemm_differs": plain, "batched_gemm_differs": batched}
 
 
-def _best_us(fn, rounds: int, iters: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
-    return best
+def _mean_us(fn, iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters * 1e6
 
 
 def timings(rounds: int, threads: int, shapes: list[tuple[int, int]] = TIMED) -> list[dict]:
@@ -99,8 +96,8 @@ def timings(rounds: int, threads: int, shapes: list[tuple[int, int]] = TIMED) ->
         iters = max(5, int(2e5 / (k * n / 1e3)))
         best_plain = best_now = float("inf")
         for _ in range(rounds):  # alternated: machine load hits both alike
-            best_plain = min(best_plain, _best_us(plain, 1, iters))
-            best_now = min(best_now, _best_us(now, 1, iters))
+            best_plain = min(best_plain, _mean_us(plain, iters))
+            best_now = min(best_now, _mean_us(now, iters))
         rows.append({"k": k, "n": n, "threads": threads, "plain_us": round(best_plain, 1),
                      "batched_us": round(best_now, 1), "ratio": round(best_now / best_plain, 2)})
     return rows

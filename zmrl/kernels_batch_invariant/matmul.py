@@ -89,21 +89,6 @@ class LoraUp:
     scale: float = 1.0
 
 
-def lora_up_product(lora: LoraUp, product: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-    """``scale * product(t, b, *args, out_dtype=...)`` in fp32 (fp64 for fp64 factors: gradchecks), the
-    multiply skipped at scale 1: the composition that defines a LoraUp's delta, for ``linear`` and, with the
-    expert offsets as ``args``, ``expert_linear``."""
-    acc = torch.float64 if torch.float64 in (lora.t.dtype, lora.b.dtype) else torch.float32
-    d = product(lora.t, lora.b, *args, out_dtype=acc)
-    return d if lora.scale == 1.0 else lora.scale * d
-
-
-def lora_delta(lora: LoraUp, linear_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-    """``lora``'s delta [..., N] (the unfused composition that defines it); ``linear_fn``: a backend's own
-    ``linear`` (default the op)."""
-    return lora_up_product(lora, linear_fn or linear)
-
-
 @dataclass(frozen=True)
 class LoraUpConcat:
     """The up halves of several adapters of one input side by side, handed to ``linear_concat``: t [..., sum r_s]
@@ -119,12 +104,27 @@ class LoraUpConcat:
     scale: float = 1.0
 
 
+def lora_up_product(lora: LoraUp | LoraUpConcat, product: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """``scale * product(t, b, *args, out_dtype=...)`` in fp32 (fp64 for fp64 factors: gradchecks), the
+    multiply skipped at scale 1: the composition that defines a LoraUp's delta, for ``linear`` and, with the
+    expert offsets as ``args``, ``expert_linear``; and a LoraUpConcat's, with its Bs as the block-diagonal
+    product's weights."""
+    bs = list(lora.bs) if isinstance(lora, LoraUpConcat) else [lora.b]
+    acc = torch.float64 if any(f.dtype == torch.float64 for f in (lora.t, *bs)) else torch.float32
+    d = product(lora.t, bs if isinstance(lora, LoraUpConcat) else lora.b, *args, out_dtype=acc)
+    return d if lora.scale == 1.0 else lora.scale * d
+
+
+def lora_delta(lora: LoraUp, linear_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """``lora``'s delta [..., N] (the unfused composition that defines it); ``linear_fn``: a backend's own
+    ``linear`` (default the op)."""
+    return lora_up_product(lora, linear_fn or linear)
+
+
 def lora_concat_delta(lora: LoraUpConcat, blockdiag_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """``lora``'s delta [..., sum N_s] (the unfused composition that defines it); ``blockdiag_fn``: a backend's
     own ``linear_blockdiag`` (default the op)."""
-    acc = torch.float64 if any(t.dtype == torch.float64 for t in (lora.t, *lora.bs)) else torch.float32
-    d = (blockdiag_fn or linear_blockdiag)(lora.t, list(lora.bs), out_dtype=acc)
-    return d if lora.scale == 1.0 else lora.scale * d
+    return lora_up_product(lora, blockdiag_fn or linear_blockdiag)
 
 
 def resolve_delta(delta: torch.Tensor | None, lora: LoraUp | LoraUpConcat | None, op: str,

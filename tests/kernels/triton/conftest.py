@@ -25,7 +25,7 @@ def _row_invariant_interpreter_dot() -> None:
     real = interpreter.InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.is_floating() and a.dtype.primitive_bitwidth == 8:
+        if any(o.dtype.is_floating() and o.dtype.primitive_bitwidth == 8 for o in (a, b)):
             return real(self, a, b, d, input_precision, max_num_imprecise_acc)
         acc = d.data.dtype
         prod = (a.data.astype(acc)[..., :, :, None] * b.data.astype(acc)[..., None, :, :]).sum(axis=-2, dtype=acc)

@@ -620,17 +620,18 @@ def lora_config(cfg: GemmConfig) -> GemmConfig:
 class _LoraLaunch:
     """``_launch``'s LoRA epilogue: t [M, r] fp32 (unit column stride), b [N, r] fp32 or the stacked [E, N, r]
     (expert mode; unit stride over r), the scale. Segment mode: t [M, S * r], b the lowest-address segment's B
-    [N_s, r] and ``b_table`` int64 [S], every segment's B offset from it in elements (``rank``: r)."""
+    [N_s, r] and ``b_table`` int64 [S], every segment's B offset from it in elements."""
 
     t: torch.Tensor
     b: torch.Tensor
     scale: float
     b_table: torch.Tensor | None = None
-    rank: int = 0
 
-    @property
-    def r(self) -> int:
-        return self.rank or self.t.shape[1]
+
+def _lora_rows(t: torch.Tensor, m: int) -> torch.Tensor:
+    """A LoRA t as the kernel reads it: [M, width] rows with unit column stride."""
+    t2 = t.reshape(m, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def _lora_launch(lora: _ops.LoraUp | None, m: int, n: int, stacked: bool) -> _LoraLaunch | None:
@@ -643,10 +644,7 @@ def _lora_launch(lora: _ops.LoraUp | None, m: int, n: int, stacked: bool) -> _Lo
     if t.dtype != torch.float32 or b.dtype != torch.float32 or t.numel() != m * r or tuple(b.shape) != want:
         raise ValueError(f"lora: t must be fp32 [{m}, r] and b fp32 {list(want)}, got t {t.dtype} {tuple(t.shape)}, "
                          f"b {b.dtype} {tuple(b.shape)}")
-    t2 = t.reshape(m, r)
-    if t2.stride(-1) != 1:
-        t2 = t2.contiguous()
-    return _LoraLaunch(t2, b if b.stride(-1) == 1 else b.contiguous(), float(lora.scale))
+    return _LoraLaunch(_lora_rows(t, m), b if b.stride(-1) == 1 else b.contiguous(), float(lora.scale))
 
 
 def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: torch.Tensor, cfg: GemmConfig,
@@ -717,7 +715,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         splits = cdiv(k, k_chunk)
         y3 = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
         grid = (*grid, splits)
-    lora_r = 0 if lora is None else lora.r
+    lora_r = 0 if lora is None else lora.b.shape[-1]
     _gemm_kernel[grid](
         x3, w3, bias if bias is not None else x3, y3, delta if delta is not None and not k_chunk else y3, offs, woff,
         x3 if lora is None else lora.t, x3 if lora is None else lora.b,
@@ -912,9 +910,8 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
         if lora is not None:
             cfg = lora_config(cfg)  # before the column tiles are counted from BLOCK_N
             b_table = _weight_table(list(lora.bs), x.device, "lora_B")
-            t2 = lora.t.reshape(m, lora.t.shape[-1])
-            launch_lora = _LoraLaunch(t2 if t2.stride(-1) == 1 else t2.contiguous(), lora.bs[b_table.base_index],
-                                      float(lora.scale), b_table.table, lora.bs[0].shape[1])
+            launch_lora = _LoraLaunch(_lora_rows(lora.t, m), lora.bs[b_table.base_index], float(lora.scale),
+                                      b_table.table)
         what = "linear_blockdiag" if x_blocks else "linear_concat"
         table = _weight_table(weights, x.device, what)
         cols = _column_offsets(tuple(ns), x.device, tuple(w.shape[1] for w in weights) if x_blocks else None)
