@@ -55,6 +55,23 @@ def launch_config(dk: int, dv: int) -> dict[str, int]:
     return {"DKP": max(16, next_pow2(dk)), "BV": min(max(16, next_pow2(dv)), 32), "num_warps": 4}
 
 
+@triton.jit
+def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, tq, h, H, ks, vs, km, vm, live, want_q,
+              DK: tl.constexpr, DV: tl.constexpr):
+    """Row t's k, g, v, beta (and its query, row tq, if ``want_q``) in fp32, beta as a [DKP] vector of the one
+    value; zeros unless ``live``. The
+    conditions become full-shape masks (the interpreter refuses a scalar one)."""
+    lk = km & ((ks * 0 + live.to(tl.int32)) > 0)
+    lq = lk & ((ks * 0 + want_q.to(tl.int32)) > 0)
+    k_i = tl.load(k_ptr + (t * H + h) * DK + ks, mask=lk, other=0.0).to(tl.float32)
+    g_i = tl.load(g_ptr + (t * H + h) * DK + ks, mask=lk, other=0.0).to(tl.float32)
+    v_i = tl.load(v_ptr + (t * H + h) * DV + vs, mask=vm & ((vs * 0 + live.to(tl.int32)) > 0), other=0.0).to(tl.float32)
+    # beta_t in every lane of dk (one address: a broadcast load), as the k_i-shaped factor it multiplies
+    b_i = tl.load(beta_ptr + t * H + h + ks * 0, mask=lk, other=0.0).to(tl.float32)
+    q_i = tl.load(q_ptr + (tq * H + h) * DK + ks, mask=lq, other=0.0).to(tl.float32)
+    return k_i, g_i, v_i, b_i, q_i
+
+
 @triton.jit(do_not_specialize=["H"])
 def _kda_recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,  # rows [*, H, dk | dk | dv | dk], [*, H]; q addressed through QTOK0
@@ -92,19 +109,20 @@ def _kda_recurrent_kernel(
     st_row = H * DK * DV
     has_h0 = (tl.zeros([DKP, BV], tl.int64) + in_row) >= 0  # (a full-shape mask: the interpreter wants one)
     s = tl.load(h0_ptr + tl.maximum(in_row, 0) * st_row + st, mask=smask & has_h0, other=0.0)
+    # Row i's inputs are loaded during row i - 1 (software pipelining by hand): the loop is one dependent
+    # chain per token, and a global load's latency inside it was most of a token's time. Which values are
+    # loaded, and so the arithmetic, is the same either way.
+    k_i, g_i, v_i, b_i, q_i = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tok0, qtok0, h, H, ks, vs, km, vm,
+                                        n > 0, out0 <= 0, DK, DV)
     for i in range(0, n):
-        t = tok0 + i
-        k_i = tl.load(k_ptr + (t * H + h) * DK + ks, mask=km, other=0.0).to(tl.float32)
-        g_i = tl.load(g_ptr + (t * H + h) * DK + ks, mask=km, other=0.0).to(tl.float32)
-        v_i = tl.load(v_ptr + (t * H + h) * DV + vs, mask=vm, other=0.0).to(tl.float32)
-        b_i = tl.load(beta_ptr + t * H + h).to(tl.float32)
+        k_n, g_n, v_n, b_n, q_n = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tok0 + i + 1, qtok0 + i + 1, h, H,
+                                            ks, vs, km, vm, i + 1 < n, i + 1 >= out0, DK, DV)
         s = s * tl.exp(g_i)[:, None]
         pred = tl.sum(k_i[:, None] * s, axis=0)  # what the state recalls for k_i
         s = s + (b_i * k_i)[:, None] * (v_i - pred)[None, :]
         if i >= out0:
             tq = qtok0 + i
-            q_i = tl.load(q_ptr + (tq * H + h) * DK + ks, mask=km, other=0.0).to(tl.float32) * scale
-            o_i = tl.sum(q_i[:, None] * s, axis=0)
+            o_i = tl.sum((q_i * scale)[:, None] * s, axis=0)
             tl.store(o_ptr + (tq * H + h) * DV + vs, o_i.to(o_ptr.dtype.element_ty), mask=vm)
         if (pos0 + i + 1) % C == 0:
             if fin_row >= 0:
@@ -112,6 +130,7 @@ def _kda_recurrent_kernel(
             if cs_row >= 0:
                 tl.store(cs_ptr + cs_row * st_row + st, s, mask=smask)
                 cs_row += 1
+        k_i, g_i, v_i, b_i, q_i = k_n, g_n, v_n, b_n, q_n
     if run_row >= 0:
         tl.store(run_ptr + run_row * st_row + st, s, mask=smask)
 
@@ -132,7 +151,8 @@ def _launch(q, k, v, g, beta, o, h0, run, fin, cs, info: torch.Tensor, scale: fl
             raise ValueError("kda (recurrent): an output or state buffer is not 16-byte aligned")
     _kda_recurrent_kernel[(info.shape[0], h, cdiv(dv, cfg["BV"]))](
         q, k, v, g, beta, o, h0, run, fin, cs, info, scale, h,
-        DK=dk, DV=dv, DKP=cfg["DKP"], BV=cfg["BV"], C=CHUNK_SIZE, num_warps=cfg["num_warps"], num_stages=1)
+        DK=dk, DV=dv, DKP=cfg["DKP"], BV=cfg["BV"], C=CHUNK_SIZE, num_warps=cfg["num_warps"],
+        num_stages=1)
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,167 @@
+"""The recurrent-form KDA kernel (``triton/kda_recurrent.py``) under several launch configurations, against
+fla-core on the same shapes (H = 16, dk = dv = 128, bf16 v, fp32 q / k / g / beta).
+
+The launch configuration (BV value columns per program, warps per program) is shared numerics: it sets the
+layout of the kernel's two reductions over dk, so a configuration moves the bits of the trainer, the prefill
+and the decode step together. A configuration is therefore judged by
+
+* ``decode == packed``: sequences decoded token by token (``kda_decode_step``) give every output row
+  bitwise the packed forward's (``kda_chunk``) under that same configuration: the contract;
+* its error against the float64 recurrence (one 2,048-token sequence; the same inputs for every row);
+* the packed forward's time on one 32K / 8K sequence, 4 x 4096 (a 16K-token training micro-batch) and
+  16 x 1024 (RL-length sequences), and a decode step at batch 256.
+
+fla-core's ``chunk_kda`` and ``fused_recurrent_kda`` are timed on the same shapes once (``--no-fla`` skips them:
+they autotune for minutes on a fresh machine).
+
+    python benchmarks/kda_recurrent_configs.py [--configs 32x4,16x1,...] [--no-fla] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from _common import copy_bandwidth_tb_s, default_out, env, require_cuda, setup_logging, table, write_json
+from kda_decode_vs_fla import H, DK, DV, decode_matches_chunk, events_ms, inputs
+from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
+from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_chunk, kda_decode_step, kda_recurrent_ref
+from zmrl.kernels_batch_invariant.triton import kda_recurrent as kr
+from zmrl.kernels_batch_invariant.triton import triton_impl
+
+# (tokens per sequence, sequences) of the packed forward
+SHAPES = ((32768, 1), (8192, 1), (4096, 4), (1024, 16))
+DECODE_BATCH = 256
+DEFAULT_CONFIGS = "32x4,32x2,32x1,16x1,16x2,16x4,8x1,8x2,32x8,64x4"
+
+
+def parse_config(text: str) -> dict[str, int]:
+    bv, warps = (int(x) for x in text.split("x"))
+    return {"BV": bv, "num_warps": warps}
+
+
+def packed(t: int, n: int, dev: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    q, k, v, g, beta = inputs(t * n, dev, torch.Generator().manual_seed(seed))
+    cu = torch.arange(0, t * n + 1, t, dtype=torch.int32, device=dev)
+    return q, k, v, g, beta, cu
+
+
+def median_ms(fn: Callable[[], Any], reps: int, repeats: int = 3) -> float:
+    return statistics.median(events_ms(fn, reps) for _ in range(repeats))
+
+
+@functools.lru_cache(maxsize=1)
+def _float64_case(dev: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    x = packed(2048, 1, dev, seed=5)
+    ref, _ = kda_recurrent_ref(*(t.double() for t in x[:5]), DK**-0.5, None)
+    return x, ref
+
+
+def float64_error(dev: torch.device) -> float:
+    """max |o - o_ref| / max |o_ref| of the packed forward on one 2,048-token sequence, o_ref the float64
+    token recurrence on the same (rounded) inputs."""
+    x, ref = _float64_case(dev)
+    with torch.no_grad():
+        o = triton_impl(kda_chunk)(*x)[0].double()
+    return ((o - ref).abs().max() / ref.abs().max()).item()
+
+
+def decode_step_ms(dev: torch.device) -> float:
+    q, k, v, g, beta = inputs(DECODE_BATCH, dev, torch.Generator().manual_seed(3))
+    cache = KDADecodeCache.allocate(DECODE_BATCH, H, DK, DV, torch.bfloat16, torch.float32, dev)
+    cache.state.normal_(0, 0.1)
+    slots = torch.arange(DECODE_BATCH, device=dev)
+    positions = [torch.full((DECODE_BATCH,), i, device=dev) for i in range(CHUNK_SIZE)]
+    step = triton_impl(kda_decode_step)
+    it = iter(range(1 << 30))
+
+    def run() -> None:
+        with torch.no_grad():
+            step(q, k, v, g, beta, positions[next(it) % CHUNK_SIZE], slots, cache)
+
+    return median_ms(run, 4 * CHUNK_SIZE)
+
+
+def measure(dev: torch.device, data: dict[tuple[int, int], tuple[torch.Tensor, ...]]) -> dict[str, Any]:
+    fwd = triton_impl(kda_chunk)
+    row: dict[str, Any] = {"decode_equals_packed": decode_matches_chunk(dev), "fp64_rel_err": float64_error(dev)}
+    for (t, n), x in data.items():
+        with torch.no_grad():
+            fwd(*x)
+            torch.cuda.synchronize()
+            row[f"fwd_{n}x{t}_ms"] = median_ms(lambda: fwd(*x), 3)
+    row["decode_b256_ms"] = decode_step_ms(dev)
+    return row
+
+
+def fla_row(data: dict[tuple[int, int], tuple[torch.Tensor, ...]]) -> dict[str, Any]:
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    row: dict[str, Any] = {"config": "fla-core"}
+    for (t, n), (q, k, v, g, beta, cu) in data.items():
+        args = [a[None] for a in (q.bfloat16(), k.bfloat16(), v, g, beta.bfloat16())]
+        cpu_cu = cu.cpu()
+        with torch.no_grad():
+            row[f"chunk_{n}x{t}_ms"] = median_ms(
+                lambda: chunk_kda(*args, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cpu_cu), 3)
+            row[f"recurrent_{n}x{t}_ms"] = median_ms(
+                lambda: fused_recurrent_kda(*args, output_final_state=True, cu_seqlens=cu), 3)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated BVxWARPS launch configurations")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    setup_logging()
+    dev = require_cuda("kda_recurrent_configs.py")
+    bw = copy_bandwidth_tb_s(dev)
+    default = kr.launch_config
+    data = {(t, n): packed(t, n, dev) for t, n in SHAPES}
+    rows: list[dict[str, Any]] = []
+    with numerics_scope(current_numerics().replace(kda_form="recurrent")):
+        for text in a.configs.split(","):
+            over = parse_config(text)
+            kr.launch_config = lambda dk, dv, over=over: {**default(dk, dv), **over}
+            row: dict[str, Any] = {"config": text}
+            t0 = time.perf_counter()
+            try:
+                row.update(measure(dev, data))
+            except Exception as exc:  # a configuration that does not compile or run: keep the others
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                kr.launch_config = default
+            row["wall_s"] = time.perf_counter() - t0
+            print(row, flush=True)
+            rows.append(row)
+    state = H * DK * DV * 4
+    decode_bound_ms = DECODE_BATCH * (2 * state + H * (3 * DK * 4 + DV * 2 + 4)) / (bw * 1e12) * 1e3
+    cols = [("config", "BVxwarps", "s"), ("decode_equals_packed", "decode == packed", "s"),
+            ("fp64_rel_err", "err vs fp64", ".1e")]
+    cols += [(f"fwd_{n}x{t}_ms", f"{n}x{t} ms", ".2f") for t, n in SHAPES]
+    cols += [("decode_b256_ms", "decode b256 ms", ".3f")]
+    print(f"\nKDA recurrent form, H={H} dk={DK} dv={DV}; decode step bound at batch {DECODE_BATCH}: "
+          f"{decode_bound_ms:.3f} ms ({bw:.2f} TB/s)")
+    print(table(rows, cols))
+    out = a.out or default_out("kda_recurrent_configs")
+    result = {"benchmark": "kda_recurrent_configs", **env(), "copy_bandwidth_tb_s": bw, "shapes": SHAPES,
+              "decode_batch": DECODE_BATCH, "decode_bound_ms": decode_bound_ms, "rows": rows, "fla": None}
+    write_json(out, result)  # written before fla-core's baselines, which autotune for minutes on a fresh machine
+    if not a.no_fla:
+        try:
+            result["fla"] = fla_row(data)
+        except Exception as exc:  # fla-core missing or failing: keep zmrl's rows
+            result["fla"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(result["fla"], flush=True)
+        write_json(out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
