@@ -35,6 +35,7 @@ from zmrl.kernels_batch_invariant.triton import triton_impl
 
 # (tokens per sequence, sequences) of the packed forward
 SHAPES = ((32768, 1), (8192, 1), (4096, 4), (1024, 16))
+TRAIN_SHAPE = (4096, 4)
 DECODE_BATCH = 256
 DEFAULT_CONFIGS = "32x4,32x2,32x1,16x1,16x2,16x4,8x1,8x2,32x8,64x4"
 
@@ -110,6 +111,18 @@ def fla_row(data: dict[tuple[int, int], tuple[torch.Tensor, ...]]) -> dict[str, 
                 lambda: chunk_kda(*args, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cpu_cu), 3)
             row[f"recurrent_{n}x{t}_ms"] = median_ms(
                 lambda: fused_recurrent_kda(*args, output_final_state=True, cu_seqlens=cu), 3)
+    # forward + backward of chunk_kda on the training micro-batch's shape (what the trainer's KDA backward runs;
+    # this also leaves fla's backward autotuning in Triton's cache for later steps)
+    q, k, v, g, beta, cu = data[TRAIN_SHAPE]
+    leaves = [a[None].detach().requires_grad_() for a in (q.bfloat16(), k.bfloat16(), v, g, beta.bfloat16())]
+    cpu_cu = cu.cpu()
+
+    def fwd_bwd() -> None:
+        o = chunk_kda(*leaves, output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cpu_cu)[0]
+        o.backward(torch.ones_like(o))
+
+    n, t = TRAIN_SHAPE[1], TRAIN_SHAPE[0]
+    row[f"chunk_fwd_bwd_{n}x{t}_ms"] = median_ms(fwd_bwd, 3)
     return row
 
 
