@@ -31,7 +31,8 @@
 #   rl_full       the whole RL step at 64 prompts x 8 (rollout, fused parity forward, backward, optimizer, weight push);
 #   kda_sweep     kda_decode_vs_fla.py --sweep (launch and column-block configs) + the GPU KDA decode tests;
 #   rollout_rl_fine  the RL-shaped rollout with finer decode-graph batch buckets (GRAPH_SIZES);
-#   kda_rec       kda_recurrent_configs.py: the recurrent KDA kernel's launch configurations vs fla (KDA_REC_ARGS);
+#   kda_rec       kda_recurrent_configs.py: the recurrent KDA kernel's launch configurations vs fla (KDA_REC_ARGS;
+#                 KDA_PICK=1 runs the later steps under the configuration it picks);
 #   kda_tests     the Triton KDA GPU tests (decode step, chunk step, packed forward; both forms);
 #   kda_phases    kda_decode_phases.py: the KDA decode step with one intra-kernel phase cut out at a time;
 #   kda_forms     benchmarks/probes/kda_recurrent_probe.py: zmrl's two KDA forms vs fla on training, prefill and
@@ -106,6 +107,19 @@ $PY -c "import xdist" 2>/dev/null && XDIST="-n ${XDIST_WORKERS:-8}"
 
 STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+# The recurrent KDA kernel's launch configurations (shared numerics: decode == packed checked per configuration),
+# timed on training, prefill and decode shapes, with fla-core's kernels on the same shapes; then the KDA GPU tests.
+has kda_rec && step kda_recurrent_configs "${T_KDA_REC:-240}" $PY benchmarks/kda_recurrent_configs.py ${KDA_REC_ARGS:-} \
+  --best "$OUT/kda_best.txt" --out "$OUT/kda_recurrent_configs.json"
+# KDA_PICK=1: the steps after this one run under the configuration the sweep picked (a numerics field: the
+# engine and trainer sides of every test change together)
+if has kda_rec && [ "${KDA_PICK:-0}" = 1 ] && [ -s "$OUT/kda_best.txt" ]; then
+  export ZMRL_KDA_RECURRENT_LAUNCH=$(cat "$OUT/kda_best.txt")
+  echo "# ZMRL_KDA_RECURRENT_LAUNCH=$ZMRL_KDA_RECURRENT_LAUNCH for the steps after kda_rec" | tee -a "$SUMMARY"
+fi
+has kda_tests && step gpu_tests_kda "${T_KDA_TESTS:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+  tests/kernels/triton/test_kda_decode_step.py tests/kernels/triton/test_kda_chunk_step.py tests/kernels/triton/test_kda_chunk.py
 
 # The third session's kernels (MoE combine over sorted rows, GEMM epilogue delta, fused logit gradient) with
 # the MLA backward's aligned key counts and the whole-trainer gradients.
@@ -187,13 +201,6 @@ has kda_phases && step kda_decode_phases "${T_KDA_PHASES:-150}" $PY benchmarks/k
   --out "$OUT/kda_decode_phases.json"
 has kda_sweep && step gpu_tests_kda_decode "${T_KDA_DECODE_TESTS:-150}" $PYTEST tests/kernels/triton/test_kda_decode_step.py \
   tests/kernels/triton/test_kda_chunk_step.py
-
-# The recurrent KDA kernel's launch configurations (shared numerics: decode == packed checked per configuration),
-# timed on training, prefill and decode shapes, with fla-core's kernels on the same shapes; then the KDA GPU tests.
-has kda_rec && step kda_recurrent_configs "${T_KDA_REC:-240}" $PY benchmarks/kda_recurrent_configs.py ${KDA_REC_ARGS:-} \
-  --out "$OUT/kda_recurrent_configs.json"
-has kda_tests && step gpu_tests_kda "${T_KDA_TESTS:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
-  tests/kernels/triton/test_kda_decode_step.py tests/kernels/triton/test_kda_chunk_step.py tests/kernels/triton/test_kda_chunk.py
 
 has kda_forms && step kda_forms "${T_KDA_FORMS:-150}" env OUT="$OUT" $PY benchmarks/probes/kda_recurrent_probe.py
 has kda_forms && step gpu_tests_kda_mla "${T_KDA_MLA_TESTS:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \

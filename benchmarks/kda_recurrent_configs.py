@@ -1,9 +1,9 @@
 """The recurrent-form KDA kernel (``triton/kda_recurrent.py``) under several launch configurations, against
 fla-core on the same shapes (H = 16, dk = dv = 128, bf16 v, fp32 q / k / g / beta).
 
-The launch configuration (BV value columns per program, warps per program) is shared numerics: it sets the
-layout of the kernel's two reductions over dk, so a configuration moves the bits of the trainer, the prefill
-and the decode step together. A configuration is therefore judged by
+The launch configuration (the numerics field ``kda_recurrent_launch``: BV value columns per program x warps per
+program) is shared numerics: it sets the layout of the kernel's two reductions over dk, so a configuration
+moves the bits of the trainer, the prefill and the decode step together. A configuration is therefore judged by
 
 * ``decode == packed``: sequences decoded token by token (``kda_decode_step``) give every output row
   bitwise the packed forward's (``kda_chunk``) under that same configuration: the contract;
@@ -12,9 +12,10 @@ and the decode step together. A configuration is therefore judged by
   16 x 1024 (RL-length sequences), and a decode step at batch 256.
 
 fla-core's ``chunk_kda`` and ``fused_recurrent_kda`` are timed on the same shapes once (``--no-fla`` skips them:
-they autotune for minutes on a fresh machine).
+they autotune for minutes on a fresh machine). ``--best FILE`` writes the configuration ``pick`` chooses, for a
+script to run what follows under it (``ZMRL_KDA_RECURRENT_LAUNCH=$(cat FILE)``).
 
-    python benchmarks/kda_recurrent_configs.py [--configs 32x4,16x1,...] [--no-fla] [--out FILE]
+    python benchmarks/kda_recurrent_configs.py [--configs 32x4,16x1,...] [--no-fla] [--best FILE] [--out FILE]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import argparse
 import functools
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -29,20 +31,38 @@ import torch
 from _common import copy_bandwidth_tb_s, default_out, env, require_cuda, setup_logging, table, write_json
 from kda_decode_vs_fla import H, DK, DV, decode_matches_chunk, events_ms, inputs
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
+from zmrl.kernels_batch_invariant.numerics import KDA_RECURRENT_LAUNCHES
 from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, KDADecodeCache, kda_chunk, kda_decode_step, kda_recurrent_ref
-from zmrl.kernels_batch_invariant.triton import kda_recurrent as kr
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
 # (tokens per sequence, sequences) of the packed forward
 SHAPES = ((32768, 1), (8192, 1), (4096, 4), (1024, 16))
 TRAIN_SHAPE = (4096, 4)
 DECODE_BATCH = 256
-DEFAULT_CONFIGS = "32x4,32x2,32x1,16x1,16x2,16x4,8x1,8x2,32x8,64x4"
+# pick(): the time ratios to the reference configuration that are averaged (geometric mean), and how much slower
+# than the reference a decode step may get
+PICK_KEYS = ("fwd_1x32768_ms", "fwd_4x4096_ms", "fwd_16x1024_ms", "decode_b256_ms")
+PICK_DECODE_SLACK = 1.05
 
 
-def parse_config(text: str) -> dict[str, int]:
-    bv, warps = (int(x) for x in text.split("x"))
-    return {"BV": bv, "num_warps": warps}
+def pick(rows: list[dict[str, Any]], reference: str) -> str:
+    """The configuration with the lowest geometric mean of its PICK_KEYS times over the reference's, among those
+    whose decoded rows equal the packed forward's and whose decode step is at most PICK_DECODE_SLACK x the
+    reference's; the reference if none qualifies."""
+    ref = next(r for r in rows if r["config"] == reference)
+    if ref.get("error"):
+        return reference
+    best, best_score = reference, 1.0
+    for r in rows:
+        if r.get("error") or not r.get("decode_equals_packed") or \
+                r["decode_b256_ms"] > PICK_DECODE_SLACK * ref["decode_b256_ms"]:
+            continue
+        score = 1.0
+        for key in PICK_KEYS:
+            score *= (r[key] / ref[key]) ** (1 / len(PICK_KEYS))
+        if score < best_score:
+            best, best_score = r["config"], score
+    return best
 
 
 def packed(t: int, n: int, dev: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -128,31 +148,33 @@ def fla_row(data: dict[tuple[int, int], tuple[torch.Tensor, ...]]) -> dict[str, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated BVxWARPS launch configurations")
+    ap.add_argument("--configs", default=",".join(KDA_RECURRENT_LAUNCHES),
+                    help="comma-separated kda_recurrent_launch values (BVxWARPS); the first is the reference of --best")
+    ap.add_argument("--best", default=None, help="write the configuration pick() chooses to this file")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     setup_logging()
     dev = require_cuda("kda_recurrent_configs.py")
     bw = copy_bandwidth_tb_s(dev)
-    default = kr.launch_config
     data = {(t, n): packed(t, n, dev) for t, n in SHAPES}
     rows: list[dict[str, Any]] = []
-    with numerics_scope(current_numerics().replace(kda_form="recurrent")):
-        for text in a.configs.split(","):
-            over = parse_config(text)
-            kr.launch_config = lambda dk, dv, over=over: {**default(dk, dv), **over}
-            row: dict[str, Any] = {"config": text}
-            t0 = time.perf_counter()
-            try:
+    configs = a.configs.split(",")
+    for text in configs:
+        row: dict[str, Any] = {"config": text}
+        t0 = time.perf_counter()
+        try:
+            with numerics_scope(current_numerics().replace(kda_form="recurrent", kda_recurrent_launch=text)):
                 row.update(measure(dev, data))
-            except Exception as exc:  # a configuration that does not compile or run: keep the others
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            finally:
-                kr.launch_config = default
-            row["wall_s"] = time.perf_counter() - t0
-            print(row, flush=True)
-            rows.append(row)
+        except Exception as exc:  # a configuration that does not compile or run: keep the others
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        row["wall_s"] = time.perf_counter() - t0
+        print(row, flush=True)
+        rows.append(row)
+    best = pick(rows, configs[0])
+    print(f"picked: {best}", flush=True)
+    if a.best:
+        Path(a.best).write_text(best + "\n")
     state = H * DK * DV * 4
     decode_bound_ms = DECODE_BATCH * (2 * state + H * (3 * DK * 4 + DV * 2 + 4)) / (bw * 1e12) * 1e3
     cols = [("config", "BVxwarps", "s"), ("decode_equals_packed", "decode == packed", "s"),
@@ -164,7 +186,9 @@ def main() -> int:
     print(table(rows, cols))
     out = a.out or default_out("kda_recurrent_configs")
     result = {"benchmark": "kda_recurrent_configs", **env(), "copy_bandwidth_tb_s": bw, "shapes": SHAPES,
-              "decode_batch": DECODE_BATCH, "decode_bound_ms": decode_bound_ms, "rows": rows, "fla": None}
+              "decode_batch": DECODE_BATCH, "decode_bound_ms": decode_bound_ms, "rows": rows, "picked": best,
+              "pick_rule": {"keys": PICK_KEYS, "decode_slack": PICK_DECODE_SLACK, "reference": configs[0]},
+              "fla": None}
     write_json(out, result)  # written before fla-core's baselines, which autotune for minutes on a fresh machine
     if not a.no_fla:
         try:

@@ -35,7 +35,8 @@ def test_defaults_and_mkl_mode_set_at_import():
 
 
 @pytest.mark.parametrize("field,value", [("kernel_mode", "turbo"), ("kda_dot_precision", "fp16"),
-                                         ("kda_form", "parallel"), ("cpu_gemm_cnr", "AVX2"), ("cpu_threads", 0),
+                                         ("kda_form", "parallel"), ("kda_recurrent_launch", "64x3"),
+                                         ("cpu_gemm_cnr", "AVX2"), ("cpu_threads", 0),
                                          ("backward_matmul_precision", "fp16")])
 def test_bad_values_name_the_field(field: str, value: object):
     before = kbi.current_numerics()
@@ -76,14 +77,16 @@ def test_restoring_a_contract_does_not_reset_threads():
 
 def test_fingerprint_fields_and_digest():
     fp = kbi.fingerprint(kbi.Numerics())
-    assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "kda_form", "cpu_gemm_cnr", "torch", "triton",
-                              "cpu_vector_path", "cpu_vendor"}
+    assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "kda_form", "kda_recurrent_launch", "cpu_gemm_cnr",
+                              "torch", "triton", "cpu_vector_path", "cpu_vendor"}
     assert fp.fields["torch"] == torch.__version__ and len(fp.digest) == 12
     assert kbi.fingerprint(kbi.Numerics(cpu_threads=3)) == fp, "the thread count does not change bits"
     other = kbi.fingerprint(kbi.Numerics(kda_dot_precision="ieee"))
     assert other.digest != fp.digest and fp.differences(other) == ["kda_dot_precision"]
     other_form = "chunk" if kbi.Numerics().kda_form == "recurrent" else "recurrent"
     assert fp.differences(kbi.fingerprint(kbi.Numerics(kda_form=other_form))) == ["kda_form"]
+    other_launch = "8x1" if kbi.Numerics().kda_recurrent_launch != "8x1" else "32x4"
+    assert fp.differences(kbi.fingerprint(kbi.Numerics(kda_recurrent_launch=other_launch))) == ["kda_recurrent_launch"]
     with kbi.numerics_scope(kbi.Numerics(kernel_mode="fast")):
         assert kbi.fingerprint().fields["kernel_mode"] == "fast"
 

@@ -24,6 +24,11 @@ Fields:
   LoRA 29.5 -> 19.6 ms); "chunk" suits prefill-heavy work on long prompts (fla-core's token-recurrent
   kernel took ~4x the chunked form's time on one 32K-token sequence). benchmarks/results/2026-12-02_h200_summary.md
   has the numbers. ``kda_dot_precision`` applies to the chunked form only (the recurrent one has no dots).
+* ``kda_recurrent_launch``: the recurrent form's launch configuration, "BVxW": BV state columns per program
+  and W warps per program. It sets the layout the compiler gives the kernel's sums over dk, so it is shared
+  numerics like the fields above (prefill, decode and the trainer change together); a speed choice,
+  measured by benchmarks/kda_recurrent_configs.py. Default: ``$ZMRL_KDA_RECURRENT_LAUNCH`` if set when this
+  module is first imported, else "32x4".
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
   ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
   result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs
@@ -67,12 +72,15 @@ from ._dispatch import Mode
 KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)
 KDA_DOT_PRECISIONS: tuple[str, ...] = ("tf32x3", "ieee", "tf32")
 KDA_FORMS: tuple[str, ...] = ("chunk", "recurrent")
+# "BVxW": state columns per program x warps per program of the recurrent KDA kernel
+KDA_RECURRENT_LAUNCHES: tuple[str, ...] = ("32x4", "32x2", "32x8", "16x1", "16x2", "16x4", "8x1", "8x2")
 CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
 BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "bf16", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
 # Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
 _KDA_FORM_ENV = os.environ.get("ZMRL_KDA_FORM", "recurrent")
+_KDA_RECURRENT_LAUNCH_ENV = os.environ.get("ZMRL_KDA_RECURRENT_LAUNCH", "32x4")
 
 # MKL reads MKL_CBWR when it runs its first GEMM; set it now (before any zmrl op can run one) unless
 # the user chose a value. apply_numerics checks that MKL actually runs in the mode the contract asks for.
@@ -90,13 +98,14 @@ class Numerics:
     kernel_mode: str = "bitwise"
     kda_dot_precision: str = _KDA_DOT_PRECISION_ENV
     kda_form: str = _KDA_FORM_ENV
+    kda_recurrent_launch: str = _KDA_RECURRENT_LAUNCH_ENV
     cpu_gemm_cnr: str = _CPU_GEMM_CNR_ENV
     backward_matmul_precision: str = dataclasses.field(default="tf32", metadata={"bits": False})
     cpu_threads: int | None = dataclasses.field(default=None, metadata={"bits": False})
 
     def validate(self) -> "Numerics":
         for name, allowed in (("kernel_mode", KERNEL_MODES), ("kda_dot_precision", KDA_DOT_PRECISIONS),
-                              ("kda_form", KDA_FORMS),
+                              ("kda_form", KDA_FORMS), ("kda_recurrent_launch", KDA_RECURRENT_LAUNCHES),
                               ("cpu_gemm_cnr", CPU_GEMM_CNR_MODES),
                               ("backward_matmul_precision", BACKWARD_MATMUL_PRECISIONS)):
             value = getattr(self, name)
@@ -276,6 +285,12 @@ def kda_dot_precision() -> str:
 def kda_form() -> str:
     """The Triton KDA ops' form of the applied contract, "chunk" or "recurrent" (read at every call)."""
     return _current.kda_form
+
+
+def kda_recurrent_launch() -> tuple[int, int]:
+    """(state columns per program, warps per program) of the recurrent KDA kernel under the applied contract."""
+    bv, warps = _current.kda_recurrent_launch.split("x")
+    return int(bv), int(warps)
 
 
 @contextlib.contextmanager

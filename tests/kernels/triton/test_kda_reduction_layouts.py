@@ -88,6 +88,9 @@ def test_recurrent_kernel_report_builds():
     _skip_without_toolchain()
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the compiler, not the interpreter")
+    from zmrl.kernels_batch_invariant.triton.kda_recurrent import launch_config
+
     report = kernel_resources.recurrent_report()
     assert report.registers > 0 and report.stack_bytes == 0
-    assert [(r.op, r.axis, r.shape) for r in report.reductions] == [("reduce", 0, "128x32xf32")] * 2
+    bv = launch_config(128, 128)["BV"]
+    assert [(r.op, r.axis, r.shape) for r in report.reductions] == [("reduce", 0, f"128x{bv}xf32")] * 2

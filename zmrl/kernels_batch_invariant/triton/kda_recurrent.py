@@ -41,6 +41,7 @@ import triton.language as tl
 
 from ..kda import CHUNK_SIZE, KDADecodeCache
 from ..kda.chunk import packed_lengths
+from ..numerics import kda_recurrent_launch
 from ._common import cdiv, next_pow2
 
 # The run table: one row of INFO_COLS int32 per run, the columns of ``run_table`` in its order (see
@@ -49,10 +50,11 @@ INFO_COLS = 9
 
 
 def launch_config(dk: int, dv: int) -> dict[str, int]:
-    """From the head dims only: every caller must launch the same binary (the module docstring). A [dk, 32]
-    state block over 4 warps keeps the state in registers (32 fp32 per thread at dk = 128) and gives
-    N x H x dv / 32 programs."""
-    return {"DKP": max(16, next_pow2(dk)), "BV": min(max(16, next_pow2(dv)), 32), "num_warps": 4}
+    """From the head dims and the contract's ``kda_recurrent_launch`` (BV state columns x warps per program)
+    only: every caller must launch the same binary (the module docstring). The state block [dk, BV] lives in
+    registers; N x H x dv / BV programs."""
+    bv, warps = kda_recurrent_launch()
+    return {"DKP": max(16, next_pow2(dk)), "BV": min(bv, next_pow2(dv)), "num_warps": warps}
 
 
 @triton.jit
