@@ -206,7 +206,7 @@ has kda_forms && step kda_forms "${T_KDA_FORMS:-150}" env OUT="$OUT" $PY benchma
 has kda_forms && step gpu_tests_kda_mla "${T_KDA_MLA_TESTS:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
   tests/kernels/triton/test_kda_decode_step.py tests/kernels/triton/test_kda_chunk_step.py \
   tests/kernels/triton/test_kda_chunk.py tests/kernels/triton/test_mla_attention.py
-has prefill && step prefill "${T_PREFILL:-150}" $PY benchmarks/prefill_throughput.py --out "$OUT/prefill.json"
+has prefill && step prefill "${T_PREFILL:-150}" $PY benchmarks/prefill_throughput.py ${PREFILL_ARGS:-} --out "$OUT/prefill.json"
 has prefill_chunk && step prefill_chunk "${T_PREFILL:-150}" env ZMRL_KDA_FORM=chunk $PY benchmarks/prefill_throughput.py \
   --out "$OUT/prefill_chunk.json"
 
