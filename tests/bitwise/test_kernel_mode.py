@@ -95,6 +95,19 @@ def test_recipe_kda_form_reaches_the_runs_numerics():
         load_recipe(None, ["model.kda_form=parallel"])
 
 
+def test_recipe_kda_recurrent_launch_reaches_the_runs_numerics():
+    pytest.importorskip("verl")
+    from zmrl.rl.loop import run_numerics
+
+    default = load_recipe(None)
+    assert default.model.kda_recurrent_launch is None
+    assert run_numerics(default).kda_recurrent_launch == kbi.current_numerics().kda_recurrent_launch
+    for launch in ("8x1", "32x4"):
+        assert run_numerics(load_recipe(None, [f"model.kda_recurrent_launch={launch}"])).kda_recurrent_launch == launch
+    with pytest.raises(RecipeError, match="model.kda_recurrent_launch.*'64x3'"):
+        load_recipe(None, ["model.kda_recurrent_launch=64x3"])
+
+
 def test_recipe_file_documents_kernel_mode():
     pytest.importorskip("verl")
     from pathlib import Path

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 from zmrl.extras import require
 
-from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS, KDA_FORMS
+from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS, KDA_FORMS, KDA_RECURRENT_LAUNCHES
 from zmrl.model.recompute import RECOMPUTE_POLICIES
 
 
@@ -35,6 +35,10 @@ class ModelSection:
     # process's default ($ZMRL_KDA_FORM, else "recurrent"). The same on every process of the run; CPU runs
     # are unaffected (the CPU backend is chunked either way).
     kda_form: str | None = None
+    # The recurrent KDA kernel's launch configuration (Numerics.kda_recurrent_launch, "BVxW": state columns x
+    # warps per program; shared numerics, a speed choice); null keeps the process's default
+    # ($ZMRL_KDA_RECURRENT_LAUNCH, else zmrl's). The same on every process of the run.
+    kda_recurrent_launch: str | None = None
 
 
 @dataclass
@@ -374,6 +378,8 @@ def _validate(cfg: RecipeConfig) -> None:
          f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), got {m.kernel_mode!r}")
     need(m.kda_form is None or m.kda_form in KDA_FORMS, "model.kda_form",
          f"must be one of {', '.join(map(repr, KDA_FORMS))} or null, got {m.kda_form!r}")
+    need(m.kda_recurrent_launch is None or m.kda_recurrent_launch in KDA_RECURRENT_LAUNCHES, "model.kda_recurrent_launch",
+         f"must be one of {', '.join(map(repr, KDA_RECURRENT_LAUNCHES))} or null, got {m.kda_recurrent_launch!r}")
     need(m.path is None or str(m.path).strip() != "", "model.path",
          "is empty: give a checkpoint folder, or leave it unset (null) for the embedded default model")
     at_least("model.bootstrap_steps", m.bootstrap_steps, 1)

@@ -52,12 +52,13 @@ def _parity_metrics(report: ParityReport) -> dict[str, float]:
 
 
 def run_numerics(cfg: RecipeConfig) -> Numerics:
-    """The run's numerics contract: this process's, with what the recipe sets (kernel mode, KDA form, thread
-    count, backward GEMM precision)."""
+    """The run's numerics contract: this process's, with what the recipe sets (kernel mode, KDA form and recurrent
+    launch, thread count, backward GEMM precision)."""
     n = current_numerics()
     return n.replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=cfg.trainer.num_threads,
                      backward_matmul_precision=cfg.trainer.backward_matmul_precision,
-                     kda_form=cfg.model.kda_form or n.kda_form)
+                     kda_form=cfg.model.kda_form or n.kda_form,
+                     kda_recurrent_launch=cfg.model.kda_recurrent_launch or n.kda_recurrent_launch)
 
 
 class RLRunner:
