@@ -61,8 +61,7 @@ def launch_config(dk: int, dv: int) -> dict[str, int]:
 def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, tq, h, H, ks, vs, km, vm, live, want_q,
               DK: tl.constexpr, DV: tl.constexpr):
     """Row t's k, g, v, beta (and its query, row tq, if ``want_q``) in fp32, beta as a [DKP] vector of the one
-    value; zeros unless ``live``. The
-    conditions become full-shape masks (the interpreter refuses a scalar one)."""
+    value; zeros unless ``live``. The conditions become full-shape masks (the interpreter refuses a scalar one)."""
     lk = km & ((ks * 0 + live.to(tl.int32)) > 0)
     lq = lk & ((ks * 0 + want_q.to(tl.int32)) > 0)
     k_i = tl.load(k_ptr + (t * H + h) * DK + ks, mask=lk, other=0.0).to(tl.float32)
