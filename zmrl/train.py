@@ -35,21 +35,23 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return RecipeError, ClusterError, ResumeError, CheckpointError
 
 
-class TqdmLoggingHandler(logging.StreamHandler):
-    """Log records printed through ``tqdm.write``: a line never lands inside a progress bar."""
+class TqdmLoggingHandler(logging.Handler):
+    """Log records printed through ``tqdm.write`` to the current ``sys.stderr`` (looked up per record,
+    so a stream swapped out by a test harness or a notebook is never written after it is closed): a
+    line never lands inside a progress bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=self.stream)
+            tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # noqa: BLE001 -- logging must not raise
             self.handleError(record)
 
 
 def setup_logging(level: int = logging.INFO) -> None:
     """INFO lines to stderr through tqdm (bars stay intact); noisy libraries kept at WARNING."""
-    handler = TqdmLoggingHandler(sys.stderr)
+    handler = TqdmLoggingHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
