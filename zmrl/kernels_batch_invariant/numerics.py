@@ -28,7 +28,10 @@ Fields:
   and W warps per program. It sets the layout the compiler gives the kernel's sums over dk, so it is shared
   numerics like the fields above (prefill, decode and the trainer change together); a speed choice,
   measured by benchmarks/kda_recurrent_configs.py. Default: ``$ZMRL_KDA_RECURRENT_LAUNCH`` if set when this
-  module is first imported, else "32x4".
+  module is first imported, else "32x2": what kda_recurrent_configs.py picked on an H100 (the fastest packed forwards among the
+  configurations whose batch-256 decode step is as fast as the others'; 16x1 and 8x1 run training shapes
+  up to 10 % faster but decode 1.6-3x slower),
+  benchmarks/results/2026-12-05_kda_recurrent_configs_c9cab58_h100.json.
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
   ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
   result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs
@@ -73,14 +76,14 @@ KERNEL_MODES: tuple[str, ...] = typing.get_args(Mode)
 KDA_DOT_PRECISIONS: tuple[str, ...] = ("tf32x3", "ieee", "tf32")
 KDA_FORMS: tuple[str, ...] = ("chunk", "recurrent")
 # "BVxW": state columns per program x warps per program of the recurrent KDA kernel
-KDA_RECURRENT_LAUNCHES: tuple[str, ...] = ("32x4", "32x2", "32x8", "16x1", "16x2", "16x4", "8x1", "8x2")
+KDA_RECURRENT_LAUNCHES: tuple[str, ...] = ("32x2", "32x4", "32x8", "16x1", "16x2", "16x4", "8x1", "8x2")
 CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
 BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "bf16", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
 # Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
 _KDA_FORM_ENV = os.environ.get("ZMRL_KDA_FORM", "recurrent")
-_KDA_RECURRENT_LAUNCH_ENV = os.environ.get("ZMRL_KDA_RECURRENT_LAUNCH", "32x4")
+_KDA_RECURRENT_LAUNCH_ENV = os.environ.get("ZMRL_KDA_RECURRENT_LAUNCH", "32x2")
 
 # MKL reads MKL_CBWR when it runs its first GEMM; set it now (before any zmrl op can run one) unless
 # the user chose a value. apply_numerics checks that MKL actually runs in the mode the contract asks for.
