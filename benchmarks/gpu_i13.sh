@@ -41,6 +41,7 @@
 #   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
 #   final3        the LoRA epilogue (linear, expert_linear, linear_concat), rows read in place, radix top-k and
 #                 MoE sort GPU tests;
+#   mla_forms     mla_dsa_kernels.py --quick --sweep (the two MLA kernel forms x launch configurations) + the MLA tests;
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -139,6 +140,12 @@ has final3 && step gpu_tests_final3 "${T_FINAL3:-220}" $PY -m pytest -p no:cache
   tests/kernels/triton/test_matmul.py::test_column_block_rows_are_read_in_place \
   tests/kernels/triton/test_dsa_indexer.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_static_kv_len.py \
   tests/model/test_moe_dispatch.py tests/model/test_layers.py
+# mla_forms: both forms of the sparse MLA kernel (Numerics.mla_mma_rows) under each launch configuration at decode
+# 256 x 8K and a 4096-token prefill, then the MLA GPU tests (each under both forms).
+has mla_forms && step mla_forms "${T_MLA_FORMS:-120}" $PY benchmarks/mla_dsa_kernels.py --quick --sweep \
+  --out "$OUT/mla_forms.json"
+has mla_forms && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+  tests/kernels/triton/test_mla_attention.py
 has dsa && step dsa_kernels "${T_DSA:-90}" $PY benchmarks/mla_dsa_kernels.py --dsa-only --out "$OUT/dsa_kernels.json"
 
 has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py

@@ -47,6 +47,7 @@ class KernelReport:
     registers: int
     stack_bytes: int  # the per-thread stack frame: register spills and local arrays
     shared_bytes: int
+    mma: str  # the matrix-multiply instructions of the build: "wgmma" (Hopper's warpgroup MMA), "mma.sync", or "none"
     reductions: list[Reduction]
 
 
@@ -128,7 +129,7 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
 
 
 def build(name: str, fn, pointer_types: dict[str, str], scalar_types: dict[str, str], constexprs: dict[str, object],
-          num_warps: int, maxnreg: int | None = None) -> KernelReport:
+          num_warps: int, maxnreg: int | None = None, num_stages: int = 1) -> KernelReport:
     """Compile ``fn`` for sm_90 (no device needed) and report its resources and reductions."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -144,10 +145,18 @@ def build(name: str, fn, pointer_types: dict[str, str], scalar_types: dict[str, 
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if signature[a].startswith("*")}
     src = ASTSource(fn=fn, signature={a: signature[a] for a in fn.arg_names}, constexprs=constexprs, attrs=aligned)
     compiled = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32),
-                              options={"num_warps": num_warps, "num_stages": 1,
+                              options={"num_warps": num_warps, "num_stages": num_stages,
                                        **({} if maxnreg is None else {"maxnreg": maxnreg})})
     regs, stack, shared = _resource_usage(compiled.asm["cubin"])
-    return KernelReport(name, num_warps, maxnreg, regs, stack, shared, reductions(compiled.asm["ttgir"]))
+    return KernelReport(name, num_warps, maxnreg, regs, stack, shared, mma_kind(compiled.asm["ptx"]),
+                        reductions(compiled.asm["ttgir"]))
+
+
+def mma_kind(ptx: str) -> str:
+    """Which MMA instructions a kernel's PTX issues (the warpgroup form wins when both appear)."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    return "mma.sync" if re.search(r"\bmma\.sync\b", ptx) else "none"
 
 
 def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None = None,
@@ -192,9 +201,10 @@ def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None
 
 
 def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | None = None,
-               num_warps: int | None = None) -> KernelReport:
+               num_warps: int | None = None, mma_rows: str = "heads") -> KernelReport:
     """The sparse MLA split kernel (bf16 latent cache, split keys) at ``kernel_config``'s launch for the head
-    count and latent dims (bench preset by default), or with ``block_h`` / ``num_warps`` replaced."""
+    count and latent dims (bench preset by default), or with ``block_h`` / ``num_warps`` replaced; ``mma_rows``
+    picks its form (Numerics.mla_mma_rows)."""
     from zmrl.kernels_batch_invariant.mla_attention import KEY_BLOCK
     from zmrl.kernels_batch_invariant.triton import mla_attention as M
 
@@ -207,8 +217,9 @@ def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | 
                "num_splits": "i32"}
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, 1 << (dr - 1).bit_length()),
                   BLOCK_H=bh, BLOCK_N=KEY_BLOCK, SPLIT=M.SPLIT_KEYS, DENSE=False, DIRECT=False, SPLIT_BF16=True)
-    return build(f"mla_split (H={num_heads}, BLOCK_H={bh})", M._mla_split_kernel, ptrs, scalars, consts,
-                 cfg.num_warps if num_warps is None else num_warps)
+    kernel = M._mla_split_kernel if mma_rows == "heads" else M._mla_split_kernel_keys_rows
+    return build(f"mla_split (H={num_heads}, BLOCK_H={bh}, {mma_rows} on the MMA rows)", kernel, ptrs, scalars, consts,
+                 cfg.num_warps if num_warps is None else num_warps, num_stages=cfg.num_stages)
 
 
 def recurrent_report(dk: int = 128, dv: int = 128, v_dtype: str = "bf16") -> KernelReport:
@@ -226,7 +237,7 @@ def recurrent_report(dk: int = 128, dv: int = 128, v_dtype: str = "bf16") -> Ker
                  dict(DK=dk, DV=dv, DKP=cfg["DKP"], BV=cfg["BV"], C=CHUNK_SIZE), cfg["num_warps"])
 
 
-KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla", "recurrent")
+KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla", "mla_keys", "recurrent")
 
 
 def main() -> int:
@@ -248,16 +259,19 @@ def main() -> int:
         import triton
     except ImportError:
         raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
-    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in ("mla", "recurrent")], a.decode_maxnreg)
+    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in ("mla", "mla_keys", "recurrent")],
+                          a.decode_maxnreg)
     if "recurrent" in kernels:
         reports.append(recurrent_report(a.dk, a.dv))
     if "mla" in kernels:
         reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps))
+    if "mla_keys" in kernels:
+        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, mma_rows="keys"))
     print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")
     for r in reports:
         cap = "" if r.maxnreg is None else f" (cap {r.maxnreg})"
         print(f"{r.name}: {r.num_warps} warps, {r.registers} registers/thread{cap}, {r.stack_bytes} B stack "
-              f"(spills), {r.shared_bytes} B static shared")
+              f"(spills), {r.shared_bytes} B static shared, MMA {r.mma}")
         for red in r.reductions:
             print(f"    {red.op:6s} axis {red.axis} {red.shape:12s} {red.layout}")
     if a.out:

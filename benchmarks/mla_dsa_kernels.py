@@ -11,6 +11,7 @@ output equals the row computed alone (a cheap invariance spot check on the first
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -25,10 +26,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from zmrl.kernels_batch_invariant import kernel_mode  # noqa: E402
+from zmrl.kernels_batch_invariant import current_numerics, kernel_mode, numerics_scope  # noqa: E402
 from zmrl.kernels_batch_invariant.dsa_indexer import dsa_index_scores, dsa_topk  # noqa: E402
 from zmrl.kernels_batch_invariant.fp8 import quantize_fp8  # noqa: E402
 from zmrl.kernels_batch_invariant.mla_attention import mla_attention, mla_attention_dense  # noqa: E402
+from zmrl.kernels_batch_invariant.numerics import MLA_MMA_ROWS  # noqa: E402
 from zmrl.kernels_batch_invariant.triton import triton_impl  # noqa: E402
 
 log = logging.getLogger("mla_dsa_kernels")
@@ -162,11 +164,15 @@ def dsa_rows(device: torch.device, smoke: bool, quick: bool, bandwidth_tb_s: flo
     return rows
 
 
-SWEEP_MLA = ((16, 8, 1), (16, 4, 1), (16, 8, 2), (32, 8, 1), (32, 8, 2), (64, 8, 1), (64, 8, 2), (64, 4, 1))
+SWEEP_MLA = ((16, 8, 1), (16, 4, 1), (16, 8, 2), (32, 8, 1), (32, 8, 2), (32, 8, 3), (32, 4, 2), (64, 8, 1),
+             (64, 8, 2), (64, 4, 1))
 
 
-def mla_sweep_rows(device: torch.device, smoke: bool) -> list[dict[str, Any]]:
-    """The sparse kernel under each (BLOCK_H, num_warps, num_stages) of SWEEP_MLA."""
+def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
+                   mma_rows: tuple[str, ...] = MLA_MMA_ROWS) -> list[dict[str, Any]]:
+    """The sparse kernel in each form (Numerics.mla_mma_rows) under each (BLOCK_H, num_warps, num_stages) of
+    SWEEP_MLA; every row says its fraction of the bytes bound (the unique key rows read once at the measured
+    copy bandwidth) and its largest difference from the first row of its case."""
     from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
 
     h, dc, dr, page = (16, 64, 16, 64) if smoke else (64, 512, 64, 64)
@@ -194,18 +200,20 @@ def mla_sweep_rows(device: torch.device, smoke: bool) -> list[dict[str, Any]]:
         unique_bytes = int((kp >= 0).sum()) * (dc + dr) * cache.element_size()
         sparse_t = triton_impl(mla_attention)
         ref = None
-        for block_h, warps, stages in SWEEP_MLA:
+        for rows_form, (block_h, warps, stages) in itertools.product(mma_rows, SWEEP_MLA):
             base = default(h, dc, dr)
             cfg = tmla.MLAKernelConfig(block_h=min(block_h, h), n_chunks=base.n_chunks, chunk=base.chunk,
                                        num_warps=warps, num_stages=stages)
             tmla.kernel_config = lambda *_a, cfg=cfg: cfg
             row: dict[str, Any] = {"op": f"mla sparse {kind} sweep", "queries": nq, "context": ctx,
-                                   "config": f"h{cfg.block_h}/w{warps}/s{stages}"}
+                                   "mma_rows": rows_form, "config": f"{rows_form}/h{cfg.block_h}/w{warps}/s{stages}"}
             try:
-                out = sparse_t(*args)
-                ms = bench(lambda: sparse_t(*args), device)
+                with numerics_scope(current_numerics().replace(mla_mma_rows=rows_form)):
+                    out = sparse_t(*args)
+                    ms = bench(lambda: sparse_t(*args), device)
                 row["ms"] = ms
                 row["unique_gb_s"] = unique_bytes / ms / 1e6
+                row["bytes_bound_fraction"] = row["unique_gb_s"] / (bandwidth_tb_s * 1e3)
                 if ref is None:
                     ref = out
                 row["max_abs_diff_vs_first"] = float((out - ref).abs().max())
@@ -223,9 +231,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
     ap.add_argument("--quick", action="store_true", help="decode cases only")
-    ap.add_argument("--sweep", action="store_true", help="also time sparse-MLA launch configurations")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time sparse-MLA launch configurations, in each form of --mma-rows")
+    ap.add_argument("--mma-rows", default=",".join(MLA_MMA_ROWS),
+                    help=f"forms of the sparse kernel for --sweep (Numerics.mla_mma_rows: {', '.join(MLA_MMA_ROWS)})")
     ap.add_argument("--dsa-only", action="store_true", help="the indexer's scores and top-k only")
     a = ap.parse_args()
+    forms = tuple(f for f in a.mma_rows.split(",") if f)
+    bad = [f for f in forms if f not in MLA_MMA_ROWS]
+    if bad:
+        raise SystemExit(f"--mma-rows: unknown {bad} (allowed: {', '.join(MLA_MMA_ROWS)})")
     if a.smoke:
         device = torch.device("cpu")
     elif torch.cuda.is_available():
@@ -237,7 +252,7 @@ def main() -> None:
     bandwidth = copy_bandwidth_tb_s(device) if device.type == "cuda" else 1.0
     rows = ([] if a.dsa_only else mla_rows(device, a.smoke, a.quick)) + dsa_rows(device, a.smoke, a.quick, bandwidth)
     if a.sweep:
-        rows += mla_sweep_rows(device, a.smoke)
+        rows += mla_sweep_rows(device, a.smoke, bandwidth, forms)
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]

@@ -108,6 +108,19 @@ def test_recipe_kda_recurrent_launch_reaches_the_runs_numerics():
         load_recipe(None, ["model.kda_recurrent_launch=64x3"])
 
 
+def test_recipe_mla_mma_rows_reaches_the_runs_numerics():
+    pytest.importorskip("verl")
+    from zmrl.rl.loop import run_numerics
+
+    default = load_recipe(None)
+    assert default.model.mla_mma_rows is None
+    assert run_numerics(default).mla_mma_rows == kbi.current_numerics().mla_mma_rows
+    for rows in ("keys", "heads"):
+        assert run_numerics(load_recipe(None, [f"model.mla_mma_rows={rows}"])).mla_mma_rows == rows
+    with pytest.raises(RecipeError, match="model.mla_mma_rows.*'queries'"):
+        load_recipe(None, ["model.mla_mma_rows=queries"])
+
+
 def test_recipe_file_documents_kernel_mode():
     pytest.importorskip("verl")
     from pathlib import Path

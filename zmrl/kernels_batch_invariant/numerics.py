@@ -32,6 +32,13 @@ Fields:
   configurations whose batch-256 decode step is as fast as the others'; 16x1 and 8x1 run training shapes
   up to 10 % faster but decode 1.6-3x slower),
   benchmarks/results/2026-12-05_kda_recurrent_configs_c9cab58_h100.json.
+* ``mla_mma_rows``: what the sparse MLA kernel puts on its matrix-multiply instructions' rows. "heads"
+  (default): a program's BLOCK_H heads are the rows of ``q @ k^T`` and ``p @ c_kv`` (Hopper then runs
+  ``mma.sync``: 32 heads are fewer rows than its warpgroup instruction needs, and each warp reads the
+  whole query operand). "keys": the transposed products ``k @ q^T`` and ``c_kv^T @ p^T``, the key block and
+  the latent columns on the rows and the heads on the columns, which Hopper runs as warpgroup MMAs
+  (``wgmma``). Same operands and hi/lo splits, other instructions, so other bits: shared numerics. Default:
+  ``$ZMRL_MLA_MMA_ROWS`` if set when this module is first imported, else "heads" (the one measured on a GPU).
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
   ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
   result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs
@@ -77,6 +84,8 @@ KDA_DOT_PRECISIONS: tuple[str, ...] = ("tf32x3", "ieee", "tf32")
 KDA_FORMS: tuple[str, ...] = ("chunk", "recurrent")
 # "BVxW": state columns per program x warps per program of the recurrent KDA kernel
 KDA_RECURRENT_LAUNCHES: tuple[str, ...] = ("32x2", "32x4", "32x8", "16x1", "16x2", "16x4", "8x1", "8x2")
+# the rows of the sparse MLA kernel's MMAs: the heads (q @ k^T) or the keys (k @ q^T)
+MLA_MMA_ROWS: tuple[str, ...] = ("heads", "keys")
 CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
 BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "bf16", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
@@ -84,6 +93,7 @@ DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
 _KDA_FORM_ENV = os.environ.get("ZMRL_KDA_FORM", "recurrent")
 _KDA_RECURRENT_LAUNCH_ENV = os.environ.get("ZMRL_KDA_RECURRENT_LAUNCH", "32x2")
+_MLA_MMA_ROWS_ENV = os.environ.get("ZMRL_MLA_MMA_ROWS", "heads")
 
 # MKL reads MKL_CBWR when it runs its first GEMM; set it now (before any zmrl op can run one) unless
 # the user chose a value. apply_numerics checks that MKL actually runs in the mode the contract asks for.
@@ -102,6 +112,7 @@ class Numerics:
     kda_dot_precision: str = _KDA_DOT_PRECISION_ENV
     kda_form: str = _KDA_FORM_ENV
     kda_recurrent_launch: str = _KDA_RECURRENT_LAUNCH_ENV
+    mla_mma_rows: str = _MLA_MMA_ROWS_ENV
     cpu_gemm_cnr: str = _CPU_GEMM_CNR_ENV
     backward_matmul_precision: str = dataclasses.field(default="tf32", metadata={"bits": False})
     cpu_threads: int | None = dataclasses.field(default=None, metadata={"bits": False})
@@ -109,6 +120,7 @@ class Numerics:
     def validate(self) -> "Numerics":
         for name, allowed in (("kernel_mode", KERNEL_MODES), ("kda_dot_precision", KDA_DOT_PRECISIONS),
                               ("kda_form", KDA_FORMS), ("kda_recurrent_launch", KDA_RECURRENT_LAUNCHES),
+                              ("mla_mma_rows", MLA_MMA_ROWS),
                               ("cpu_gemm_cnr", CPU_GEMM_CNR_MODES),
                               ("backward_matmul_precision", BACKWARD_MATMUL_PRECISIONS)):
             value = getattr(self, name)
@@ -197,6 +209,11 @@ def apply_numerics(numerics: Numerics) -> Numerics:
     _dispatch._set_dispatch_mode(numerics.kernel_mode)  # type: ignore[arg-type]
     previous, _current = _current, numerics
     return previous
+
+
+def mla_mma_rows() -> str:
+    """The rows of the sparse MLA kernel's MMAs under the applied contract, "heads" or "keys"."""
+    return _current.mla_mma_rows
 
 
 @contextlib.contextmanager

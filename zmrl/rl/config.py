@@ -12,7 +12,12 @@ if TYPE_CHECKING:
 
 from zmrl.extras import require
 
-from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS, KDA_FORMS, KDA_RECURRENT_LAUNCHES
+from zmrl.kernels_batch_invariant.numerics import (
+    BACKWARD_MATMUL_PRECISIONS,
+    KDA_FORMS,
+    KDA_RECURRENT_LAUNCHES,
+    MLA_MMA_ROWS,
+)
 from zmrl.model.recompute import RECOMPUTE_POLICIES
 
 
@@ -39,6 +44,15 @@ class ModelSection:
     # warps per program; shared numerics, a speed choice); null keeps the process's default
     # ($ZMRL_KDA_RECURRENT_LAUNCH, else zmrl's). The same on every process of the run.
     kda_recurrent_launch: str | None = None
+    # The rows of the sparse MLA kernel's MMAs (Numerics.mla_mma_rows): "heads" or "keys" (the transposed
+    # products, warpgroup MMAs on Hopper); shared numerics, a speed choice; null keeps the process's default
+    # ($ZMRL_MLA_MMA_ROWS, else "heads"). The same on every process of the run.
+    mla_mma_rows: str | None = None
+
+
+# The model's numerics choices a recipe may set (null: the process's own): field -> allowed values.
+MODEL_NUMERICS_CHOICES: dict[str, tuple[str, ...]] = {
+    "kda_form": KDA_FORMS, "kda_recurrent_launch": KDA_RECURRENT_LAUNCHES, "mla_mma_rows": MLA_MMA_ROWS}
 
 
 @dataclass
@@ -376,10 +390,10 @@ def _validate(cfg: RecipeConfig) -> None:
     need(m.dtype in ("float32", "bfloat16"), "model.dtype", f"must be float32 or bfloat16, got {m.dtype!r}")
     need(m.kernel_mode in ("bitwise", "fast"), "model.kernel_mode",
          f"must be 'bitwise' (rollout/trainer parity) or 'fast' (stock kernels, no parity), got {m.kernel_mode!r}")
-    need(m.kda_form is None or m.kda_form in KDA_FORMS, "model.kda_form",
-         f"must be one of {', '.join(map(repr, KDA_FORMS))} or null, got {m.kda_form!r}")
-    need(m.kda_recurrent_launch is None or m.kda_recurrent_launch in KDA_RECURRENT_LAUNCHES, "model.kda_recurrent_launch",
-         f"must be one of {', '.join(map(repr, KDA_RECURRENT_LAUNCHES))} or null, got {m.kda_recurrent_launch!r}")
+    for name, allowed in MODEL_NUMERICS_CHOICES.items():
+        value = getattr(m, name)
+        need(value is None or value in allowed, f"model.{name}",
+             f"must be one of {', '.join(map(repr, allowed))} or null, got {value!r}")
     need(m.path is None or str(m.path).strip() != "", "model.path",
          "is empty: give a checkpoint folder, or leave it unset (null) for the embedded default model")
     at_least("model.bootstrap_steps", m.bootstrap_steps, 1)

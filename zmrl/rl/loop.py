@@ -20,7 +20,7 @@ from zmrl.rollout.sampling import rollout_seed
 from zmrl.trainer import Sample, TrainBatch
 
 from .cluster import ActorEnv, LocalHandle, RayCluster, gather, shard
-from .config import RecipeConfig, eval_set
+from .config import MODEL_NUMERICS_CHOICES, RecipeConfig, eval_set
 from .workers import ModelSpec, RolloutHandle, RolloutWorker, TrainerHandle, TrainerWorker
 
 log = logging.getLogger(__name__)
@@ -52,13 +52,12 @@ def _parity_metrics(report: ParityReport) -> dict[str, float]:
 
 
 def run_numerics(cfg: RecipeConfig) -> Numerics:
-    """The run's numerics contract: this process's, with what the recipe sets (kernel mode, KDA form and recurrent
-    launch, thread count, backward GEMM precision)."""
+    """The run's numerics contract: this process's, with what the recipe sets (kernel mode, the model's numerics
+    choices of ``MODEL_NUMERICS_CHOICES``, thread count, backward GEMM precision)."""
     n = current_numerics()
+    choices = {name: getattr(cfg.model, name) or getattr(n, name) for name in MODEL_NUMERICS_CHOICES}
     return n.replace(kernel_mode=cfg.model.kernel_mode, cpu_threads=cfg.trainer.num_threads,
-                     backward_matmul_precision=cfg.trainer.backward_matmul_precision,
-                     kda_form=cfg.model.kda_form or n.kda_form,
-                     kda_recurrent_launch=cfg.model.kda_recurrent_launch or n.kda_recurrent_launch)
+                     backward_matmul_precision=cfg.trainer.backward_matmul_precision, **choices)
 
 
 class RLRunner:

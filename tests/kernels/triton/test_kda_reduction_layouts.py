@@ -80,6 +80,19 @@ def test_mla_kernel_report_builds():
     report = kernel_resources.mla_report()
     assert report.registers > 0 and report.name.startswith("mla_split")
     assert sum(r.op == "reduce" and r.axis == 1 for r in report.reductions) >= 2
+    assert report.mma == "mma.sync" and report.stack_bytes == 0  # 32 heads: too few rows for a warpgroup MMA
+
+
+def test_mla_keys_form_runs_warpgroup_mmas():
+    """The transposed form (Numerics.mla_mma_rows = "keys") exists for Hopper's warpgroup MMA: its sm_90 build
+    must issue wgmma (keys and latent columns on the rows, heads on the columns), and its online softmax
+    reduces over the keys, now axis 0 of the [keys, heads] score tile."""
+    _skip_without_toolchain()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the compiler, not the interpreter")
+    report = kernel_resources.mla_report(mma_rows="keys")
+    assert report.mma == "wgmma", report
+    assert sum(r.op == "reduce" and r.axis == 0 and r.shape == "64x32xf32" for r in report.reductions) >= 2
 
 
 def test_recurrent_kernel_report_builds():

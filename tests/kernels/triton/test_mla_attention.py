@@ -38,6 +38,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 SEQ_LENS = [1, 63, 64, 65, 130, 300]
 
 
+@pytest.fixture(autouse=True, params=["heads", "keys"])
+def mma_rows(request):
+    """Every test under both forms of the split kernel (Numerics.mla_mma_rows): each must keep the contract
+    and the float64 bounds on its own."""
+    with numerics_scope(current_numerics().replace(mla_mma_rows=request.param)):
+        yield request.param
+
+
 @pytest.fixture(autouse=True)
 def small_split(interpret, monkeypatch):
     """Under the interpreter contexts are tiny: lower the split size so several splits (and the

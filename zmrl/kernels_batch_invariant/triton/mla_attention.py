@@ -34,6 +34,11 @@ bits depend on nothing but its q, its key list and the key values):
   tile sizes spill tens of KB of registers). Under the Triton interpreter every dot runs on fp32 tiles
   (its bf16 dot is wrong).
 
+Two forms of the split kernel, chosen by the numerics field ``mla_mma_rows`` (docs/numerics.md): "heads"
+(``_mla_split_kernel``, the heads on the MMA's rows: ``q @ k^T``, ``p @ c_kv``) and "keys"
+(``_mla_split_kernel_keys_rows``: ``k @ q^T``, ``c_kv^T @ p^T``, which Hopper runs as warpgroup MMAs). The
+same steps in the same order on the same operands; the MMA instructions differ, so the bits may.
+
 Static key width (CUDA-graph decode, ``kv_len`` given): the wrappers read no device value on the host
 and launch one grid over all queries whose shape follows from host shapes and ``kv_len`` only. The
 sparse path's list width is static already; the dense path takes ``cdiv(kv_len, SPLIT_KEYS)`` splits
@@ -65,6 +70,7 @@ import triton.language as tl
 
 from ..mla_attention import KEY_BLOCK, _check_shapes, key_width, mla_attention, mla_attention_dense
 from ..mla_attention_grads import mla_attention_grads
+from ..numerics import mla_mma_rows
 from ._common import INTERPRET, cdiv
 
 log = logging.getLogger(__name__)
@@ -114,8 +120,11 @@ def kernel_config(num_heads: int, dc: int, dr: int) -> MLAKernelConfig:
     dc_p = max(16, _next_pow2(dc))
     if dc_p <= 128:
         return MLAKernelConfig(block_h=block_h, n_chunks=1, chunk=dc_p, num_warps=4, num_stages=1)
-    # 8 warps: 4 spill more. The sm_90 build of the chosen 32 heads x 8 warps still spills (Triton 3.6: 255
-    # registers/thread and ~0.9 KB of stack), `python benchmarks/kernel_resources.py --kernels mla`.
+    # 8 warps: 4 spill. The sm_90 build of the chosen 32 heads x 8 warps (Triton 3.9) has 246 registers/thread
+    # and no spill, `python benchmarks/kernel_resources.py --kernels mla,mla_keys`.
+    # The transposed form (mla_mma_rows "keys") takes the same launch: its sm_90 build (Triton 3.9) has 255
+    # registers and a 168 B spill at 32 heads x 8 warps (the query's bf16 halves stay in registers and are
+    # stored to shared memory per block); 4 warps or 64 heads spill 0.8-2.6 KB. Not yet timed on a GPU.
     return MLAKernelConfig(block_h=block_h, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=2)
 
 
@@ -279,6 +288,139 @@ def _mla_split_kernel(
             _store_part(acc_ptr, part, amask, acc3, 3 * KC, KC, DC)
 
 
+@triton.jit
+def _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid,
+                COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    """s^T += k[:, COL:COL+W] @ q[:, COL:COL+W]^T: keys on the MMA's rows, heads on its columns. Returns the
+    key tile too (its latent columns are the values of ``p @ c_kv``)."""
+    offs = COL + tl.arange(0, W)
+    cm = offs < LIM
+    qm = cm[:, None] & hmask[None, :]
+    k = tl.load(row[:, None] + offs[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
+    if SPLIT_BF16:
+        s_t = tl.dot(k, tl.load(qh_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0), s_t)
+        s_t = tl.dot(k, tl.load(ql_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0), s_t)
+    else:
+        q_t = tl.load(q_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
+        s_t = tl.dot(k.to(tl.float32), q_t, s_t, input_precision="tf32x3")
+    return s_t, k
+
+
+@triton.jit
+def _pv_part_keys_rows(acc_t, p_t, p_hi, p_lo, c, SPLIT_BF16: tl.constexpr):
+    """acc^T += c^T @ p^T: latent columns on the MMA's rows, heads on its columns."""
+    c_t = tl.trans(c)
+    if SPLIT_BF16:
+        acc_t = tl.dot(c_t, p_hi, acc_t)
+        acc_t = tl.dot(c_t, p_lo, acc_t)
+    else:
+        acc_t = tl.dot(c_t.to(tl.float32), p_t, acc_t, input_precision="tf32x3")
+    return acc_t
+
+
+@triton.jit
+def _store_part_keys_rows(ptr, rows, rmask, x_t, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr):
+    offs = COL + tl.arange(0, W)
+    tl.store(ptr + rows[None, :] * LIM + offs[:, None], x_t, mask=rmask[None, :] & (offs < LIM)[:, None])
+
+
+# The split kernel with the products transposed (Numerics.mla_mma_rows = "keys"): s^T = k @ q^T and
+# acc^T = c_kv^T @ p^T, so the MMA's rows are the 64 keys of a block (scores) and the latent columns (values)
+# and its columns the BLOCK_H heads. Hopper's warpgroup MMA needs 64 rows per warpgroup, which the heads
+# of a program (32) are not: this form runs wgmma where the other runs mma.sync, and the key tile each
+# block loads is read by the hardware as it is (no per-warp copy of the query operand). The steps, their
+# order and the softmax are those of ``_mla_split_kernel`` (read its comments), on transposed tiles.
+@triton.jit(do_not_specialize=["H", "page_size", "bt_stride", "kp_stride", "L", "num_splits"])
+def _mla_split_kernel_keys_rows(
+    q_ptr, qh_ptr, ql_ptr, kv_ptr, bt_ptr, seq_ptr, kp_ptr, qpos_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr,
+    scale, H, page_size, bt_stride, kp_stride, L, num_splits,
+    DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr,
+):
+    qi = tl.program_id(0).to(tl.int64)
+    hg = tl.program_id(1)
+    sp = tl.program_id(2)
+    D: tl.constexpr = DC + DR
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs_h < H
+    offs_n = tl.arange(0, BLOCK_N)
+    q_rows = qi * H + offs_h
+    q_off = q_rows * D
+    seq = tl.load(seq_ptr + qi)
+    start = sp * SPLIT
+    if DENSE:
+        qpos = tl.load(qpos_ptr + qi)
+        n_keys = tl.minimum(qpos + 1 - start, SPLIT)
+    else:
+        qpos = 0
+        offs_s = tl.arange(0, SPLIT)
+        jj = start + offs_s
+        kp_split = tl.load(kp_ptr + qi * kp_stride + jj, mask=jj < L, other=-1)
+        n_keys = tl.max(tl.where(kp_split >= 0, offs_s + 1, 0), axis=0)
+    n_blocks = tl.cdiv(n_keys, BLOCK_N)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([KC, BLOCK_H], tl.float32)
+    acc1 = tl.zeros([KC, BLOCK_H], tl.float32)
+    acc2 = tl.zeros([KC, BLOCK_H], tl.float32)
+    acc3 = tl.zeros([KC, BLOCK_H], tl.float32)
+    valid, slot = _block_slots(start, offs_n, kp_ptr, qi, kp_stride, L, start + SPLIT, bt_ptr, seq, bt_stride,
+                               page_size, qpos, DENSE)
+    for blk in range(0, n_blocks):
+        row = kv_ptr + slot * D
+        valid_next, slot_next = _block_slots(start + (blk + 1) * BLOCK_N, offs_n, kp_ptr, qi, kp_stride, L,
+                                             start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE)
+        s_t = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+        s_t, c0 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, 0, KC, DC, SPLIT_BF16)
+        if NCH > 1:
+            s_t, c1 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, KC, KC, DC, SPLIT_BF16)
+            s_t, c2 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
+            s_t, c3 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+        if DR > 0:
+            s_t, _ = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16)
+        s_t = s_t * scale
+        s_t = tl.where(valid[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_new))
+        p_t = tl.where(valid[:, None], tl.exp(s_t - m_new[None, :]), 0.0)
+        l_i = l_i * alpha + tl.sum(p_t, axis=0)
+        if SPLIT_BF16:
+            p_hi = p_t.to(tl.bfloat16)
+            p_lo = (p_t - p_hi.to(tl.float32)).to(tl.bfloat16)
+        else:
+            p_hi = p_t
+            p_lo = p_t
+        acc0 = _pv_part_keys_rows(acc0 * alpha[None, :], p_t, p_hi, p_lo, c0, SPLIT_BF16)
+        if NCH > 1:
+            acc1 = _pv_part_keys_rows(acc1 * alpha[None, :], p_t, p_hi, p_lo, c1, SPLIT_BF16)
+            acc2 = _pv_part_keys_rows(acc2 * alpha[None, :], p_t, p_hi, p_lo, c2, SPLIT_BF16)
+            acc3 = _pv_part_keys_rows(acc3 * alpha[None, :], p_t, p_hi, p_lo, c3, SPLIT_BF16)
+        m_i = m_new
+        valid = valid_next
+        slot = slot_next
+
+    if DIRECT:
+        l_safe = tl.where(l_i > 0, l_i, 1.0)[None, :]
+        _store_part_keys_rows(out_ptr, q_rows, hmask, acc0 / l_safe, 0, KC, DC)
+        if NCH > 1:
+            _store_part_keys_rows(out_ptr, q_rows, hmask, acc1 / l_safe, KC, KC, DC)
+            _store_part_keys_rows(out_ptr, q_rows, hmask, acc2 / l_safe, 2 * KC, KC, DC)
+            _store_part_keys_rows(out_ptr, q_rows, hmask, acc3 / l_safe, 3 * KC, KC, DC)
+    else:
+        part = (qi * num_splits + sp) * H + offs_h
+        tl.store(m_ptr + part, m_i, mask=hmask)
+        tl.store(l_ptr + part, l_i, mask=hmask)
+        amask = hmask & (m_i > float("-inf"))
+        _store_part_keys_rows(acc_ptr, part, amask, acc0, 0, KC, DC)
+        if NCH > 1:
+            _store_part_keys_rows(acc_ptr, part, amask, acc1, KC, KC, DC)
+            _store_part_keys_rows(acc_ptr, part, amask, acc2, 2 * KC, KC, DC)
+            _store_part_keys_rows(acc_ptr, part, amask, acc3, 3 * KC, KC, DC)
+
+
 @triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, H, num_splits,
@@ -409,6 +551,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         kp_stride = kp.stride(0) if kp.dim() == 2 and kp.shape[0] else 0
     num_splits = max(1, cdiv(width, SPLIT_KEYS))
     cfg = kernel_config(h, dc, dr)
+    split_kernel = _mla_split_kernel if mla_mma_rows() == "heads" else _mla_split_kernel_keys_rows
     n_hg = cdiv(h, cfg.block_h)
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, _next_pow2(dr)),
                   BLOCK_H=cfg.block_h, BLOCK_N=KEY_BLOCK, SPLIT=SPLIT_KEYS, DENSE=dense,
@@ -416,7 +559,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     scale = float(softmax_scale)
     if num_splits == 1:
         # The one split is the whole list: write o directly (bitwise what the combine would give).
-        _mla_split_kernel[(nq, n_hg, 1)](
+        split_kernel[(nq, n_hg, 1)](
             q, q_hi, q_lo, kv, bt, sidx, kp, qpos, out, out, out, out,
             scale, h, page_size, bt.stride(0), kp_stride, width, 1, DIRECT=True, **consts)
         return out
@@ -431,7 +574,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         n = c1 - c0
         qpos_c = qpos[c0:c1] if dense else qpos
         kp_c = kp[c0:c1] if not dense else kp
-        _mla_split_kernel[(n, n_hg, num_splits)](
+        split_kernel[(n, n_hg, num_splits)](
             q[c0:c1], q_hi[c0:c1], q_lo[c0:c1], kv, bt, sidx[c0:c1], kp_c, qpos_c, out, m_buf, l_buf, acc_buf,
             scale, h, page_size, bt.stride(0), kp_stride, width, num_splits, DIRECT=False, **consts)
         _mla_combine_kernel[(n, n_hg)](
