@@ -95,30 +95,21 @@ def test_recipe_kda_form_reaches_the_runs_numerics():
         load_recipe(None, ["model.kda_form=parallel"])
 
 
-def test_recipe_kda_recurrent_launch_reaches_the_runs_numerics():
+@pytest.mark.parametrize("field, values, bad", [("kda_recurrent_launch", ("8x1", "32x4"), "64x3"),
+                                                 ("mla_mma_rows", ("keys", "heads"), "queries")])
+def test_recipe_numerics_choice_reaches_the_runs_numerics(field, values, bad):
+    """A model numerics choice of the recipe: null keeps the process's value, a value reaches the run's
+    contract, anything else is a one-line RecipeError naming the key and the value."""
     pytest.importorskip("verl")
     from zmrl.rl.loop import run_numerics
 
     default = load_recipe(None)
-    assert default.model.kda_recurrent_launch is None
-    assert run_numerics(default).kda_recurrent_launch == kbi.current_numerics().kda_recurrent_launch
-    for launch in ("8x1", "32x4"):
-        assert run_numerics(load_recipe(None, [f"model.kda_recurrent_launch={launch}"])).kda_recurrent_launch == launch
-    with pytest.raises(RecipeError, match="model.kda_recurrent_launch.*'64x3'"):
-        load_recipe(None, ["model.kda_recurrent_launch=64x3"])
-
-
-def test_recipe_mla_mma_rows_reaches_the_runs_numerics():
-    pytest.importorskip("verl")
-    from zmrl.rl.loop import run_numerics
-
-    default = load_recipe(None)
-    assert default.model.mla_mma_rows is None
-    assert run_numerics(default).mla_mma_rows == kbi.current_numerics().mla_mma_rows
-    for rows in ("keys", "heads"):
-        assert run_numerics(load_recipe(None, [f"model.mla_mma_rows={rows}"])).mla_mma_rows == rows
-    with pytest.raises(RecipeError, match="model.mla_mma_rows.*'queries'"):
-        load_recipe(None, ["model.mla_mma_rows=queries"])
+    assert getattr(default.model, field) is None
+    assert getattr(run_numerics(default), field) == getattr(kbi.current_numerics(), field)
+    for value in values:
+        assert getattr(run_numerics(load_recipe(None, [f"model.{field}={value}"])), field) == value
+    with pytest.raises(RecipeError, match=f"model.{field}.*'{bad}'"):
+        load_recipe(None, [f"model.{field}={bad}"])
 
 
 def test_recipe_file_documents_kernel_mode():

@@ -185,6 +185,25 @@ def _block_slots(first, offs_n, kp_ptr, qi, kp_stride, L, end, bt_ptr, seq, bt_s
     return valid, page.to(tl.int64) * page_size + pos_c % page_size
 
 
+@triton.jit
+def _split_extent(qi, sp, kp_ptr, kp_stride, L, qpos_ptr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DENSE: tl.constexpr):
+    """Split ``sp`` of query ``qi``: its first list index (dense: position), the query's position (dense; 0
+    otherwise, unused) and how many key blocks the loop visits (<= 0: an empty split). A sparse split's
+    loop ends at its last valid entry: trailing -1 padding is never visited."""
+    start = sp * SPLIT
+    if DENSE:
+        qpos = tl.load(qpos_ptr + qi)
+        n_keys = tl.minimum(qpos + 1 - start, SPLIT)
+    else:
+        qpos = 0
+        offs_s = tl.arange(0, SPLIT)
+        jj = start + offs_s
+        kp_split = tl.load(kp_ptr + qi * kp_stride + jj, mask=jj < L, other=-1)
+        n_keys = tl.max(tl.where(kp_split >= 0, offs_s + 1, 0), axis=0)
+    return start, qpos, tl.cdiv(n_keys, BLOCK_N)
+
+
 # Integers that vary with the batch or the cache layout are not specialised (Triton would otherwise
 # compile a variant per "divisible by 16" / "== 1" value): one compiled kernel per model shape.
 @triton.jit(do_not_specialize=["H", "page_size", "bt_stride", "kp_stride", "L", "num_splits"])
@@ -208,18 +227,7 @@ def _mla_split_kernel(
     q_off = q_rows * D  # q = [q_lat | q_pe] rows of D values (fp32, or its bf16 hi/lo halves)
 
     seq = tl.load(seq_ptr + qi)
-    start = sp * SPLIT
-    if DENSE:
-        qpos = tl.load(qpos_ptr + qi)
-        n_keys = tl.minimum(qpos + 1 - start, SPLIT)
-    else:
-        qpos = 0  # unused
-        # Up to the split's last valid entry: trailing -1 padding is never visited.
-        offs_s = tl.arange(0, SPLIT)
-        jj = start + offs_s
-        kp_split = tl.load(kp_ptr + qi * kp_stride + jj, mask=jj < L, other=-1)
-        n_keys = tl.max(tl.where(kp_split >= 0, offs_s + 1, 0), axis=0)
-    n_blocks = tl.cdiv(n_keys, BLOCK_N)  # <= 0: an empty split
+    start, qpos, n_blocks = _split_extent(qi, sp, kp_ptr, kp_stride, L, qpos_ptr, SPLIT, BLOCK_N, DENSE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -349,17 +357,7 @@ def _mla_split_kernel_keys_rows(
     q_rows = qi * H + offs_h
     q_off = q_rows * D
     seq = tl.load(seq_ptr + qi)
-    start = sp * SPLIT
-    if DENSE:
-        qpos = tl.load(qpos_ptr + qi)
-        n_keys = tl.minimum(qpos + 1 - start, SPLIT)
-    else:
-        qpos = 0
-        offs_s = tl.arange(0, SPLIT)
-        jj = start + offs_s
-        kp_split = tl.load(kp_ptr + qi * kp_stride + jj, mask=jj < L, other=-1)
-        n_keys = tl.max(tl.where(kp_split >= 0, offs_s + 1, 0), axis=0)
-    n_blocks = tl.cdiv(n_keys, BLOCK_N)
+    start, qpos, n_blocks = _split_extent(qi, sp, kp_ptr, kp_stride, L, qpos_ptr, SPLIT, BLOCK_N, DENSE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
