@@ -217,7 +217,7 @@ def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | 
                "num_splits": "i32"}
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, 1 << (dr - 1).bit_length()),
                   BLOCK_H=bh, BLOCK_N=KEY_BLOCK, SPLIT=M.SPLIT_KEYS, DENSE=False, DIRECT=False, SPLIT_BF16=True)
-    kernel = M._mla_split_kernel if mma_rows == "heads" else M._mla_split_kernel_keys_rows
+    kernel = M.split_kernel_for(mma_rows)
     return build(f"mla_split (H={num_heads}, BLOCK_H={bh}, {mma_rows} on the MMA rows)", kernel, ptrs, scalars, consts,
                  cfg.num_warps if num_warps is None else num_warps, num_stages=cfg.num_stages)
 

@@ -21,12 +21,11 @@ def tiny_recipe(**kw) -> BootstrapRecipe:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     path = tmp_path_factory.mktemp("boot") / "model"
-    out = bootstrap_model(path, recipe=tiny_recipe(), progress=False)
-    return out, None
+    return bootstrap_model(path, recipe=tiny_recipe(), progress=False)
 
 
 def test_checkpoint_is_loadable(built):
-    path, _ = built
+    path = built
     meta = json.loads((path / BOOTSTRAP_FILE).read_text())
     assert meta["steps"] == 3
     assert 0.0 <= meta["greedy_accuracy"] <= 1.0 and 0.0 <= meta["sampled_accuracy"] <= 1.0
@@ -42,7 +41,7 @@ def test_second_call_is_a_cache_hit(built, monkeypatch):
     (a fast machine trains the tiny recipe in under a second)."""
     import zmrl.rl.bootstrap as bootstrap
 
-    path, _ = built
+    path = built
     weights = path / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
 
@@ -58,7 +57,7 @@ def test_second_call_is_a_cache_hit(built, monkeypatch):
 
 
 def test_deterministic_and_rebuilt_for_another_recipe(built, tmp_path):
-    path, _ = built
+    path = built
     again = bootstrap_model(tmp_path / "again", recipe=tiny_recipe(), progress=False, evaluate=False)
     a, b = load_pretrained(path).state_dict(), load_pretrained(again).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)  # same seed, same steps -> the same weights, bitwise
@@ -96,7 +95,7 @@ def test_vocab_too_small_is_refused(tmp_path):
 def test_cli_reports_the_cached_model(built, tmp_path, capsys):
     """The CLI on a folder that already holds the default-recipe result is a cache hit."""
     path = tmp_path / "copy"
-    shutil.copytree(built[0], path)
+    shutil.copytree(built, path)
     meta = json.loads((path / BOOTSTRAP_FILE).read_text())
     default = BootstrapRecipe(seed=0, max_steps=3)
     meta["recipe_hash"] = default.hash()  # pretend the folder holds what the CLI would build

@@ -402,6 +402,8 @@ def test_bench_decode_32k(device, interpret):
 
 
 # ----------------------------------------------------------------------------- fast backend
+# The two tests below never run the split kernel: one form of ``mma_rows`` (indirect: overrides its params).
+@pytest.mark.parametrize("mma_rows", ["heads"], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_backend(device, dtype):
     """Stock SDPA over gathered keys: close to float64 (not invariant). bf16 caches run SDPA in bf16
@@ -421,6 +423,7 @@ def test_fast_backend(device, dtype):
         assert (out.cpu().double() - ref).abs().max().item() <= tol * c_max
 
 
+@pytest.mark.parametrize("mma_rows", ["heads"], indirect=True)
 def test_split_query_equals_the_torch_roundings(device, interpret):
     """The fused query split (bf16 hi / lo halves of [q_lat | q_pe] in fp32) is bitwise the torch composition
     it replaced, on strided views like the model's (q_lat is a transposed GEMM output, q_pe a column slice)."""

@@ -163,9 +163,62 @@ def _pv_part(acc, p, p_hi, p_lo, row, valid, COL: tl.constexpr, W: tl.constexpr,
 
 
 @triton.jit
-def _store_part(ptr, rows, rmask, x, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr):
+def _store_part(ptr, rows, rmask, x, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
+                KEYS_ROWS: tl.constexpr):
+    """Columns COL..COL+W of ``rows`` (each LIM wide) from x: [rows, W], or [W, rows] for the keys-rows form."""
     offs = COL + tl.arange(0, W)
-    tl.store(ptr + rows[:, None] * LIM + offs[None, :], x, mask=rmask[:, None] & (offs < LIM)[None, :])
+    if KEYS_ROWS:
+        tl.store(ptr + rows[None, :] * LIM + offs[:, None], x, mask=rmask[None, :] & (offs < LIM)[:, None])
+    else:
+        tl.store(ptr + rows[:, None] * LIM + offs[None, :], x, mask=rmask[:, None] & (offs < LIM)[None, :])
+
+
+@triton.jit
+def _softmax_block(s, valid, m_i, l_i, scale, KEY_AXIS: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    """One key block of the online softmax over scores ``s`` whose keys run along KEY_AXIS (1: [heads, keys],
+    0: [keys, heads]); returns p (and its bf16 hi / lo halves with SPLIT_BF16, else p twice), the rescale
+    alpha of the running sums, the new max and the new sum."""
+    valid_s = tl.expand_dims(valid, 1 - KEY_AXIS)
+    s = s * scale
+    s = tl.where(valid_s, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=KEY_AXIS))
+    # An unchanged maximum rescales by exactly 1 (whatever the approximate exp gives at 0), so a block
+    # without a valid entry (a hole in a key list: m_new == m_i, p == 0) is an exact no-op.
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_new))
+    p = tl.where(valid_s, tl.exp(s - tl.expand_dims(m_new, KEY_AXIS)), 0.0)
+    l_i = l_i * alpha + tl.sum(p, axis=KEY_AXIS)
+    if SPLIT_BF16:
+        p_hi = p.to(tl.bfloat16)
+        p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+    else:
+        p_hi = p
+        p_lo = p
+    return p, p_hi, p_lo, alpha, m_new, l_i
+
+
+@triton.jit
+def _store_result(out_ptr, m_ptr, l_ptr, acc_ptr, q_rows, qi, sp, num_splits, H, offs_h, hmask, m_i, l_i,
+                  acc0, acc1, acc2, acc3, KC: tl.constexpr, NCH: tl.constexpr, DC: tl.constexpr,
+                  DIRECT: tl.constexpr, KEYS_ROWS: tl.constexpr):
+    """DIRECT: o = acc / l into the output rows (a query without a valid key gets zeros: acc == 0, l == 0 ->
+    0 / 1). Else the split's partial: m, l and acc (acc not for an empty split: the combine never reads it)."""
+    if DIRECT:
+        l_safe = tl.expand_dims(tl.where(l_i > 0, l_i, 1.0), 0 if KEYS_ROWS else 1)
+        _store_part(out_ptr, q_rows, hmask, acc0 / l_safe, 0, KC, DC, KEYS_ROWS)
+        if NCH > 1:
+            _store_part(out_ptr, q_rows, hmask, acc1 / l_safe, KC, KC, DC, KEYS_ROWS)
+            _store_part(out_ptr, q_rows, hmask, acc2 / l_safe, 2 * KC, KC, DC, KEYS_ROWS)
+            _store_part(out_ptr, q_rows, hmask, acc3 / l_safe, 3 * KC, KC, DC, KEYS_ROWS)
+    else:
+        part = (qi * num_splits + sp) * H + offs_h
+        tl.store(m_ptr + part, m_i, mask=hmask)
+        tl.store(l_ptr + part, l_i, mask=hmask)
+        amask = hmask & (m_i > float("-inf"))
+        _store_part(acc_ptr, part, amask, acc0, 0, KC, DC, KEYS_ROWS)
+        if NCH > 1:
+            _store_part(acc_ptr, part, amask, acc1, KC, KC, DC, KEYS_ROWS)
+            _store_part(acc_ptr, part, amask, acc2, 2 * KC, KC, DC, KEYS_ROWS)
+            _store_part(acc_ptr, part, amask, acc3, 3 * KC, KC, DC, KEYS_ROWS)
 
 
 @triton.jit
@@ -252,20 +305,7 @@ def _mla_split_kernel(
             s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
         if DR > 0:
             s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16)
-        s = s * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # An unchanged maximum rescales by exactly 1 (whatever the approximate exp gives at 0), so a block
-        # without a valid entry (a hole in a key list: m_new == m_i, p == 0) is an exact no-op.
-        alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_new))
-        p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if SPLIT_BF16:
-            p_hi = p.to(tl.bfloat16)
-            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-        else:
-            p_hi = p
-            p_lo = p
+        p, p_hi, p_lo, alpha, m_new, l_i = _softmax_block(s, valid, m_i, l_i, scale, 1, SPLIT_BF16)
         acc0 = _pv_part(acc0 * alpha[:, None], p, p_hi, p_lo, row, valid, 0, KC, DC, SPLIT_BF16)
         if NCH > 1:
             acc1 = _pv_part(acc1 * alpha[:, None], p, p_hi, p_lo, row, valid, KC, KC, DC, SPLIT_BF16)
@@ -275,25 +315,8 @@ def _mla_split_kernel(
         valid = valid_next
         slot = slot_next
 
-    if DIRECT:
-        # A query without a valid key returns zeros (acc == 0, l == 0 -> 0 / 1).
-        l_safe = tl.where(l_i > 0, l_i, 1.0)[:, None]
-        _store_part(out_ptr, q_rows, hmask, acc0 / l_safe, 0, KC, DC)
-        if NCH > 1:
-            _store_part(out_ptr, q_rows, hmask, acc1 / l_safe, KC, KC, DC)
-            _store_part(out_ptr, q_rows, hmask, acc2 / l_safe, 2 * KC, KC, DC)
-            _store_part(out_ptr, q_rows, hmask, acc3 / l_safe, 3 * KC, KC, DC)
-    else:
-        part = (qi * num_splits + sp) * H + offs_h
-        tl.store(m_ptr + part, m_i, mask=hmask)
-        tl.store(l_ptr + part, l_i, mask=hmask)
-        # An empty split's acc is never read (the combine skips m == -inf): do not write it.
-        amask = hmask & (m_i > float("-inf"))
-        _store_part(acc_ptr, part, amask, acc0, 0, KC, DC)
-        if NCH > 1:
-            _store_part(acc_ptr, part, amask, acc1, KC, KC, DC)
-            _store_part(acc_ptr, part, amask, acc2, 2 * KC, KC, DC)
-            _store_part(acc_ptr, part, amask, acc3, 3 * KC, KC, DC)
+    _store_result(out_ptr, m_ptr, l_ptr, acc_ptr, q_rows, qi, sp, num_splits, H, offs_h, hmask, m_i, l_i,
+                  acc0, acc1, acc2, acc3, KC, NCH, DC, DIRECT, False)
 
 
 @triton.jit
@@ -324,12 +347,6 @@ def _pv_part_keys_rows(acc_t, p_t, p_hi, p_lo, c, SPLIT_BF16: tl.constexpr):
     else:
         acc_t = tl.dot(c_t.to(tl.float32), p_t, acc_t, input_precision="tf32x3")
     return acc_t
-
-
-@triton.jit
-def _store_part_keys_rows(ptr, rows, rmask, x_t, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr):
-    offs = COL + tl.arange(0, W)
-    tl.store(ptr + rows[None, :] * LIM + offs[:, None], x_t, mask=rmask[None, :] & (offs < LIM)[:, None])
 
 
 # The split kernel with the products transposed (Numerics.mla_mma_rows = "keys"): s^T = k @ q^T and
@@ -379,18 +396,7 @@ def _mla_split_kernel_keys_rows(
             s_t, c3 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
         if DR > 0:
             s_t, _ = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16)
-        s_t = s_t * scale
-        s_t = tl.where(valid[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-        alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_new))
-        p_t = tl.where(valid[:, None], tl.exp(s_t - m_new[None, :]), 0.0)
-        l_i = l_i * alpha + tl.sum(p_t, axis=0)
-        if SPLIT_BF16:
-            p_hi = p_t.to(tl.bfloat16)
-            p_lo = (p_t - p_hi.to(tl.float32)).to(tl.bfloat16)
-        else:
-            p_hi = p_t
-            p_lo = p_t
+        p_t, p_hi, p_lo, alpha, m_new, l_i = _softmax_block(s_t, valid, m_i, l_i, scale, 0, SPLIT_BF16)
         acc0 = _pv_part_keys_rows(acc0 * alpha[None, :], p_t, p_hi, p_lo, c0, SPLIT_BF16)
         if NCH > 1:
             acc1 = _pv_part_keys_rows(acc1 * alpha[None, :], p_t, p_hi, p_lo, c1, SPLIT_BF16)
@@ -400,23 +406,13 @@ def _mla_split_kernel_keys_rows(
         valid = valid_next
         slot = slot_next
 
-    if DIRECT:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)[None, :]
-        _store_part_keys_rows(out_ptr, q_rows, hmask, acc0 / l_safe, 0, KC, DC)
-        if NCH > 1:
-            _store_part_keys_rows(out_ptr, q_rows, hmask, acc1 / l_safe, KC, KC, DC)
-            _store_part_keys_rows(out_ptr, q_rows, hmask, acc2 / l_safe, 2 * KC, KC, DC)
-            _store_part_keys_rows(out_ptr, q_rows, hmask, acc3 / l_safe, 3 * KC, KC, DC)
-    else:
-        part = (qi * num_splits + sp) * H + offs_h
-        tl.store(m_ptr + part, m_i, mask=hmask)
-        tl.store(l_ptr + part, l_i, mask=hmask)
-        amask = hmask & (m_i > float("-inf"))
-        _store_part_keys_rows(acc_ptr, part, amask, acc0, 0, KC, DC)
-        if NCH > 1:
-            _store_part_keys_rows(acc_ptr, part, amask, acc1, KC, KC, DC)
-            _store_part_keys_rows(acc_ptr, part, amask, acc2, 2 * KC, KC, DC)
-            _store_part_keys_rows(acc_ptr, part, amask, acc3, 3 * KC, KC, DC)
+    _store_result(out_ptr, m_ptr, l_ptr, acc_ptr, q_rows, qi, sp, num_splits, H, offs_h, hmask, m_i, l_i,
+                  acc0, acc1, acc2, acc3, KC, NCH, DC, DIRECT, True)
+
+
+def split_kernel_for(mma_rows: str):
+    """The split kernel of a form of ``Numerics.mla_mma_rows``."""
+    return {"heads": _mla_split_kernel, "keys": _mla_split_kernel_keys_rows}[mma_rows]
 
 
 @triton.jit(do_not_specialize=["H", "num_splits"])
@@ -549,7 +545,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         kp_stride = kp.stride(0) if kp.dim() == 2 and kp.shape[0] else 0
     num_splits = max(1, cdiv(width, SPLIT_KEYS))
     cfg = kernel_config(h, dc, dr)
-    split_kernel = _mla_split_kernel if mla_mma_rows() == "heads" else _mla_split_kernel_keys_rows
+    split_kernel = split_kernel_for(mla_mma_rows())
     n_hg = cdiv(h, cfg.block_h)
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, _next_pow2(dr)),
                   BLOCK_H=cfg.block_h, BLOCK_N=KEY_BLOCK, SPLIT=SPLIT_KEYS, DENSE=dense,
