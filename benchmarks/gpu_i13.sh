@@ -42,6 +42,7 @@
 #   final3        the LoRA epilogue (linear, expert_linear, linear_concat), rows read in place, radix top-k and
 #                 MoE sort GPU tests;
 #   mla_forms     mla_dsa_kernels.py --quick --sweep (the two MLA kernel forms x launch configurations) + the MLA tests;
+#   decode_gemms  decode_gemms.py: the decode step's GEMM launches alone vs bound and cuBLAS, the top groups swept;
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -146,6 +147,10 @@ has mla_forms && step mla_forms "${T_MLA_FORMS:-120}" $PY benchmarks/mla_dsa_ker
   --out "$OUT/mla_forms.json"
 has mla_forms && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
   tests/kernels/triton/test_mla_attention.py
+# decode_gemms: every GEMM launch of a bitwise decode step at batch 256 and 64 alone (cold L2) against its bytes
+# bound and cuBLAS, the groups of the most step time under the SWEEP configs (bits checked)
+has decode_gemms && step decode_gemms "${T_DECODE_GEMMS:-300}" $PY benchmarks/decode_gemms.py --sweep "${GEMM_SWEEP_TOP:-14}" \
+  --out "$OUT/decode_gemms.json"
 has dsa && step dsa_kernels "${T_DSA:-90}" $PY benchmarks/mla_dsa_kernels.py --dsa-only --out "$OUT/dsa_kernels.json"
 
 has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py

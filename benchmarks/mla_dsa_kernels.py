@@ -57,8 +57,10 @@ def paged(lens: list[int], page: int, dim: int, dtype: torch.dtype, device: torc
     for i, n in enumerate(n_pages):
         bt[i, :n] = perm[k:k + n]
         k += n
-    cache = torch.randn(total, page, dim, generator=g).to(dtype)
-    return cache.to(device), bt.to(device)
+    # drawn on the device: a multi-GB host tensor copied over failed on the H100 (illegal address at the copy)
+    cache = torch.randn(total, page, dim, generator=torch.Generator(device=device).manual_seed(seed),
+                        device=device).to(dtype)
+    return cache, bt.to(device)
 
 
 def mla_rows(device: torch.device, smoke: bool, quick: bool) -> list[dict[str, Any]]:
@@ -236,6 +238,7 @@ def main() -> None:
     ap.add_argument("--mma-rows", default=",".join(MLA_MMA_ROWS),
                     help=f"forms of the sparse kernel for --sweep (Numerics.mla_mma_rows: {', '.join(MLA_MMA_ROWS)})")
     ap.add_argument("--dsa-only", action="store_true", help="the indexer's scores and top-k only")
+    ap.add_argument("--sweep-only", action="store_true", help="the --sweep rows only")
     a = ap.parse_args()
     forms = tuple(f for f in a.mma_rows.split(",") if f)
     bad = [f for f in forms if f not in MLA_MMA_ROWS]
@@ -250,8 +253,9 @@ def main() -> None:
         raise SystemExit(2)
     from benchmarks._common import copy_bandwidth_tb_s
     bandwidth = copy_bandwidth_tb_s(device) if device.type == "cuda" else 1.0
-    rows = ([] if a.dsa_only else mla_rows(device, a.smoke, a.quick)) + dsa_rows(device, a.smoke, a.quick, bandwidth)
-    if a.sweep:
+    rows = [] if a.sweep_only else (
+        ([] if a.dsa_only else mla_rows(device, a.smoke, a.quick)) + dsa_rows(device, a.smoke, a.quick, bandwidth))
+    if a.sweep or a.sweep_only:
         rows += mla_sweep_rows(device, a.smoke, bandwidth, forms)
     keys: list[str] = []
     for r in rows:

@@ -173,11 +173,17 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
     if dtype in _HALF:
         if bucket == -1:
             return GemmConfig(16, 32, 128, 4, 4)
-        if bucket in (0, 1) and n <= 64:
-            # A hidden -> r at 64 / 256 rows: 10.8 -> 9.4 / 11.7 -> 9.6 us on the sweep's 16x32x32, 3 stages; a
-            # split product's K step is 64 whatever the config (_launch), and the decode step was measured with
-            # this config (benchmarks/results/2026-12-01_decode_lora_5765b33_h200.json).
-            return GemmConfig(16, 32, 64, 4, 4)
+        # Decode-step products at 64 and 256 rows, timed alone with a cold L2 by benchmarks/decode_gemms.py --sweep
+        # (bits equal under every config; benchmarks/results/2026-12-05_decode_gemms_sweep_h100.json, H100): the
+        # expert products at ~32 rows per expert (batch 256) run 64 x 64 tiles (gate / up with LoRA 44.5 -> 36.3 us,
+        # down 58.8 -> 50.2 us); outputs up to 2048 wide at 17-64 rows and up to 1024 wide at 65-256 rows run the
+        # one-row-block tile with a 128-wide K step, more programs over N (64 rows: shared-expert gate|up 12.2 ->
+        # 8.7 us, MLA o_proj 42.2 -> 28.5 us, KDA o_proj 12.9 -> 9.6 us; 256 rows: gate|up 12.4 -> 10.2 us); a
+        # split product's K step stays 64 whatever the config (_launch).
+        if experts and bucket == 0 and n > 64:
+            return GemmConfig(64, 64, 64, 4, 4)
+        if (bucket == 0 and n <= 2048) or (bucket == 1 and n <= 1024):
+            return GemmConfig(16, 32, 128, 4, 4)
         if bucket == 3:
             return GemmConfig(256, 128, 64, 8, 3)
         if bucket == 2:
@@ -190,7 +196,8 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
                 return GemmConfig(128, 128, 64, 8, 3)
             if cdiv(n, 128) >= 32:
                 return GemmConfig(64, 128, 64, 4, 4)
-            return GemmConfig(64, 64, 64, 4, 4) if cdiv(n, 64) >= 32 else GemmConfig(64, 32, 64, 4, 4)
+            # up to 2048 wide: 64 x 32 tiles (KDA o_proj 14.3 -> 13.5 us, MLA o_proj 47.3 -> 45.2 us at 256 rows)
+            return GemmConfig(64, 32, 64, 4, 4)
         if cdiv(n, 128) >= MIN_DECODE_PROGRAMS:
             return GemmConfig(128, 128, 64, 8, 4)
         if cdiv(n, 64) >= MIN_DECODE_PROGRAMS:
@@ -208,6 +215,8 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
         return GemmConfig(32, 128, 32, 4, 3) if wide else GemmConfig(16, 128, 32, 4, 3)
     if bucket == -1:  # B r -> hidden at one row: 3.2 -> 2.5 us
         return GemmConfig(16, 32, 32, 4, 3)
+    if bucket in (0, 1) and n <= 64:  # the fp32 router at 64 / 256 rows: 17.9 -> 14.3 / 18.2 -> 14.9 us (decode_gemms)
+        return GemmConfig(16, 32, 64, 4, 4)
     if bucket >= 2 and n >= 256:
         # prefill / training rows of the LoRA B products (fp32 [M, r] @ [N, r]^T, one K step, bound by the fp32
         # output they write): 64x64 tiles took 5.5x the bound at 16K tokens (the expert r -> hidden product,
