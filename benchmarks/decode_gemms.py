@@ -125,10 +125,8 @@ def record_step(step: Callable[[], None]) -> list[Launch]:
 
 def admits(launch: Launch, cfg: mm.GemmConfig) -> bool:
     """Whether ``_launch`` takes the product under ``cfg`` as the op would: a LoRA epilogue at most
-    LORA_MAX_TILE; batched products (grouped_linear / bmm_fixed pick per-matrix tiles) keep theirs."""
-    if launch.kwargs.get("lora") is not None and cfg.block_m * cfg.block_n > mm.LORA_MAX_TILE:
-        return False
-    return launch.args[0].shape[0] == 1
+    LORA_MAX_TILE."""
+    return launch.kwargs.get("lora") is None or cfg.block_m * cfg.block_n <= mm.LORA_MAX_TILE
 
 
 def run(launch: Launch, cfg: mm.GemmConfig) -> torch.Tensor:
@@ -264,8 +262,9 @@ def measure(launches: list[Launch], bw: float, cuda: bool, sweep_top: int) -> li
         row["bound_ms"] = row["bytes"] / (bw * 1e12) * 1e3
         fn = stock(launch) if cuda else None
         row["stock_ms"] = time_ms(fn, cuda) if fn is not None else None
-    by_time = sorted(groups.values(), key=lambda r: -r["ms"] * r["calls"])
-    for row in by_time[:sweep_top]:
+    # batched products (grouped_linear / bmm_fixed: tiles per matrix shape, bmm_config) have no sweep
+    sweepable = [r for r in groups.values() if first[r["signature"]].args[0].shape[0] == 1]
+    for row in sorted(sweepable, key=lambda r: -r["ms"] * r["calls"])[:sweep_top]:
         launch = first[row["signature"]]
         ref = run(launch, launch.cfg).clone()
         tried = []

@@ -224,6 +224,9 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
             finally:
                 tmla.kernel_config = default
             rows.append(row)
+            # one line per configuration as it is measured: a configuration that faults the device (an illegal
+            # address is sticky: the process cannot go on) is the last line printed
+            log.info("sweep %s %s: %s", kind, row["config"], row.get("error") or f"{row['ms']:.4f} ms")
     return rows
 
 

@@ -14,8 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def _run(script: str, *args: str, out: Path, env_extra: dict[str, str] | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env_extra or {})}
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out), *args],
                        capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -154,3 +154,22 @@ def test_cpu_gemm_threads_smoke(tmp_path):
     res = _run("cpu_gemm_threads.py", out=tmp_path / "c.json")
     assert res["scan"]["one_tile_shapes"] == 4 and res["scan"]["batched_gemm_differs"] == []
     assert all(r["plain_us"] > 0 and r["batched_us"] > 0 for r in res["one_tile_linear"])
+
+
+def test_decode_gemms_smoke(tmp_path):
+    """Every GEMM launch of a decode step is recorded (the dense, concatenated, block-diagonal, batched and expert
+    products, with and without a LoRA epilogue) and replayed alone; the swept group reports each config with a bits
+    verdict. Under the interpreter only configs with the default's BLOCK_K can give equal bits (its dot sums a K
+    block at once), so the verdicts themselves are checked on the GPU, not here."""
+    pytest.importorskip("triton")
+    res = _run("decode_gemms.py", "--sweep", "1", out=tmp_path / "g.json", env_extra={"TRITON_INTERPRET": "1"})
+    (batch,) = res["batches"].values()
+    groups = batch["groups"]
+    assert sum(g["calls"] for g in groups) == batch["launches"] > 0
+    modes = {g["signature"].split()[1].split("+")[0].rstrip("0123456789") for g in groups}
+    assert {"plain", "concat", "batch", "experts"} <= modes
+    assert any("+lora" in g["signature"] for g in groups)
+    assert all(g["ms"] > 0 and g["bound_ms"] > 0 and g["bytes"] > 0 for g in groups)
+    swept = [g for g in groups if "sweep" in g]
+    assert len(swept) == 1 and swept[0]["sweep"]
+    assert all("error" in t or isinstance(t["equal_bits"], bool) for t in swept[0]["sweep"])

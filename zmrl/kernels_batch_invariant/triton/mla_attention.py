@@ -124,7 +124,9 @@ def kernel_config(num_heads: int, dc: int, dr: int) -> MLAKernelConfig:
     # and no spill, `python benchmarks/kernel_resources.py --kernels mla,mla_keys`.
     # The transposed form (mla_mma_rows "keys") takes the same launch: its sm_90 build (Triton 3.9) has 255
     # registers and a 168 B spill at 32 heads x 8 warps (the query's bf16 halves stay in registers and are
-    # stored to shared memory per block); 4 warps or 64 heads spill 0.8-2.6 KB. Not yet timed on a GPU.
+    # stored to shared memory per block); 4 warps or 64 heads spill 0.8-2.6 KB. On an H100 it took 23 % longer
+    # than the heads form in the decode step, and its 16-head launch faulted in the launch sweep
+    # (benchmarks/results/2026-12-05_h100_decode_gemms_summary.md).
     return MLAKernelConfig(block_h=block_h, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=2)
 
 
