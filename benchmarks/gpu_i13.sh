@@ -41,7 +41,8 @@
 #   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
 #   final3        the LoRA epilogue (linear, expert_linear, linear_concat), rows read in place, radix top-k and
 #                 MoE sort GPU tests;
-#   mla_forms     mla_dsa_kernels.py --quick --sweep (the two MLA kernel forms x launch configurations) + the MLA tests;
+#   mla_forms     mla_dsa_kernels.py --sweep-only per MLA kernel form (launch configurations at decode 256 x 8K and a
+#                 4096-token prefill) + the MLA tests;
 #   decode_gemms  decode_gemms.py: the decode step's GEMM launches alone vs bound and cuBLAS, the top groups swept;
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
@@ -143,8 +144,12 @@ has final3 && step gpu_tests_final3 "${T_FINAL3:-220}" $PY -m pytest -p no:cache
   tests/model/test_moe_dispatch.py tests/model/test_layers.py
 # mla_forms: both forms of the sparse MLA kernel (Numerics.mla_mma_rows) under each launch configuration at decode
 # 256 x 8K and a 4096-token prefill, then the MLA GPU tests (each under both forms).
-has mla_forms && step mla_forms "${T_MLA_FORMS:-120}" $PY benchmarks/mla_dsa_kernels.py --quick --sweep \
-  --out "$OUT/mla_forms.json"
+# One process per form: the keys form's 16-head, 8-warp, 1-stage launch faulted the device on an H100 (2026-12-05), and a
+# fault ends the process, so that form sweeps the other launches.
+has mla_forms && step mla_sweep_heads "${T_MLA_FORMS:-100}" $PY benchmarks/mla_dsa_kernels.py --sweep-only --mma-rows heads \
+  --out "$OUT/mla_sweep_heads.json"
+has mla_forms && step mla_sweep_keys "${T_MLA_FORMS:-100}" $PY benchmarks/mla_dsa_kernels.py --sweep-only --mma-rows keys \
+  --sweep-launches "${MLA_KEYS_LAUNCHES:-32x8x2,32x8x3,32x8x1,32x4x2,64x8x1,64x4x1}" --out "$OUT/mla_sweep_keys.json"
 has mla_forms && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
   tests/kernels/triton/test_mla_attention.py
 # decode_gemms: every GEMM launch of a bitwise decode step at batch 256 and 64 alone (cold L2) against its bytes

@@ -171,7 +171,8 @@ SWEEP_MLA = ((16, 8, 1), (16, 4, 1), (16, 8, 2), (32, 8, 1), (32, 8, 2), (32, 8,
 
 
 def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
-                   mma_rows: tuple[str, ...] = MLA_MMA_ROWS) -> list[dict[str, Any]]:
+                   mma_rows: tuple[str, ...] = MLA_MMA_ROWS,
+                   launches: tuple[tuple[int, int, int], ...] = SWEEP_MLA) -> list[dict[str, Any]]:
     """The sparse kernel in each form (Numerics.mla_mma_rows) under each (BLOCK_H, num_warps, num_stages) of
     SWEEP_MLA; every row says its fraction of the bytes bound (the unique key rows read once at the measured
     copy bandwidth) and its largest difference from the first row of its case."""
@@ -202,7 +203,7 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
         unique_bytes = int((kp >= 0).sum()) * (dc + dr) * cache.element_size()
         sparse_t = triton_impl(mla_attention)
         ref = None
-        for rows_form, (block_h, warps, stages) in itertools.product(mma_rows, SWEEP_MLA):
+        for rows_form, (block_h, warps, stages) in itertools.product(mma_rows, launches):
             base = default(h, dc, dr)
             cfg = tmla.MLAKernelConfig(block_h=min(block_h, h), n_chunks=base.n_chunks, chunk=base.chunk,
                                        num_warps=warps, num_stages=stages)
@@ -242,8 +243,19 @@ def main() -> None:
                     help=f"forms of the sparse kernel for --sweep (Numerics.mla_mma_rows: {', '.join(MLA_MMA_ROWS)})")
     ap.add_argument("--dsa-only", action="store_true", help="the indexer's scores and top-k only")
     ap.add_argument("--sweep-only", action="store_true", help="the --sweep rows only")
+    ap.add_argument("--sweep-launches", default=None, metavar="HxWxS,...",
+                    help="the sweep's launches as heads x warps x stages (default: all of SWEEP_MLA). A launch that "
+                         "faults the device ends the process (the keys form's 16 x 8 x 1 did on an H100), so a "
+                         "sweep can leave it out")
     a = ap.parse_args()
     forms = tuple(f for f in a.mma_rows.split(",") if f)
+    try:
+        launches = SWEEP_MLA if a.sweep_launches is None else tuple(
+            tuple(int(v) for v in item.split("x")) for item in a.sweep_launches.split(",") if item)
+        if any(len(t) != 3 for t in launches):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--sweep-launches: {a.sweep_launches!r} is not a list of HxWxS (e.g. 32x8x2,32x8x3)")
     bad = [f for f in forms if f not in MLA_MMA_ROWS]
     if bad:
         raise SystemExit(f"--mma-rows: unknown {bad} (allowed: {', '.join(MLA_MMA_ROWS)})")
@@ -259,7 +271,7 @@ def main() -> None:
     rows = [] if a.sweep_only else (
         ([] if a.dsa_only else mla_rows(device, a.smoke, a.quick)) + dsa_rows(device, a.smoke, a.quick, bandwidth))
     if a.sweep or a.sweep_only:
-        rows += mla_sweep_rows(device, a.smoke, bandwidth, forms)
+        rows += mla_sweep_rows(device, a.smoke, bandwidth, forms, launches)
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
