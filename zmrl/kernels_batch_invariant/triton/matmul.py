@@ -179,7 +179,8 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
         # down 58.8 -> 50.2 us); outputs up to 2048 wide at 17-64 rows and up to 1024 wide at 65-256 rows run the
         # one-row-block tile with a 128-wide K step, more programs over N (64 rows: shared-expert gate|up 12.2 ->
         # 8.7 us, MLA o_proj 42.2 -> 28.5 us, KDA o_proj 12.9 -> 9.6 us; 256 rows: gate|up 12.4 -> 10.2 us); a
-        # split product's K step stays 64 whatever the config (_launch).
+        # split product's K step stays 64 whatever the config (_launch). Inside the graph-replayed step (activations
+        # hot in L2, launches overlapping) the gain was within noise: GEMM kernels 4.94 -> 4.89 ms at batch 256.
         if experts and bucket == 0 and n > 64:
             return GemmConfig(64, 64, 64, 4, 4)
         if (bucket == 0 and n <= 2048) or (bucket == 1 and n <= 1024):
