@@ -174,6 +174,14 @@ def build_on_device(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, 
     return model.eval()
 
 
+def apply_bench_lora(model: torch.nn.Module, r: int, seed: int) -> torch.nn.Module:
+    """The benchmarks' adapter: rank ``r`` on every attention projection and expert, alpha = r (scale 1), B drawn
+    N(0, 0.02) so the deltas are not zero (a fresh adapter's B is), from ``seed``; the base is frozen."""
+    from zmrl.lora import LoraConfig, apply_lora
+
+    return apply_lora(model, LoraConfig(r=r, alpha=float(r), init_b_std=0.02, init_seed=seed))
+
+
 def experts_hit(cfg: ModelConfig, batch: int) -> float:
     """Expected distinct routed experts of one MoE layer that ``batch`` tokens pick (top-k each, uniform):
     k at batch 1, ``E * (1 - (1 - k/E)^B)`` beyond."""

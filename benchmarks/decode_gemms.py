@@ -39,12 +39,11 @@ from typing import Any, Callable
 
 import torch
 
-from _common import (build_on_device, copy_bandwidth_tb_s, default_out, env, model_config, pick_device,
+from _common import (apply_bench_lora, build_on_device, copy_bandwidth_tb_s, default_out, env, model_config, pick_device,
                      setup_logging, table, write_json, _call_site)
 from decode_throughput import PAGE, PENDING, fill_store, kda_template, make_seqs
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.triton import matmul as mm
-from zmrl.lora import LoraConfig, apply_lora
 from zmrl.model import ModelCache, forward_incremental
 
 log = logging.getLogger("benchmarks.decode_gemms")
@@ -53,7 +52,6 @@ log = logging.getLogger("benchmarks.decode_gemms")
 SWEEP = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (32, 32, 128, 4, 4), (32, 64, 128, 4, 4),
          (32, 128, 64, 4, 4), (64, 32, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 3),
          (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3)]
-MATMUL_OPS = ("linear", "linear_concat", "linear_blockdiag", "grouped_linear", "bmm_fixed", "expert_linear")
 
 
 @dataclass
@@ -316,17 +314,14 @@ def main() -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("decode_gemms.py --smoke: set TRITON_INTERPRET=1 (the GEMMs run interpreted on the CPU)")
         a.batches, a.context = [3], 192
-        from zmrl.kernels_batch_invariant import matmul as mm_ops, moe_gemm
-
-        for op in (*(getattr(mm_ops, name) for name in MATMUL_OPS if name != "expert_linear"), moe_gemm.expert_linear):
+        for op in (mm.linear, mm.linear_concat, mm.linear_blockdiag, mm.grouped_linear, mm.bmm_fixed, mm.expert_linear):
             op.backend_for = lambda device: "triton"  # the Triton GEMMs on CPU tensors, interpreted
     t_start = time.perf_counter()
     torch.manual_seed(a.seed)
     cfg = model_config(a.layers, a.smoke)
     model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
     if a.lora:
-        model.requires_grad_(False)
-        apply_lora(model, LoraConfig(r=a.lora, alpha=float(a.lora), init_b_std=0.02, init_seed=a.seed))
+        apply_bench_lora(model, a.lora, a.seed)
     cuda = dev.type == "cuda"
     bw = copy_bandwidth_tb_s(dev, gib=0.25 if a.smoke else 2.0)
     template = kda_template(model, dev)

@@ -34,11 +34,10 @@ from typing import Any
 
 import torch
 
-from _common import (OOM_ERRORS, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
+from _common import (OOM_ERRORS, apply_bench_lora, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
                      default_out, empty_cache, env, free_gib, kv_state_bytes_per_seq, model_config, pick_device,
                      op_profile, print_op_profile, print_profile, profile_step, setup_logging, table, write_json)
 from zmrl.kernels_batch_invariant import kernel_mode
-from zmrl.lora import LoraConfig, apply_lora
 from zmrl.model import ModelCache, SequenceState, forward_incremental
 from zmrl.model.context import KDASeqState
 from zmrl.rollout.engine import Request
@@ -145,8 +144,7 @@ def main() -> int:
     log.info("bench model: %d layers, %.2f B params, built in %.1fs", cfg.num_hidden_layers,
              sum(p.numel() for p in model.parameters()) / 1e9, time.perf_counter() - t_start)
     if a.lora:
-        model.requires_grad_(False)
-        apply_lora(model, LoraConfig(r=a.lora, alpha=float(a.lora), init_b_std=0.02, init_seed=a.seed))
+        apply_bench_lora(model, a.lora, a.seed)
     bw = copy_bandwidth_tb_s(dev, gib=0.25 if a.smoke else 2.0)
     log.info("device-to-device copy bandwidth %.2f TB/s", bw)
     def weight_bytes_at(batch: int) -> int:

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -174,7 +175,7 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
                    mma_rows: tuple[str, ...] = MLA_MMA_ROWS,
                    launches: tuple[tuple[int, int, int], ...] = SWEEP_MLA) -> list[dict[str, Any]]:
     """The sparse kernel in each form (Numerics.mla_mma_rows) under each (BLOCK_H, num_warps, num_stages) of
-    SWEEP_MLA; every row says its fraction of the bytes bound (the unique key rows read once at the measured
+    ``launches``; every row says its fraction of the bytes bound (the unique key rows read once at the measured
     copy bandwidth) and its largest difference from the first row of its case."""
     from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
 
@@ -231,6 +232,14 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
     return rows
 
 
+def parse_launches(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``"32x8x2,32x8x3"`` -> ((32, 8, 2), (32, 8, 3)): heads x warps x stages per launch."""
+    found = [re.fullmatch(r"(\d+)x(\d+)x(\d+)", item) for item in text.split(",") if item]
+    if not found or not all(found):
+        raise SystemExit(f"--sweep-launches: {text!r} is not a list of HxWxS (e.g. 32x8x2,32x8x3)")
+    return tuple((int(m[1]), int(m[2]), int(m[3])) for m in found)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,13 +258,7 @@ def main() -> None:
                          "sweep can leave it out")
     a = ap.parse_args()
     forms = tuple(f for f in a.mma_rows.split(",") if f)
-    try:
-        launches = SWEEP_MLA if a.sweep_launches is None else tuple(
-            tuple(int(v) for v in item.split("x")) for item in a.sweep_launches.split(",") if item)
-        if any(len(t) != 3 for t in launches):
-            raise ValueError
-    except ValueError:
-        raise SystemExit(f"--sweep-launches: {a.sweep_launches!r} is not a list of HxWxS (e.g. 32x8x2,32x8x3)")
+    launches = SWEEP_MLA if a.sweep_launches is None else parse_launches(a.sweep_launches)
     bad = [f for f in forms if f not in MLA_MMA_ROWS]
     if bad:
         raise SystemExit(f"--mma-rows: unknown {bad} (allowed: {', '.join(MLA_MMA_ROWS)})")

@@ -46,10 +46,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import build_on_device, default_out, env, model_config, setup_logging, table, write_json
+from _common import apply_bench_lora, build_on_device, default_out, env, model_config, setup_logging, table, write_json
 from zmrl.kernels_batch_invariant import _dispatch, current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
-from zmrl.lora import LoraConfig, apply_lora, lora_parameters
+from zmrl.lora import lora_parameters
 from zmrl.trainer import compute_logprobs
 
 log = logging.getLogger("benchmarks.op_census")
@@ -247,7 +247,7 @@ def run_census(a: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device(a.device)
     cfg = model_config(a.layers, a.smoke)
     model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
-    apply_lora(model, LoraConfig(r=a.lora_r, alpha=float(a.lora_r), init_b_std=0.02, init_seed=a.seed))
+    apply_bench_lora(model, a.lora_r, a.seed)
     params = lora_parameters(model)
     g = torch.Generator().manual_seed(a.seed)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in a.seq_lens]

@@ -90,6 +90,11 @@ MLA_MMA_ROWS: tuple[str, ...] = ("heads", "keys")
 CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
 BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "bf16", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
+# Numerics' fields that take one of a fixed set of values: field -> the values allowed (validate, recipe checks).
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "kernel_mode": KERNEL_MODES, "kda_dot_precision": KDA_DOT_PRECISIONS, "kda_form": KDA_FORMS,
+    "kda_recurrent_launch": KDA_RECURRENT_LAUNCHES, "mla_mma_rows": MLA_MMA_ROWS, "cpu_gemm_cnr": CPU_GEMM_CNR_MODES,
+    "backward_matmul_precision": BACKWARD_MATMUL_PRECISIONS}
 # Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
 _KDA_FORM_ENV = os.environ.get("ZMRL_KDA_FORM", "recurrent")
@@ -119,11 +124,7 @@ class Numerics:
     cpu_threads: int | None = dataclasses.field(default=None, metadata={"bits": False})
 
     def validate(self) -> "Numerics":
-        for name, allowed in (("kernel_mode", KERNEL_MODES), ("kda_dot_precision", KDA_DOT_PRECISIONS),
-                              ("kda_form", KDA_FORMS), ("kda_recurrent_launch", KDA_RECURRENT_LAUNCHES),
-                              ("mla_mma_rows", MLA_MMA_ROWS),
-                              ("cpu_gemm_cnr", CPU_GEMM_CNR_MODES),
-                              ("backward_matmul_precision", BACKWARD_MATMUL_PRECISIONS)):
+        for name, allowed in FIELD_CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"Numerics.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")

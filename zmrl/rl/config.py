@@ -12,12 +12,7 @@ if TYPE_CHECKING:
 
 from zmrl.extras import require
 
-from zmrl.kernels_batch_invariant.numerics import (
-    BACKWARD_MATMUL_PRECISIONS,
-    KDA_FORMS,
-    KDA_RECURRENT_LAUNCHES,
-    MLA_MMA_ROWS,
-)
+from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS, FIELD_CHOICES
 from zmrl.model.recompute import RECOMPUTE_POLICIES
 
 
@@ -52,7 +47,7 @@ class ModelSection:
 
 # The model's numerics choices a recipe may set (null: the process's own): field -> allowed values.
 MODEL_NUMERICS_CHOICES: dict[str, tuple[str, ...]] = {
-    "kda_form": KDA_FORMS, "kda_recurrent_launch": KDA_RECURRENT_LAUNCHES, "mla_mma_rows": MLA_MMA_ROWS}
+    name: FIELD_CHOICES[name] for name in ("kda_form", "kda_recurrent_launch", "mla_mma_rows")}
 
 
 @dataclass
