@@ -24,7 +24,8 @@
 #   matmul        the GEMM tests (row invariance of the split and split-K products, sm_90 IR of every variant);
 #   expert_grads  the Triton MoE backward (vs float64, vs the torch path, timing);
 #   lora          lora_gemms.py;   lora_sweep  its tile-config sweep at decode sizes (bits checked);
-#   decode_lora   the graph decode step with LoRA r = 32;
+#   decode_lora   the graph decode step with LoRA r = 32;   decode_ab  the same on BASE_TREE first, then on this tree;
+#   launch_cuts   the GPU tests of the row-wise kernels that read rows in place and of the one-launch pointwise ops;
 #   parity        the bench-shape parity test;   bitwise  the ZMRL_TEST_DEVICE=cuda parity suite;
 #   rollout_rl    the RL-shaped rollout (64 prompts x 8 samples, 512-token prompts, <= 1024 new tokens);
 #   bwd_bf16      the backward's bf16-operand paths (MLA attention stages, MLA backward, MoE expert backward);
@@ -206,6 +207,19 @@ has lora && step lora_gemms "${T_LORA:-150}" $PY benchmarks/lora_gemms.py --comp
 
 has lora_sweep && step lora_sweep "${T_LORA_SWEEP:-240}" $PY benchmarks/lora_gemms.py --ms 1,64,256 --sweep \
   --out "$OUT/lora_sweep.json"
+
+# decode_ab: the same decode benchmark on a baseline tree first (BASE_TREE: a `git archive` of the last measured
+# commit, carried with the call), so the two figures come from one machine.
+has decode_ab && [ -n "${BASE_TREE:-}" ] && step decode_base "${T_DECODE_LORA:-200}" env PYTHONPATH="$BASE_TREE" \
+  $PY "$BASE_TREE/benchmarks/decode_throughput.py" --batches 1,64,256 --contexts 8192 --modes graph --lora 32 \
+  --profile-ctx 8192 --profile-batches 1,256 --out "$OUT/decode_base.json"
+has decode_ab && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
+  --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 1,256 ${DECODE_ARGS:-} --out "$OUT/decode_lora.json"
+# launch_cuts: the GPU tests of the kernels that read rows in place and of the one-launch pointwise ops.
+has launch_cuts && step gpu_tests_launch_cuts "${T_LAUNCH_CUTS:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+  tests/kernels/triton/test_l2norm.py tests/kernels/triton/test_norms.py tests/kernels/triton/test_short_conv.py \
+  tests/kernels/triton/test_pointwise.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_kda_decode_step.py \
+  tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_static_kv_len.py tests/kernels/triton/test_rowwise_grads.py
 
 has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
   --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 ${DECODE_ARGS:-} --out "$OUT/decode_lora.json"

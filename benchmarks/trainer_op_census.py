@@ -37,6 +37,7 @@ import argparse
 import collections
 import contextlib
 import logging
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -97,6 +98,22 @@ def _site() -> str | None:
     return None
 
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _in_interpreter() -> bool:
+    """Whether Triton's interpreter (running a kernel on CPU tensors) issued the op being dispatched."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename.endswith(_INTERPRETER_FILE):
+            return True
+        f = f.f_back
+    return False
+
+
+_INTERPRETER_FILE = "triton/runtime/interpreter.py"
+
+
 class OpCensus(TorchDispatchMode):
     """Counts every aten op by (phase, op, dtype, scope) with its call sites."""
 
@@ -109,6 +126,8 @@ class OpCensus(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
+        if _INTERPRETING and _in_interpreter():
+            return out  # the interpreter's own copies of a kernel's arguments: on a GPU, the kernel
         name = func.overloadpacket.__name__
         outs = _tensors(out)
         view = bool(func.is_view) or name in ("view", "_unsafe_view", "alias", "detach", "as_strided", "t",

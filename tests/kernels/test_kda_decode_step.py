@@ -44,11 +44,12 @@ def load_prefix(cache: KDADecodeCache, slot: int, seq: tuple, p0: int, state: to
 
 def decode_scenario(impl, device: torch.device, *, h: int, dk: int, dv: int, lengths: list[int], starts: list[int],
                     seed: int = 0, v_dtype: torch.dtype = torch.float32, pad_rows: int = 1,
-                    reset_every: int = 0) -> int:
+                    reset_every: int = 0, strided_v: bool = False) -> int:
     """Decode several sequences together, each in its own (shuffled) slot, from position ``starts[i]`` to
     ``lengths[i]`` (sequences join and leave the batch as they start and finish), with ``pad_rows``
     padding rows pointing at a scratch slot; every ``reset_every`` steps one live slot is reloaded from the
-    eager state mid-chunk. Asserts each output row and each final state against ``kda_chunk`` (same
+    eager state mid-chunk; ``strided_v``: v a per-head view of a wider tensor (as inside the fused projection
+    output). Asserts each output row and each final state against ``kda_chunk`` (same
     backend as ``impl``) on the whole sequence; returns the number of rows compared."""
     gen = torch.Generator().manual_seed(seed)
     n = len(lengths)
@@ -94,6 +95,9 @@ def decode_scenario(impl, device: torch.device, *, h: int, dk: int, dv: int, len
         rows = [tuple(x[pos[i]] for x in dev_seqs[i]) for i in batch]
         pad = [tuple(torch.zeros_like(x) for x in rows[0]) for _ in range(pad_rows)]
         q, k, v, g, beta = (torch.stack(list(col)) for col in zip(*(rows + pad)))
+        if strided_v:
+            v = torch.cat([v.reshape(v.shape[0], -1), torch.full_like(v.reshape(v.shape[0], -1), float("nan"))],
+                          dim=1)[:, : h * dv].view(v.shape)
         positions = torch.tensor([pos[i] for i in batch] + [0] * pad_rows, dtype=torch.int64, device=device)
         slots = torch.tensor([slot_of[i] for i in batch] + [scratch] * pad_rows, dtype=torch.int64, device=device)
         with torch.no_grad():

@@ -20,7 +20,7 @@ from zmrl.kernels_batch_invariant.logprob import log_softmax, token_logprobs
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
 from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_combine_rows, moe_route, moe_sort
 from zmrl.kernels_batch_invariant.norms import layer_norm, rms_norm, rms_norm_gated
-from zmrl.kernels_batch_invariant.pointwise import relu, sigmoid, silu, softplus
+from zmrl.kernels_batch_invariant.pointwise import add_cast, relu, sigmoid, sigmoid_op, silu, softplus
 from zmrl.kernels_batch_invariant.short_conv import causal_short_conv
 from zmrl.rollout.sampling import sample_scaled
 
@@ -64,6 +64,8 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
     "silu": (silu, (_r(100_000),)),
     "softplus": (softplus, (_r(100_000),)),
     "relu": (relu, (_r(100_000),)),
+    "sigmoid_op": (sigmoid_op, (_r(100_000),)),
+    "add_cast": (add_cast, (_r(100_000), _r(100_000, dtype=BF), BF)),
     "hadamard_rotate": (hadamard_rotate, (_r(3, 4096),)),
     "quantize_fp8": (quantize_fp8, (_r(2, 16384),)),
     "dequantize_fp8": (lambda x: dequantize_fp8(*quantize_fp8(x)), (_r(2, 16384),)),

@@ -7,14 +7,20 @@ exp, log, log1p, tanh, sqrt, rsqrt (fp32) and IEEE +,-,*,/ agree on both paths
 (tests/kernels/test_pointwise.py proves it on every path), so the nonlinearities are composed
 from those, in fp32.
 
-On CUDA these stay torch compositions (no Triton kernel): torch's CUDA elementwise kernels have no
+On CUDA these building blocks stay torch compositions: torch's CUDA elementwise kernels have no
 SIMD-bulk/scalar-tail split (an element's value is the same scalar function wherever it sits; the
 vectorised path only widens the loads), so they are row-invariant already. The Triton kernels inline
 their own sigmoid/SiLU/softplus (triton/_common.py) rather than calling these.
+
+Two ops that a model calls on whole tensors are ``invariant_op`` s (``sigmoid_op``, ``add_cast``): their
+torch compositions are several elementwise launches on the GPU (sigmoid: neg, exp, add, reciprocal, mul),
+which the Triton backend (triton/pointwise.py) does in one. Elementwise either way: row-invariant.
 """
 from __future__ import annotations
 
 import torch
+
+from ._dispatch import invariant_op
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -33,3 +39,18 @@ def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
 
 def relu(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp_min(x, 0.0)
+
+
+@invariant_op
+def sigmoid_op(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` of a whole tensor (KDA's beta from its fp32 logits), in x's dtype."""
+    return sigmoid(x)
+
+
+@invariant_op
+def add_cast(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a + b.to(a.dtype)).to(out_dtype)``: b widened to a's dtype, one add, one rounding (the MoE's fp32
+    routed sum plus its shared expert, rounded to the model dtype). a and b have the same shape."""
+    if a.shape != b.shape:
+        raise ValueError(f"add_cast: a {tuple(a.shape)} and b {tuple(b.shape)} differ in shape")
+    return (a + b.to(a.dtype)).to(out_dtype)

@@ -51,9 +51,13 @@ def causal_short_conv(
     cu_seqlens: torch.Tensor,
     conv_state: torch.Tensor | None = None,
     activation: str | None = "silu",
+    seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, C] packed tokens; weight: [C, W] (or [C, 1, W]); cu_seqlens: [N+1] int64;
-    conv_state: [N, W-1, C] previous inputs, oldest first (None = zeros = sequence start).
+    """x: [T, C] packed tokens (rows may lie apart: a column slice of a wider tensor); weight: [C, W]
+    (or [C, 1, W]); cu_seqlens: [N+1] int64; conv_state: [N, W-1, C] previous inputs, oldest first
+    (None = zeros = sequence start); seq_idx: [T] the sequence of every token when the caller has it
+    (``ForwardContext.seq_idx``; it must agree with cu_seqlens): spares the device backends a lookup
+    of their own (one launch fewer per call); the values never depend on it.
 
     Returns (y [T, C] in x.dtype, new_state [N, W-1, C] in x.dtype).
     """
@@ -131,6 +135,7 @@ def causal_short_conv_fast(
     cu_seqlens: torch.Tensor,
     conv_state: torch.Tensor | None = None,
     activation: str | None = "silu",
+    seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stock kernels: gather each token's window, contract it with the weights (einsum), F.silu."""
     if activation not in (None, "silu"):

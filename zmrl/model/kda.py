@@ -11,12 +11,12 @@ from zmrl.kernels_batch_invariant.kda import CHUNK_SIZE, kda_chunk, kda_decode_s
 from zmrl.kernels_batch_invariant.kda_gate import kda_gate
 from zmrl.kernels_batch_invariant.l2norm import l2_norm
 from zmrl.kernels_batch_invariant.norms import rms_norm_gated
-from zmrl.kernels_batch_invariant.pointwise import sigmoid
+from zmrl.kernels_batch_invariant.pointwise import sigmoid_op
 from zmrl.kernels_batch_invariant.short_conv import causal_short_conv
 
 from .config import ModelConfig
 from .context import ForwardContext, KDASeqState
-from .layers import Linear, RMSNorm, Weight, project
+from .layers import Linear, RMSNorm, Weight, joined_columns, project
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class KimiDeltaAttention(nn.Module):
         (its low-rank input, or the full-rank gate itself). beta's fp32 logits stay a separate product."""
         gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
         q, k, v, f_a, gate_in = project(x, [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate])
-        return _Projected(qkv=torch.cat([q, k, v], dim=-1), f_a=f_a, gate_in=gate_in)
+        return _Projected(qkv=joined_columns([q, k, v]), f_a=f_a, gate_in=gate_in)
 
     def _conv_weight(self) -> torch.Tensor:
         """The depthwise conv weights of q|k|v side by side [3*H*dk, W]."""
@@ -87,7 +87,7 @@ class KimiDeltaAttention(nn.Module):
         q = l2_norm(q.view(T, H, K), out_dtype=torch.float32)
         k = l2_norm(k.view(T, H, K), out_dtype=torch.float32)
         g = kda_gate(self.f_b_proj(p.f_a), self.A_log, self.dt_bias, H, self.lower_bound)
-        beta = sigmoid(self.b_proj(x, out_dtype=torch.float32))
+        beta = sigmoid_op(self.b_proj(x, out_dtype=torch.float32))
         return q, k, v.view(T, H, K), g, beta
 
     def _output(self, o: torch.Tensor, x: torch.Tensor, p: "_Projected") -> torch.Tensor:
@@ -109,7 +109,8 @@ class KimiDeltaAttention(nn.Module):
         if any(s.conv is not None for s in states):
             conv_in = torch.stack([s.conv if s.conv is not None else qkv_in.new_zeros(self.conv_size - 1, qkv_in.shape[-1])
                                    for s in states])
-        qkv, conv_out = causal_short_conv(qkv_in, conv_w, ctx.cu_seqlens, conv_in, activation="silu")
+        qkv, conv_out = causal_short_conv(qkv_in, conv_w, ctx.cu_seqlens, conv_in, activation="silu",
+                                          seq_idx=ctx.seq_idx)
         q, k, v, g, beta = self._features(qkv, x, p)
 
         o = self._chunked(q, k, v, g, beta, ctx, states)
@@ -132,7 +133,7 @@ class KimiDeltaAttention(nn.Module):
         slots = ctx.kda_slots
         p = self._project(x)
         qkv, conv_out = causal_short_conv(p.qkv, self._conv_weight(), ctx.cu_seqlens, pool.conv[slots],
-                                          activation="silu")
+                                          activation="silu", seq_idx=ctx.seq_idx)
         pool.conv[slots] = conv_out
         q, k, v, g, beta = self._features(qkv, x, p)
         o = kda_decode_step(q, k, v, g, beta, ctx.positions, slots, pool.chunk)

@@ -92,6 +92,21 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
     return out
 
 
+def joined_columns(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts, dim=-1)`` for 2-D parts; when they are adjacent column views of one tensor (as
+    ``project``'s outputs are), that tensor's column slice instead: the same values, no copy (one launch
+    fewer at decode). Autograd sees a slice of the tensor the parts were split from."""
+    base = parts[0]._base
+    if (base is not None and base.dim() == 2 and all(p.dim() == 2 and p._base is base for p in parts)
+            and all(p.stride() == base.stride() for p in parts)):
+        elt = base.element_size()
+        offsets = [(p.data_ptr() - base.data_ptr()) // elt for p in parts]
+        widths = [p.shape[1] for p in parts]
+        if all(b == a + w for a, w, b in zip(offsets, widths, offsets[1:])) and 0 <= offsets[0] < base.shape[1]:
+            return base.narrow(1, offsets[0], sum(widths))
+    return torch.cat(list(parts), dim=-1)
+
+
 def _adapter_terms(x: torch.Tensor, adapters: list[nn.Module],
                    widths: list[int]) -> LoraUpConcat | list[torch.Tensor]:
     """The adapters' terms for x: one ``LoraUpConcat`` (their deltas as up factors, for the GEMM's epilogue)

@@ -10,6 +10,7 @@ from torch import nn
 
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
+from zmrl.kernels_batch_invariant.pointwise import add_cast
 from zmrl.kernels_batch_invariant.moe_router import moe_combine_rows, moe_route, moe_sort
 
 from .config import ModelConfig
@@ -128,7 +129,7 @@ class MoE(nn.Module):
             h = routed.to(x.dtype) if self.latent_norm is None else self.latent_norm(routed, out_dtype=x.dtype)
             routed = self.latent_up_proj(h, out_dtype=torch.float32)
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(x).float()
+            return add_cast(routed, self.shared_experts(x), x.dtype)  # fp32 sum, one rounding
         return routed.to(x.dtype)
 
     def _device_dispatch(self, x: torch.Tensor) -> bool:

@@ -58,6 +58,18 @@ def test_glu_dtypes_errors_invariance(device, interpret, op, ref) -> None:
 
 
 @pytest.mark.parametrize("op,ref", OPS, ids=["swiglu", "situ_glu"])
+def test_glu_reads_fused_halves_in_place(device, interpret, op, ref) -> None:
+    """gate and up as the two column halves of one fused projection output (the shared expert's gate|up):
+    the bits of contiguous copies, in 2-D and with leading dims."""
+    fused = randn(5, 2 * 96, device=device, seed=11, scale=4.0, dtype=torch.bfloat16)
+    g, u = fused[:, :96], fused[:, 96:]
+    assert torch.equal(triton_impl(op)(g, u), triton_impl(op)(g.contiguous(), u.contiguous()))
+    g3, u3 = fused.view(5, 2, 96)[:, 0:1], fused.view(5, 2, 96)[:, 1:2]
+    assert torch.equal(triton_impl(op)(g3, u3, torch.float32),
+                       triton_impl(op)(g3.contiguous(), u3.contiguous(), torch.float32))
+
+
+@pytest.mark.parametrize("op,ref", OPS, ids=["swiglu", "situ_glu"])
 def test_glu_gradient(device, interpret, op, ref) -> None:
     g, u = _inputs(4, 33, device, seed=5)
     g.requires_grad_(True)

@@ -17,13 +17,13 @@ from ..test_kda_decode_step import decode_scenario, sequence_inputs
 pytestmark = [pytest.mark.gpu, pytest.mark.triton, pytest.mark.usefixtures("kda_form")]
 
 
-@pytest.mark.parametrize("reset_every", [0, 7])
-def test_rows_equal_one_shot_kda_chunk(device, interpret, reset_every):
+@pytest.mark.parametrize("reset_every,strided_v", [(0, False), (7, False), (0, True)])
+def test_rows_equal_one_shot_kda_chunk(device, interpret, reset_every, strided_v):
     h, dk, dv = (1, 16, 16) if interpret else (16, 128, 128)
     lengths, starts = ([70, 131, 3], [60, 60, 0]) if interpret else ([200, 131, 70, 64, 129], [0, 62, 5, 63, 100])
     v_dtype = torch.float32 if interpret else torch.bfloat16
     n = decode_scenario(triton_impl(kda_decode_step), device, h=h, dk=dk, dv=dv, lengths=lengths, starts=starts,
-                        seed=11, v_dtype=v_dtype, pad_rows=2, reset_every=reset_every)
+                        seed=11, v_dtype=v_dtype, pad_rows=2, reset_every=reset_every, strided_v=strided_v)
     assert n == sum(L - s for L, s in zip(lengths, starts))
 
 

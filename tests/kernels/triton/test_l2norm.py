@@ -36,6 +36,17 @@ def test_l2_norm_rows_invariant(device, interpret) -> None:
     assert_rows_invariant(lambda a: triton_impl(l2_norm)(a, 1e-6, torch.float32), [x3], batch_sizes(interpret))
 
 
+def test_l2_norm_reads_rows_in_place(device, interpret) -> None:
+    """q and k as per-head views inside the fused q|k|v projection output, and a column slice: the bits of
+    the contiguous copies (the kernel reads the rows where they lie instead of copying them first)."""
+    t, h, d = 5, 3, 32
+    qkv = randn(t, 3 * h * d, device=device, seed=4, dtype=torch.bfloat16)
+    for part in (qkv[:, : h * d].view(t, h, d), qkv[:, h * d: 2 * h * d].view(t, h, d), qkv[:, 7: 7 + d]):
+        got = triton_impl(l2_norm)(part, 1e-6, torch.float32)
+        assert got.is_contiguous() and got.shape == part.shape
+        assert torch.equal(got, triton_impl(l2_norm)(part.contiguous(), 1e-6, torch.float32))
+
+
 def test_l2_norm_gradient(device, interpret) -> None:
     x = randn(4, 3, 33, device=device, seed=3).requires_grad_(True)
     gy = randn(4, 3, 33, device=device, seed=4)

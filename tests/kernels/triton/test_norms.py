@@ -80,6 +80,21 @@ def test_rows_invariant(device, interpret) -> None:
         assert_rows_invariant(lambda a, g: triton_impl(rms_norm_gated)(a, g, w, EPS), [x, gate], sizes)
 
 
+def test_rms_norms_read_rows_in_place(device, interpret) -> None:
+    """A column slice of a fused projection's output (MLA's q_a / c_kv) and per-head views: the bits of the
+    contiguous copies."""
+    t, d = 5, 48
+    fused = randn(t, 3 * d + 5, device=device, seed=21, dtype=torch.bfloat16)
+    w = randn(d, device=device, seed=22, dtype=torch.bfloat16)
+    x = fused[:, 5: 5 + d]
+    assert torch.equal(triton_impl(rms_norm)(x, w, EPS), triton_impl(rms_norm)(x.contiguous(), w, EPS))
+    x3, g3 = fused[:, : 2 * 16].view(t, 2, 16), fused[:, 2 * 16: 4 * 16].view(t, 2, 16)
+    wg = randn(16, device=device, seed=23)
+    got = triton_impl(rms_norm_gated)(x3, g3, wg, EPS, torch.float32)
+    assert torch.equal(got, triton_impl(rms_norm_gated)(x3.contiguous(), g3.contiguous(), wg, EPS, torch.float32))
+    assert torch.equal(triton_impl(rms_norm_gated)(x3, g3.contiguous(), wg, EPS, torch.float32), got)
+
+
 def test_gradients(device, interpret) -> None:
     d, n = (33, 4) if interpret else (2048, 16)
     x = randn(n, d, device=device, seed=0, scale=2.0).requires_grad_(True)

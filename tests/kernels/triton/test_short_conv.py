@@ -89,6 +89,21 @@ def test_pack_and_chunk_invariance(device, interpret) -> None:
         assert torch.equal(torch.cat(outs), alone[i][0]) and torch.equal(st, alone[i][1])
 
 
+def test_rows_in_place_and_given_sequence_index(device, interpret) -> None:
+    """x as a column slice of a wider tensor (q|k|v inside the fused projection output) and the caller's
+    token -> sequence map: the bits of a contiguous x with the kernel's own lookup."""
+    lens, c = [3, 1, 5], 24
+    cu = _cu(lens, device)
+    wide = randn(sum(lens), c + 10, device=device, seed=31, dtype=torch.bfloat16)
+    x = wide[:, :c]
+    w = randn(c, W, device=device, seed=32, dtype=torch.bfloat16)
+    st = randn(len(lens), W - 1, c, device=device, seed=33, dtype=torch.bfloat16)
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    y0, s0 = _conv(x.contiguous(), w, cu, st)
+    y1, s1 = _conv(x, w, cu, st, "silu", seq)
+    assert torch.equal(y0, y1) and torch.equal(s0, s1)
+
+
 def test_gradients(device, interpret) -> None:
     c = 6
     lens = [2, 5]

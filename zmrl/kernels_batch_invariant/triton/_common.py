@@ -10,6 +10,7 @@ rows, so every row of every call runs the same instruction sequence (docs/numeri
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -61,6 +62,40 @@ def compute_in_fp64(*tensors: torch.Tensor | None) -> bool:
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> contiguous [R, D] (a view when already contiguous)."""
     return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+@dataclass(frozen=True)
+class RowView:
+    """The rows of x [..., D] where they lie, for a row kernel: row r starts
+    ``(r // group) * group_stride + (r % group) * row_stride`` elements after ``base``'s first element, and its
+    D columns are adjacent. Covers a column slice of a 2-D tensor (group 1) and a per-head view
+    [T, H, D] of one (group H), e.g. q and k inside a fused projection's output, with no copy."""
+
+    base: torch.Tensor
+    rows: int
+    group: int
+    group_stride: int
+    row_stride: int
+
+
+def row_view(x: torch.Tensor) -> RowView:
+    """x [..., D] as a ``RowView``: in place when its last dim is unit-stride and its leading dims form at
+    most two strided levels, else a contiguous copy (``as_rows``)."""
+    d = x.shape[-1]
+    if x.dim() >= 2 and (x.stride(-1) == 1 or d == 1):
+        lead = x.shape[:-1]
+        if x.dim() == 2:
+            return RowView(x, lead[0], 1, x.stride(0), x.stride(0))
+        if x.dim() == 3:
+            return RowView(x, lead[0] * lead[1], lead[1], x.stride(0), x.stride(1))
+    x2 = as_rows(x)
+    return RowView(x2, x2.shape[0], 1, d, d)
+
+
+@triton.jit
+def row_offset(row, group, group_stride, row_stride):
+    """Element offset of row ``row`` of a ``RowView`` (int64)."""
+    return (row // group) * group_stride + (row % group) * row_stride
 
 
 @triton.jit

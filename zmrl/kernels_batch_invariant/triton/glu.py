@@ -25,12 +25,16 @@ situ_glu = _ops.situ_glu
 
 
 @triton.jit
-def _glu_kernel(g_ptr, u_ptr, y_ptr, n, beta, linear_beta, SITU: tl.constexpr, CAP_UP: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _glu_kernel(g_ptr, u_ptr, y_ptr, n, width, g_stride, u_stride, beta, linear_beta, SITU: tl.constexpr,
+                CAP_UP: tl.constexpr, BLOCK: tl.constexpr):
+    """y [n / width, width] contiguous; gate and up rows ``g_stride`` / ``u_stride`` elements apart (the two
+    column halves of a fused gate|up projection output are read where they lie)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    row = offs // width
+    col = offs - row * width
+    g = tl.load(g_ptr + row * g_stride + col, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_stride + col, mask=m, other=0.0).to(tl.float32)
     if SITU:
         if CAP_UP:
             u = linear_beta * tanh(u / linear_beta)
@@ -42,14 +46,22 @@ def _glu_kernel(g_ptr, u_ptr, y_ptr, n, beta, linear_beta, SITU: tl.constexpr, C
 
 def _launch(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None, situ: bool, beta: float = 4.0,
             linear_beta: float | None = 25.0) -> torch.Tensor:
-    g, u = gate.contiguous(), up.contiguous()
+    g, u = _rows(gate), _rows(up)
     y = torch.empty(gate.shape, dtype=out_dtype or gate.dtype, device=gate.device)
-    n = g.numel()
+    n = y.numel()
     if n:
+        width = gate.shape[-1]
         _glu_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](
-            g, u, y, n, float(beta), float(linear_beta or 1.0), SITU=situ, CAP_UP=linear_beta is not None,
-            BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS)
+            g, u, y, n, width, g.stride(0), u.stride(0), float(beta), float(linear_beta or 1.0), SITU=situ,
+            CAP_UP=linear_beta is not None, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS)
     return y
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [R, width] rows with adjacent columns: in place when it is (a column slice, e.g. the gate or up half
+    of a fused projection output), else a contiguous copy."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
 
 
 @swiglu.register("triton")

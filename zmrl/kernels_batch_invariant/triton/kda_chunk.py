@@ -70,7 +70,7 @@ from ..numerics import kda_dot_precision, kda_form
 from ._common import cdiv, next_pow2
 from .kda_chunk_bwd import with_fla_backward
 from .kda_recurrent import (recurrent_chunk_step, recurrent_decode_prime, recurrent_decode_step, recurrent_forward,
-                            stage_new_row)
+                            rows_in_place, stage_new_row)
 
 _SUB = 16  # sub-block rows of the intra-chunk A products (the off-diagonal factorisation)
 
@@ -618,12 +618,13 @@ def _decode_prep_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr,  # the new rows [N, H, dk | dv | dk], [N, H]
     ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,  # the cache's chunk rows [S, 64, H, ...]
     cinfo_ptr, sinfo_ptr,  # out: [N, 6] chunk and sequence tables
+    v_stride,  # elements between v's rows
     HK: tl.constexpr, HV: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr,
 ):
     """Per sequence: store the new row at its chunk row in the cache and write the kernels' tables."""
     i = tl.program_id(0)
     slot, r, _ = stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,
-                               HK, HV, H, BLOCK, C)
+                               v_stride, HK, HV, H, BLOCK, C)
     row0 = tl.minimum(tl.load(solved_ptr + slot), r)
     tl.store(solved_ptr + slot, r + 1)
     s32 = slot.to(tl.int32)
@@ -675,10 +676,11 @@ def kda_decode_step_triton(
     c = CHUNK_SIZE
     cfg = _launch_config(dk, dv)
     info = torch.empty(2, n, _INFO_COLS, dtype=torch.int32, device=dev)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, g, beta = (x.contiguous() for x in (q, k, g, beta))
+    v = rows_in_place(v)
     block = max(next_pow2(h), 1024)
     _decode_prep_kernel[(n,)](positions, slots, cache.solved, k, v, g, beta, cache.k, cache.v, cache.g, cache.beta,
-                              info[0], info[1], HK=h * dk, HV=h * dv, H=h, BLOCK=block, C=c, num_warps=4)
+                              info[0], info[1], v.stride(0), HK=h * dk, HV=h * dv, H=h, BLOCK=block, C=c, num_warps=4)
     qg = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
     kd = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
     a_qk = torch.empty(n, h, c, c, dtype=torch.float32, device=dev)

@@ -163,6 +163,16 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
+def rows_in_place(v: torch.Tensor) -> torch.Tensor:
+    """v [N, H, dv] as it is when each row's H * dv values are adjacent (v inside the fused projection's
+    output: only the row stride differs), else a contiguous copy. The one kernel that reads it copies each row
+    into the cache (``stage_new_row``)."""
+    n, h, dv = v.shape
+    if v.stride(2) == 1 and v.stride(1) == dv:
+        return v
+    return v.contiguous()
+
+
 def run_table(*, tok0, nrows, qtok0, out0, in_row, run_row, pos0, cs_row0, fin_row) -> torch.Tensor:
     """[N, INFO_COLS] int32 run table from its columns ([N] tensors, or lists built on the host); -1 = none."""
     cols = (tok0, nrows, qtok0, out0, in_row, run_row, pos0, cs_row0, fin_row)
@@ -228,6 +238,7 @@ def _decode_rows_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr,  # the new rows [N, H, dk | dv | dk], [N, H]
     ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,  # the cache's chunk rows [S, 64, H, ...]
     info_ptr,  # out: [N, 9] run table
+    v_stride,  # elements between v's rows
     HK: tl.constexpr, HV: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr,
 ):
     """Per sequence: store the new row at its chunk row in the cache, count it as folded into the running
@@ -235,7 +246,7 @@ def _decode_rows_kernel(
     row i of the step, the chunk-end state (when the row completes the chunk) to the cache's state."""
     i = tl.program_id(0)
     slot, r, dst = stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr,
-                                 cbeta_ptr, HK, HV, H, BLOCK, C)
+                                 cbeta_ptr, v_stride, HK, HV, H, BLOCK, C)
     tl.store(solved_ptr + slot, r + 1)
     s32 = slot.to(tl.int32)
     info = info_ptr + i * 9
@@ -251,11 +262,11 @@ def _decode_rows_kernel(
 
 
 @triton.jit
-def stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,
+def stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr, v_stride,
                   HK: tl.constexpr, HV: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr):
     """A decode step's sequence i: its slot and chunk row r = position % C, and its new k, v, g, beta ([N, H, d] /
-    [N, H]) copied to that row of the slot's cached chunk. Returns (slot, r, the row's token index in the
-    cache's [S * C, H, d] view)."""
+    [N, H]; v's rows ``v_stride`` elements apart, so it is read where the projection left it) copied to that
+    row of the slot's cached chunk. Returns (slot, r, the row's token index in the cache's [S * C, H, d] view)."""
     slot = tl.load(slot_ptr + i)
     r = (tl.load(pos_ptr + i) % C).to(tl.int32)
     dst = slot * C + r
@@ -267,7 +278,7 @@ def stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, c
     for b in tl.static_range(0, HV, BLOCK):
         e = b + tl.arange(0, BLOCK)
         m = e < HV
-        tl.store(cv_ptr + dst * HV + e, tl.load(v_ptr + i * HV + e, mask=m).to(cv_ptr.dtype.element_ty), mask=m)
+        tl.store(cv_ptr + dst * HV + e, tl.load(v_ptr + i * v_stride + e, mask=m).to(cv_ptr.dtype.element_ty), mask=m)
     hb = tl.arange(0, BLOCK)
     mb = hb < H
     tl.store(cbeta_ptr + dst * H + hb, tl.load(beta_ptr + i * H + hb, mask=mb).to(cbeta_ptr.dtype.element_ty), mask=mb)
@@ -289,10 +300,11 @@ def recurrent_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         return o
     if v.dtype != cache.v.dtype:
         raise ValueError(f"kda_decode_step: v is {v.dtype}, the cache holds {cache.v.dtype}")
-    q, k, v, g, beta = (_aligned(x) for x in (q, k, v, g, beta))
+    q, k, g, beta = (_aligned(x) for x in (q, k, g, beta))
+    v = rows_in_place(v)
     info = torch.empty(n, INFO_COLS, dtype=torch.int32, device=dev)
     _decode_rows_kernel[(n,)](positions, slots, cache.solved, k, v, g, beta, cache.k, cache.v, cache.g, cache.beta,
-                              info, HK=h * dk, HV=h * dv, H=h, BLOCK=max(next_pow2(h), 1024), C=CHUNK_SIZE,
+                              info, v.stride(0), HK=h * dk, HV=h * dv, H=h, BLOCK=max(next_pow2(h), 1024), C=CHUNK_SIZE,
                               num_warps=4)
     _launch(q, *cache.flat_rows(), o, cache.run_state, cache.run_state, cache.state, cache.state, info, scale, h, dk, dv)
     return o

@@ -14,25 +14,26 @@ import triton.language as tl
 from .. import l2norm as _ops
 from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
-from ._common import as_rows, compute_in_fp64, row_block, row_warps
+from ._common import compute_in_fp64, row_block, row_offset, row_view, row_warps
 
 l2_norm = _ops.l2_norm
 
 
 @triton.jit
-def _l2_norm_kernel(x_ptr, y_ptr, D, eps, BLOCK: tl.constexpr):
+def _l2_norm_kernel(x_ptr, y_ptr, D, eps, group, group_stride, row_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row_offset(row, group, group_stride, row_stride)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, D, BLOCK):
         c = start + cols
-        x = tl.load(x_ptr + row * D + c, mask=c < D, other=0.0).to(tl.float32)
+        x = tl.load(x_row + c, mask=c < D, other=0.0).to(tl.float32)
         acc += x * x
     den = tl.sqrt(tl.sum(acc, axis=0) + eps)
     for start in range(0, D, BLOCK):
         c = start + cols
         m = c < D
-        x = tl.load(x_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * D + c, (x / den).to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -42,9 +43,10 @@ def l2_norm_triton(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | 
     if compute_in_fp64(x):
         return l2_norm.impls["torch"](x, eps, out_dtype)
     d = x.shape[-1]
-    x2 = as_rows(x)
-    y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
-    if x2.shape[0] and d:
+    xv = row_view(x)  # q / k read where they lie in the fused projection's output: no copy
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if xv.rows and d:
         block = row_block(d)
-        _l2_norm_kernel[(x2.shape[0],)](x2, y, d, float(eps), BLOCK=block, num_warps=row_warps(block))
-    return y.reshape(x.shape)
+        _l2_norm_kernel[(xv.rows,)](xv.base, y, d, float(eps), xv.group, xv.group_stride, xv.row_stride,
+                                    BLOCK=block, num_warps=row_warps(block))
+    return y

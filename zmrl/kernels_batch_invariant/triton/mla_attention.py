@@ -259,6 +259,17 @@ def _split_extent(qi, sp, kp_ptr, kp_stride, L, qpos_ptr, SPLIT: tl.constexpr, B
     return start, qpos, tl.cdiv(n_keys, BLOCK_N)
 
 
+@triton.jit
+def _program_coords(N_HG: tl.constexpr):
+    """(query, head group, split) of a split-kernel program. The head groups of one query are adjacent
+    programs (grid dim 0 is query * N_HG + head group; dim 1 the split): they gather the same key rows,
+    and running them side by side lets the second read those rows from L2 rather than HBM (with the
+    head groups on their own grid dim, a query's second group ran a whole grid row after its first,
+    long after its rows had left L2). Scheduling only: every program computes what it computed before."""
+    pid = tl.program_id(0).to(tl.int64)
+    return pid // N_HG, (pid % N_HG).to(tl.int32), tl.program_id(1)
+
+
 # Integers that vary with the batch or the cache layout are not specialised (Triton would otherwise
 # compile a variant per "divisible by 16" / "== 1" value): one compiled kernel per model shape.
 @triton.jit(do_not_specialize=["H", "page_size", "bt_stride", "kp_stride", "L", "num_splits"])
@@ -268,11 +279,9 @@ def _mla_split_kernel(
     scale, H, page_size, bt_stride, kp_stride, L, num_splits,
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
 ):
-    qi = tl.program_id(0).to(tl.int64)
-    hg = tl.program_id(1)
-    sp = tl.program_id(2)
+    qi, hg, sp = _program_coords(N_HG)
     D: tl.constexpr = DC + DR
 
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -364,11 +373,9 @@ def _mla_split_kernel_keys_rows(
     scale, H, page_size, bt_stride, kp_stride, L, num_splits,
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
 ):
-    qi = tl.program_id(0).to(tl.int64)
-    hg = tl.program_id(1)
-    sp = tl.program_id(2)
+    qi, hg, sp = _program_coords(N_HG)
     D: tl.constexpr = DC + DR
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
@@ -551,11 +558,11 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     n_hg = cdiv(h, cfg.block_h)
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, _next_pow2(dr)),
                   BLOCK_H=cfg.block_h, BLOCK_N=KEY_BLOCK, SPLIT=SPLIT_KEYS, DENSE=dense,
-                  SPLIT_BF16=split_bf16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  SPLIT_BF16=split_bf16, N_HG=n_hg, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     scale = float(softmax_scale)
     if num_splits == 1:
         # The one split is the whole list: write o directly (bitwise what the combine would give).
-        split_kernel[(nq, n_hg, 1)](
+        split_kernel[(nq * n_hg, 1)](
             q, q_hi, q_lo, kv, bt, sidx, kp, qpos, out, out, out, out,
             scale, h, page_size, bt.stride(0), kp_stride, width, 1, DIRECT=True, **consts)
         return out
@@ -570,7 +577,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         n = c1 - c0
         qpos_c = qpos[c0:c1] if dense else qpos
         kp_c = kp[c0:c1] if not dense else kp
-        split_kernel[(n, n_hg, num_splits)](
+        split_kernel[(n * n_hg, num_splits)](
             q[c0:c1], q_hi[c0:c1], q_lo[c0:c1], kv, bt, sidx[c0:c1], kp_c, qpos_c, out, m_buf, l_buf, acc_buf,
             scale, h, page_size, bt.stride(0), kp_stride, width, num_splits, DIRECT=False, **consts)
         _mla_combine_kernel[(n, n_hg)](

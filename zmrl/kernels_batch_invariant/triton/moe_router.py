@@ -150,7 +150,9 @@ def moe_route_triton(
     if x.dtype == torch.float64:  # gradchecks only: the torch backend computes in fp64
         return moe_route.impls["torch"](x, gate_weight, correction_bias, top_k, n_group, topk_group,
                                         norm_topk_prob, routed_scaling_factor)
-    logits = linear(x.to(torch.float32), gate_weight.to(torch.float32), out_dtype=torch.float32).contiguous()
+    # fp32 logits straight from the stored dtypes (bf16 x bf16 products are exact in fp32): no upcast copies of
+    # x and of the [E, D] weight per call, and no split-K pass.
+    logits = linear(x, gate_weight, out_dtype=torch.float32).contiguous()
     bias = correction_bias.detach().to(torch.float32).contiguous() if correction_bias is not None else None
     args = (top_k, n_group, topk_group, bool(norm_topk_prob), float(routed_scaling_factor))
     if torch.is_grad_enabled() and logits.requires_grad:

@@ -20,7 +20,7 @@ from .. import norms as _ops
 from .. import grads as _grads
 from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
-from ._common import as_rows, compute_in_fp64, row_block, row_warps, sigmoid
+from ._common import as_rows, compute_in_fp64, row_block, row_offset, row_view, row_warps, sigmoid
 
 rms_norm = _ops.rms_norm
 layer_norm = _ops.layer_norm
@@ -28,10 +28,11 @@ rms_norm_gated = _ops.rms_norm_gated
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, D, eps,
+def _rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, D, eps, group, x_gs, x_rs, g_gs, g_rs,
                      HAS_W: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    """x and the gate are ``RowView`` s of one row grouping (``group``), each with its own strides."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * D
+    x_row = x_ptr + row_offset(row, group, x_gs, x_rs)
     y_row = y_ptr + row * D
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -48,7 +49,7 @@ def _rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, D, eps,
         if HAS_W:
             y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
         if GATED:
-            y = y * sigmoid(tl.load(g_ptr + row * D + c, mask=m, other=0.0).to(tl.float32))
+            y = y * sigmoid(tl.load(g_ptr + row_offset(row, group, g_gs, g_rs) + c, mask=m, other=0.0).to(tl.float32))
         tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -94,20 +95,23 @@ def _check_param(p: torch.Tensor | None, d: int, what: str, op: str) -> torch.Te
 def _rms_launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
                 out_dtype: torch.dtype | None, op: str) -> torch.Tensor:
     d = x.shape[-1]
-    x2 = as_rows(x)
+    xv = row_view(x)  # e.g. a column slice of a fused projection's output, read in place
     w = _check_param(weight, d, "weight", op)
-    g2 = None
+    gv = xv
     if gate is not None:
         if gate.shape != x.shape:
             raise ValueError(f"{op}: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ in shape")
-        g2 = as_rows(gate)
-    y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
-    if x2.shape[0] and d:
+        gv = row_view(gate)
+        if gv.group != xv.group:  # one grouping for both (the same shape gives the same, unless one was copied)
+            xv, gv = row_view(x.contiguous()), row_view(gate.contiguous())
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if xv.rows and d:
         block = row_block(d)
-        _rms_norm_kernel[(x2.shape[0],)](
-            x2, g2 if g2 is not None else x2, w if w is not None else x2, y, d, float(eps),
-            HAS_W=w is not None, GATED=g2 is not None, BLOCK=block, num_warps=row_warps(block))
-    return y.reshape(x.shape)
+        _rms_norm_kernel[(xv.rows,)](
+            xv.base, gv.base, w if w is not None else xv.base, y, d, float(eps),
+            xv.group, xv.group_stride, xv.row_stride, gv.group_stride, gv.row_stride,
+            HAS_W=w is not None, GATED=gate is not None, BLOCK=block, num_warps=row_warps(block))
+    return y
 
 
 @rms_norm.register("triton")

@@ -1,8 +1,8 @@
 """Triton depthwise causal short convolution over packed varlen sequences (KDA's q/k/v ShortConv),
 with the decode state in and out (the fast-mode backend is in ``short_conv.py``).
 
-One program per (token, channel block): the token's sequence comes from ``cu_seqlens`` (a device-side
-``searchsorted``, no host sync), and its output is ``sum_i w[:, i] * x_{t-W+1+i}`` accumulated in fp32 in
+One program per (token, channel block): the token's sequence comes from the caller's ``seq_idx`` or, without
+it, from ``cu_seqlens`` (a device-side ``searchsorted``, no host sync), and its output is ``sum_i w[:, i] * x_{t-W+1+i}`` accumulated in fp32 in
 the fixed order i = 0..W-1, where window positions before the sequence start read the sequence's
 ``conv_state`` row (or zero without a state). So a token's output depends on its own window only, and
 "one shot" and "in pieces, carrying the state" agree bitwise. A second kernel gathers each sequence's
@@ -31,7 +31,7 @@ def _block_c(c: int) -> int:
 
 
 @triton.jit
-def _short_conv_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, cu_ptr, y_ptr, C,
+def _short_conv_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, cu_ptr, y_ptr, C, SX,
                        W: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -43,7 +43,7 @@ def _short_conv_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, cu_ptr, y_ptr, C,
         # Position of this window slot in its sequence (< 0: the state), as a vector so that the
         # masks below are block-shaped.
         q = tl.zeros([BLOCK_C], dtype=tl.int64) + (t - (W - 1) + i - start)
-        xv = tl.load(x_ptr + (start + q) * C + c, mask=mc & (q >= 0), other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + (start + q) * SX + c, mask=mc & (q >= 0), other=0.0).to(tl.float32)
         if HAS_STATE:
             xs = tl.load(st_ptr + (s * (W - 1) + (W - 1) + q) * C + c, mask=mc & (q < 0), other=0.0).to(tl.float32)
             xv = tl.where(q >= 0, xv, xs)
@@ -55,7 +55,7 @@ def _short_conv_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, cu_ptr, y_ptr, C,
 
 
 @triton.jit
-def _conv_state_kernel(x_ptr, st_ptr, cu_ptr, out_ptr, C,
+def _conv_state_kernel(x_ptr, st_ptr, cu_ptr, out_ptr, C, SX,
                        W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_C: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -64,7 +64,7 @@ def _conv_state_kernel(x_ptr, st_ptr, cu_ptr, out_ptr, C,
     n = tl.load(cu_ptr + s + 1).to(tl.int64) - start
     for j in tl.static_range(W - 1):
         q = tl.zeros([BLOCK_C], dtype=tl.int64) + (n - (W - 1) + j)
-        v = tl.load(x_ptr + (start + q) * C + c, mask=mc & (q >= 0), other=0.0).to(tl.float32)
+        v = tl.load(x_ptr + (start + q) * SX + c, mask=mc & (q >= 0), other=0.0).to(tl.float32)
         if HAS_STATE:
             vs = tl.load(st_ptr + (s * (W - 1) + (W - 1) + q) * C + c, mask=mc & (q < 0), other=0.0).to(tl.float32)
             v = tl.where(q >= 0, v, vs)
@@ -79,11 +79,12 @@ def causal_short_conv_triton(
     cu_seqlens: torch.Tensor,
     conv_state: torch.Tensor | None = None,
     activation: str | None = "silu",
+    seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if activation not in (None, "silu"):
         raise ValueError(f"causal_short_conv: unsupported activation {activation!r}")
     if x.dtype == torch.float64:  # gradchecks only: the torch backend computes in fp64
-        return causal_short_conv.impls["torch"](x, weight, cu_seqlens, conv_state, activation)
+        return causal_short_conv.impls["torch"](x, weight, cu_seqlens, conv_state, activation, seq_idx)
     t, c = x.shape
     w = weight.shape[-1]
     n = cu_seqlens.numel() - 1
@@ -91,7 +92,8 @@ def causal_short_conv_triton(
         raise ValueError(f"causal_short_conv: window {w} must be >= 1")
     if conv_state is not None and tuple(conv_state.shape) != (n, w - 1, c):
         raise ValueError(f"causal_short_conv: conv_state {tuple(conv_state.shape)} must be {(n, w - 1, c)}")
-    xc = x.contiguous()
+    # Rows read where they lie (q|k|v inside the fused projection's output): only the columns must be adjacent.
+    xc = x if x.stride(-1) == 1 or c <= 1 else x.contiguous()
     wt = weight.reshape(c, w).contiguous()  # also accepts HF's [C, 1, W]
     cu = cu_seqlens.to(device=x.device, dtype=torch.int64).contiguous()
     st = conv_state.contiguous() if conv_state is not None else xc
@@ -99,12 +101,14 @@ def causal_short_conv_triton(
     new_state = torch.empty(n, w - 1, c, dtype=x.dtype, device=x.device)
     block = _block_c(c)
     if t and c:
-        # Sequence of each token: cu[s] <= t < cu[s+1]  (right=True skips empty sequences).
-        seq = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int64), right=True)
+        if seq_idx is not None:
+            seq = seq_idx.to(device=x.device, dtype=torch.int64)
+        else:  # sequence of each token: cu[s] <= t < cu[s+1]  (right=True skips empty sequences)
+            seq = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int64), right=True)
         _short_conv_kernel[(t, cdiv(c, block))](
-            xc, wt, st, seq, cu, y, c, W=w, HAS_STATE=conv_state is not None, SILU=activation == "silu",
+            xc, wt, st, seq, cu, y, c, xc.stride(0), W=w, HAS_STATE=conv_state is not None, SILU=activation == "silu",
             BLOCK_C=block, num_warps=4)
     if n and c and w > 1:
         _conv_state_kernel[(n, cdiv(c, block))](
-            xc, st, cu, new_state, c, W=w, HAS_STATE=conv_state is not None, BLOCK_C=block, num_warps=4)
+            xc, st, cu, new_state, c, xc.stride(0), W=w, HAS_STATE=conv_state is not None, BLOCK_C=block, num_warps=4)
     return y, new_state
