@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant.short_conv import causal_short_conv, causal_short_conv_ref
+from zmrl.kernels_batch_invariant.short_conv import causal_short_conv, causal_short_conv_pooled, causal_short_conv_ref
 
 from .invariance import THREAD_COUNTS
 
@@ -94,6 +94,29 @@ def test_invariant_to_packing_and_threads():
                 assert torch.equal(st2[p], st_all[s])
     finally:
         torch.set_num_threads(prev)
+
+
+def test_pooled_is_gather_conv_scatter_at_every_thread_count():
+    """The decode form (states in a pool at given rows, the weight in channel blocks, x a column slice): the
+    bits of causal_short_conv on the gathered states, the pool's rows replaced, the others untouched."""
+    lens, c = [1, 1, 3, 1], 40
+    x, weight, cu, state = make(lens, c + 6, seed=7, with_state=True)
+    x, weight = x[:, 2: 2 + c], weight[:c]
+    idx = torch.tensor([4, 0, 2, 5])
+    pool0 = torch.randn(6, W - 1, c, generator=torch.Generator().manual_seed(8))
+    want_y, want_st = causal_short_conv(x, weight, cu, pool0[idx])
+    prev = torch.get_num_threads()
+    try:
+        for threads in THREAD_COUNTS:
+            torch.set_num_threads(threads)
+            pool = pool0.clone()
+            y = causal_short_conv_pooled(x, [weight[:16], weight[16:24].unsqueeze(1), weight[24:]], cu, pool, idx)
+            assert torch.equal(y, want_y) and torch.equal(pool[idx], want_st)
+            assert torch.equal(pool[[1, 3]], pool0[[1, 3]])
+    finally:
+        torch.set_num_threads(prev)
+    with pytest.raises(ValueError, match="1 to 3 weight blocks"):
+        causal_short_conv_pooled(x, [], cu, pool, idx)
 
 
 def test_gradcheck():

@@ -7,6 +7,8 @@ first), which makes "one shot" and "in pieces, carrying the state" bitwise ident
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -80,6 +82,35 @@ def causal_short_conv(
         y = silu(y)
     new_state = src[last].to(x.dtype)  # [N, W-1, C]
     return y.to(x.dtype), new_state
+
+
+@invariant_op
+def causal_short_conv_pooled(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    conv_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+    seq_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``causal_short_conv`` as an engine's decode step runs it: the weight given as its blocks of channels
+    (``weights``: [C_s, W] or [C_s, 1, W] each, e.g. KDA's q, k and v convs; at most 3), the states kept in a
+    pool ``conv_pool`` [S, W-1, C] whose row ``state_indices[i]`` is sequence i's state, read and replaced in
+    place. Returns y [T, C]. Bitwise::
+
+        y, new = causal_short_conv(x, cat(weights), cu_seqlens, conv_pool[state_indices], activation, seq_idx)
+        conv_pool[state_indices] = new
+
+    which is this torch backend; the Triton backend indexes the pool and the weight blocks in its kernels
+    (three launches fewer: the weight concatenation, the state gather and the scatter). No autograd (the pool
+    is updated in place): the trainer calls ``causal_short_conv``."""
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"causal_short_conv_pooled: 1 to 3 weight blocks, got {len(weights)}")
+    weight = torch.cat([w.reshape(w.shape[0], w.shape[-1]) for w in weights])
+    y, new_state = causal_short_conv(x, weight, cu_seqlens, conv_pool[state_indices], activation, seq_idx)
+    conv_pool[state_indices] = new_state
+    return y
 
 
 def causal_short_conv_ref(

@@ -12,7 +12,7 @@ from zmrl.kernels_batch_invariant.kda_gate import kda_gate
 from zmrl.kernels_batch_invariant.l2norm import l2_norm
 from zmrl.kernels_batch_invariant.norms import rms_norm_gated
 from zmrl.kernels_batch_invariant.pointwise import sigmoid_op
-from zmrl.kernels_batch_invariant.short_conv import causal_short_conv
+from zmrl.kernels_batch_invariant.short_conv import causal_short_conv, causal_short_conv_pooled
 
 from .config import ModelConfig
 from .context import ForwardContext, KDASeqState
@@ -132,9 +132,9 @@ class KimiDeltaAttention(nn.Module):
         pool = ctx.kda_pool.layer(self.layer_idx)
         slots = ctx.kda_slots
         p = self._project(x)
-        qkv, conv_out = causal_short_conv(p.qkv, self._conv_weight(), ctx.cu_seqlens, pool.conv[slots],
-                                          activation="silu", seq_idx=ctx.seq_idx)
-        pool.conv[slots] = conv_out
+        # the conv states read and replaced in the pool, the q, k, v conv weights read where they are
+        qkv = causal_short_conv_pooled(p.qkv, [c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)],
+                                       ctx.cu_seqlens, pool.conv, slots, activation="silu", seq_idx=ctx.seq_idx)
         q, k, v, g, beta = self._features(qkv, x, p)
         o = kda_decode_step(q, k, v, g, beta, ctx.positions, slots, pool.chunk)
         return self._output(o, x, p)

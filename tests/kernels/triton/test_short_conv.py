@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant.short_conv import causal_short_conv, causal_short_conv_ref
+from zmrl.kernels_batch_invariant.short_conv import causal_short_conv, causal_short_conv_pooled, causal_short_conv_ref
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
 from .rowwise_helpers import randn
@@ -102,6 +102,30 @@ def test_rows_in_place_and_given_sequence_index(device, interpret) -> None:
     y0, s0 = _conv(x.contiguous(), w, cu, st)
     y1, s1 = _conv(x, w, cu, st, "silu", seq)
     assert torch.equal(y0, y1) and torch.equal(s0, s1)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+def test_pooled_is_gather_conv_scatter(device, interpret, blocks) -> None:
+    """The engine's decode form: states in a pool at shuffled rows (one token per sequence, and a longer
+    sequence), the weight as up to three channel blocks, x a column slice: y and the pool's rows are the bits
+    of causal_short_conv on the gathered states with the concatenated weight; other pool rows untouched."""
+    c = 24
+    for lens in ([1, 1, 1, 1], [1, 2, 0, 5]):
+        n = len(lens)
+        cu = _cu(lens, device)
+        x = randn(sum(lens), c + 8, device=device, seed=41, dtype=torch.bfloat16)[:, 4: 4 + c]
+        split = {1: [c], 2: [8, 16], 3: [8, 8, 8]}[blocks]
+        ws = [randn(k, 1, W, device=device, seed=42 + i, dtype=torch.bfloat16) for i, k in enumerate(split)]
+        pool = randn(n + 3, W - 1, c, device=device, seed=45, dtype=torch.bfloat16)
+        idx = torch.tensor([5, 0, 3, 1][:n], dtype=torch.int64, device=device)
+        want_y, want_st = _conv(x, torch.cat(ws).squeeze(1), cu, pool[idx].clone())
+        before = pool.clone()
+        y = triton_impl(causal_short_conv_pooled)(x, ws, cu, pool, idx)
+        assert torch.equal(y, want_y) and torch.equal(pool[idx], want_st)
+        rest = [r for r in range(n + 3) if r not in idx.tolist()]
+        assert torch.equal(pool[rest], before[rest])
+    with pytest.raises(ValueError, match="do not fit"):
+        triton_impl(causal_short_conv_pooled)(x, ws, cu, pool[:, :, :-1].contiguous(), idx)
 
 
 def test_gradients(device, interpret) -> None:

@@ -11,6 +11,8 @@ Backward: the closed form as one Triton pass (``rowwise_grads.py``, ``with_analy
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,7 @@ from ._autograd import with_analytic_backward
 from ._common import cdiv, next_pow2, silu
 
 causal_short_conv = _ops.causal_short_conv
+causal_short_conv_pooled = _ops.causal_short_conv_pooled
 
 # Channel block: a function of the channel count only.
 _MAX_BLOCK_C = 512
@@ -31,13 +34,32 @@ def _block_c(c: int) -> int:
 
 
 @triton.jit
-def _short_conv_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, cu_ptr, y_ptr, C, SX,
-                       W: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_weight(w_ptr, w1_ptr, w2_ptr, c, mc, i, C0, C01, W: tl.constexpr, W_BLOCKS: tl.constexpr):
+    """Tap i of channels c: from one [C, W] weight, or from up to three blocks of channels (C0 and C0 + C1
+    channels before the second and third)."""
+    if W_BLOCKS == 1:
+        return tl.load(w_ptr + c * W + i, mask=mc, other=0.0).to(tl.float32)
+    wv = tl.load(w_ptr + c * W + i, mask=mc & (c < C0), other=0.0).to(tl.float32)
+    wv = tl.where(c < C0, wv, tl.load(w1_ptr + (c - C0) * W + i, mask=mc & (c >= C0) & (c < C01), other=0.0).to(tl.float32))
+    if W_BLOCKS == 3:
+        wv = tl.where(c < C01, wv, tl.load(w2_ptr + (c - C01) * W + i, mask=mc & (c >= C01), other=0.0).to(tl.float32))
+    return wv
+
+
+@triton.jit
+def _short_conv_kernel(x_ptr, w_ptr, w1_ptr, w2_ptr, st_ptr, idx_ptr, seq_ptr, cu_ptr, y_ptr, C, SX, C0, C01,
+                       W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_IDX: tl.constexpr, W_BLOCKS: tl.constexpr,
+                       SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+    """HAS_IDX: sequence s's state is row idx[s] of the state tensor (a pool) instead of row s."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = c < C
     s = tl.load(seq_ptr + t).to(tl.int64)
     start = tl.load(cu_ptr + s).to(tl.int64)
+    if HAS_IDX:
+        s_row = tl.load(idx_ptr + s).to(tl.int64)
+    else:
+        s_row = s
     y = tl.zeros([BLOCK_C], dtype=tl.float32)
     for i in tl.static_range(W):
         # Position of this window slot in its sequence (< 0: the state), as a vector so that the
@@ -45,9 +67,9 @@ def _short_conv_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, cu_ptr, y_ptr, C, SX,
         q = tl.zeros([BLOCK_C], dtype=tl.int64) + (t - (W - 1) + i - start)
         xv = tl.load(x_ptr + (start + q) * SX + c, mask=mc & (q >= 0), other=0.0).to(tl.float32)
         if HAS_STATE:
-            xs = tl.load(st_ptr + (s * (W - 1) + (W - 1) + q) * C + c, mask=mc & (q < 0), other=0.0).to(tl.float32)
+            xs = tl.load(st_ptr + (s_row * (W - 1) + (W - 1) + q) * C + c, mask=mc & (q < 0), other=0.0).to(tl.float32)
             xv = tl.where(q >= 0, xv, xs)
-        wv = tl.load(w_ptr + c * W + i, mask=mc, other=0.0).to(tl.float32)
+        wv = _conv_weight(w_ptr, w1_ptr, w2_ptr, c, mc, i, C0, C01, W, W_BLOCKS)
         y += xv * wv
     if SILU:
         y = silu(y)
@@ -55,20 +77,60 @@ def _short_conv_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, cu_ptr, y_ptr, C, SX,
 
 
 @triton.jit
-def _conv_state_kernel(x_ptr, st_ptr, cu_ptr, out_ptr, C, SX,
-                       W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_state_kernel(x_ptr, st_ptr, idx_ptr, cu_ptr, out_ptr, C, SX,
+                       W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK_C: tl.constexpr):
+    """HAS_IDX: the old and new states are both row idx[s] of one pool (st_ptr == out_ptr), replaced in place:
+    new row j reads old row j + n (n >= 1 new tokens; n = 0 rewrites each row with itself) before row j + n is
+    written, so the ascending j loop never reads a row it has already replaced."""
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = c < C
     start = tl.load(cu_ptr + s).to(tl.int64)
     n = tl.load(cu_ptr + s + 1).to(tl.int64) - start
+    if HAS_IDX:
+        s_row = tl.load(idx_ptr + s).to(tl.int64)
+    else:
+        s_row = s
     for j in tl.static_range(W - 1):
         q = tl.zeros([BLOCK_C], dtype=tl.int64) + (n - (W - 1) + j)
         v = tl.load(x_ptr + (start + q) * SX + c, mask=mc & (q >= 0), other=0.0).to(tl.float32)
         if HAS_STATE:
-            vs = tl.load(st_ptr + (s * (W - 1) + (W - 1) + q) * C + c, mask=mc & (q < 0), other=0.0).to(tl.float32)
+            vs = tl.load(st_ptr + (s_row * (W - 1) + (W - 1) + q) * C + c, mask=mc & (q < 0), other=0.0).to(tl.float32)
             v = tl.where(q >= 0, v, vs)
-        tl.store(out_ptr + (s * (W - 1) + j) * C + c, v.to(out_ptr.dtype.element_ty), mask=mc)
+        tl.store(out_ptr + (s_row * (W - 1) + j) * C + c, v.to(out_ptr.dtype.element_ty), mask=mc)
+
+
+def _launch(x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: torch.Tensor, state: torch.Tensor | None,
+            state_idx: torch.Tensor | None, new_state: torch.Tensor, activation: str | None,
+            seq_idx: torch.Tensor | None) -> torch.Tensor:
+    """y of the conv and the new states into ``new_state`` (at rows ``state_idx`` when given: a pool)."""
+    t, c = x.shape
+    w = weights[0].shape[-1]
+    n = cu_seqlens.numel() - 1
+    # Rows read where they lie (q|k|v inside the fused projection's output): only the columns must be adjacent.
+    xc = x if x.stride(-1) == 1 or c <= 1 else x.contiguous()
+    ws = [wt.reshape(wt.shape[0], w).contiguous() for wt in weights]  # also accepts HF's [C, 1, W]
+    c0 = ws[0].shape[0]
+    c01 = c0 + (ws[1].shape[0] if len(ws) > 1 else 0)
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int64).contiguous()
+    st = state.contiguous() if state is not None else xc
+    idx = state_idx.to(device=x.device, dtype=torch.int64).contiguous() if state_idx is not None else cu
+    y = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    block = _block_c(c)
+    if t and c:
+        if seq_idx is not None:
+            seq = seq_idx.to(device=x.device, dtype=torch.int64)
+        else:  # sequence of each token: cu[s] <= t < cu[s+1]  (right=True skips empty sequences)
+            seq = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int64), right=True)
+        _short_conv_kernel[(t, cdiv(c, block))](
+            xc, ws[0], ws[min(1, len(ws) - 1)], ws[-1], st, idx, seq, cu, y, c, xc.stride(0), c0, c01, W=w,
+            HAS_STATE=state is not None, HAS_IDX=state_idx is not None, W_BLOCKS=len(ws), SILU=activation == "silu",
+            BLOCK_C=block, num_warps=4)
+    if n and c and w > 1:
+        _conv_state_kernel[(n, cdiv(c, block))](
+            xc, st, idx, cu, new_state, c, xc.stride(0), W=w, HAS_STATE=state is not None,
+            HAS_IDX=state_idx is not None, BLOCK_C=block, num_warps=4)
+    return y
 
 
 @causal_short_conv.register("triton")
@@ -92,23 +154,33 @@ def causal_short_conv_triton(
         raise ValueError(f"causal_short_conv: window {w} must be >= 1")
     if conv_state is not None and tuple(conv_state.shape) != (n, w - 1, c):
         raise ValueError(f"causal_short_conv: conv_state {tuple(conv_state.shape)} must be {(n, w - 1, c)}")
-    # Rows read where they lie (q|k|v inside the fused projection's output): only the columns must be adjacent.
-    xc = x if x.stride(-1) == 1 or c <= 1 else x.contiguous()
-    wt = weight.reshape(c, w).contiguous()  # also accepts HF's [C, 1, W]
-    cu = cu_seqlens.to(device=x.device, dtype=torch.int64).contiguous()
-    st = conv_state.contiguous() if conv_state is not None else xc
-    y = torch.empty(t, c, dtype=x.dtype, device=x.device)
     new_state = torch.empty(n, w - 1, c, dtype=x.dtype, device=x.device)
-    block = _block_c(c)
-    if t and c:
-        if seq_idx is not None:
-            seq = seq_idx.to(device=x.device, dtype=torch.int64)
-        else:  # sequence of each token: cu[s] <= t < cu[s+1]  (right=True skips empty sequences)
-            seq = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int64), right=True)
-        _short_conv_kernel[(t, cdiv(c, block))](
-            xc, wt, st, seq, cu, y, c, xc.stride(0), W=w, HAS_STATE=conv_state is not None, SILU=activation == "silu",
-            BLOCK_C=block, num_warps=4)
-    if n and c and w > 1:
-        _conv_state_kernel[(n, cdiv(c, block))](
-            xc, st, cu, new_state, c, xc.stride(0), W=w, HAS_STATE=conv_state is not None, BLOCK_C=block, num_warps=4)
+    y = _launch(x, [weight], cu_seqlens, conv_state, None, new_state, activation, seq_idx)
     return y, new_state
+
+
+@causal_short_conv_pooled.register("triton")
+def causal_short_conv_pooled_triton(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    conv_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+    seq_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if activation not in (None, "silu"):
+        raise ValueError(f"causal_short_conv_pooled: unsupported activation {activation!r}")
+    if x.dtype == torch.float64 or not 1 <= len(weights) <= 3:
+        return causal_short_conv_pooled.impls["torch"](x, weights, cu_seqlens, conv_pool, state_indices, activation,
+                                                      seq_idx)
+    t, c = x.shape
+    w = weights[0].shape[-1]
+    n = cu_seqlens.numel() - 1
+    if (sum(wt.shape[0] for wt in weights) != c or any(wt.shape[-1] != w for wt in weights)
+            or conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (w - 1, c) or not conv_pool.is_contiguous()
+            or tuple(state_indices.shape) != (n,)):
+        raise ValueError(f"causal_short_conv_pooled: weights {[tuple(wt.shape) for wt in weights]}, pool "
+                         f"{tuple(conv_pool.shape)} and state_indices {tuple(state_indices.shape)} do not fit x "
+                         f"{tuple(x.shape)} and {n} sequences")
+    return _launch(x, list(weights), cu_seqlens, conv_pool, state_indices, conv_pool, activation, seq_idx)
