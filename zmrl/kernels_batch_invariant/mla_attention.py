@@ -27,9 +27,8 @@ Static key width (``kv_len``, CUDA-graph decode): every op here takes ``kv_len: 
 ``kv_len`` given, the op reads no device value on the host and all its shapes follow from host shapes
 and ``kv_len`` alone (a captured graph bakes them in): the dense key list is ``[Q, kv_len]``, blocks are
 never skipped by a host-side test (masked blocks are exact no-ops, so the bits equal the
-``kv_len=None`` result). ``kv_len`` must be >= max(query_pos) + 1 (``key_width`` checks it with
-``torch._assert_async``: no sync; on CUDA a violation is a device-side assert); the decode runner
-passes ``block_table.shape[1] * page_size``.
+``kv_len=None`` result). ``kv_len`` must be >= max(query_pos) + 1 (``key_width`` checks it on CPU; on CUDA
+the decode runner, which passes ``block_table.shape[1] * page_size``, checks its positions on the host).
 """
 from __future__ import annotations
 
@@ -52,21 +51,20 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def key_width(query_pos: torch.Tensor, kv_len: int | None) -> int:
     """Width of a causal key range: ``kv_len`` when given (no host read), else max(query_pos) + 1.
 
-    ``kv_len=None`` reads the maximum on the host (a sync on CUDA). A given ``kv_len`` is checked
-    against the positions with ``torch._assert_async``: on CPU a RuntimeError at once; on CUDA a
-    device-side assert (no sync, capture-safe), since a too small width would silently drop keys.
+    ``kv_len=None`` reads the maximum on the host (a sync on CUDA). A given ``kv_len`` is the caller's
+    promise that every position is below it (a too small width would silently drop keys): on CPU it is
+    checked (a RuntimeError at once); on CUDA it is not re-checked here, where a device-side assert would
+    cost three launches per attention layer and step in a captured decode graph: the graph runner, the
+    caller that passes it, checks its positions against the width on the host before each step
+    (``DecodeGraphRunner.run``).
     """
     if kv_len is None:
         return int(query_pos.max().item()) + 1 if query_pos.numel() else 0
     kv_len = int(kv_len)
     if kv_len < 0:
         raise ValueError(f"kv_len must be >= 0, got {kv_len}")
-    if query_pos.numel():
-        ok = query_pos.max() < kv_len
-        if ok.device.type == "cpu":
-            torch._assert_async(ok, f"kv_len={kv_len} must exceed every query position")
-        else:  # a device-side assert: its message would not reach the host anyway
-            torch._assert_async(ok)
+    if query_pos.numel() and query_pos.device.type == "cpu":
+        torch._assert_async(query_pos.max() < kv_len, f"kv_len={kv_len} must exceed every query position")
     return kv_len
 
 

@@ -178,6 +178,8 @@ class DecodeGraphRunner:
             held = slot_rows[slot]
             if held is None or held[0] is not seq_pages or held[1] != len(seq_pages):
                 self._write_slot_row(slot, seq, held)
+        if max(positions) >= pages * ps:  # the ops take this width on trust (mla_attention.key_width)
+            raise RuntimeError(f"decode step: position {max(positions)} beyond the bucket's {pages * ps} keys")
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers are still being read by the last step's copy
         host = self._host[: 5 * bs].view(5, bs)
