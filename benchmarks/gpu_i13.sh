@@ -25,7 +25,8 @@
 #   expert_grads  the Triton MoE backward (vs float64, vs the torch path, timing);
 #   lora          lora_gemms.py;   lora_sweep  its tile-config sweep at decode sizes (bits checked);
 #   decode_lora   the graph decode step with LoRA r = 32;   decode_ab  the same on BASE_TREE first, then on this tree;
-#   launch_cuts   the GPU tests of the row-wise kernels that read rows in place and of the one-launch pointwise ops;
+#   launch_cuts   the GPU tests of the kernels changed to cut decode launches (rows read in place, one-launch pointwise
+#                 ops, the pooled conv, the split-K sum in the GEMM's launch) and the model-level static decode test;
 #   parity        the bench-shape parity test;   bitwise  the ZMRL_TEST_DEVICE=cuda parity suite;
 #   rollout_rl    the RL-shaped rollout (64 prompts x 8 samples, 512-token prompts, <= 1024 new tokens);
 #   bwd_bf16      the backward's bf16-operand paths (MLA attention stages, MLA backward, MoE expert backward);
@@ -219,7 +220,8 @@ has decode_ab && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_
 has launch_cuts && step gpu_tests_launch_cuts "${T_LAUNCH_CUTS:-200}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
   tests/kernels/triton/test_l2norm.py tests/kernels/triton/test_norms.py tests/kernels/triton/test_short_conv.py \
   tests/kernels/triton/test_pointwise.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_kda_decode_step.py \
-  tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_static_kv_len.py tests/kernels/triton/test_rowwise_grads.py
+  tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_static_kv_len.py tests/kernels/triton/test_rowwise_grads.py \
+  tests/kernels/triton/test_glu.py tests/kernels/triton/test_matmul.py tests/kernels/triton/test_model_static_decode.py
 
 has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
   --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 ${DECODE_ARGS:-} --out "$OUT/decode_lora.json"

@@ -19,7 +19,7 @@ from zmrl.kernels_batch_invariant.l2norm import l2_norm
 from zmrl.kernels_batch_invariant.logprob import log_softmax, token_logprobs
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
 from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_combine_rows, moe_route, moe_sort
-from zmrl.kernels_batch_invariant.norms import layer_norm, rms_norm, rms_norm_gated
+from zmrl.kernels_batch_invariant.norms import add_rms_norm, layer_norm, rms_norm, rms_norm_gated
 from zmrl.kernels_batch_invariant.pointwise import add_cast, relu, sigmoid, sigmoid_op, silu, softplus
 from zmrl.kernels_batch_invariant.short_conv import causal_short_conv
 from zmrl.rollout.sampling import sample_scaled
@@ -53,6 +53,7 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
     "sample_scaled": (sample_scaled, (_r(2, 65536), torch.tensor([11, -5]), torch.tensor([65536, 40]),
                                       torch.tensor([1.0, 0.9]))),
     "rms_norm": (rms_norm, (_r(2, 16384), _r(16384), 1e-6)),
+    "add_rms_norm": (add_rms_norm, (_r(2, 16384, dtype=BF), _r(2, 16384, dtype=BF), _r(16384), 1e-6)),
     "layer_norm": (layer_norm, (_r(2, 16384), _r(16384), _r(16384), 1e-5)),
     "rms_norm_gated": (rms_norm_gated, (_r(2, 16384), _r(2, 16384), _r(16384), 1e-6)),
     "l2_norm": (l2_norm, (_r(2, 16384),)),

@@ -50,6 +50,22 @@ def rms_norm(
 
 
 @invariant_op
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (rounded to x.dtype, as torch's add) and ``rms_norm(h, weight, eps)``: a decoder
+    layer's residual add and the next norm, one launch on the GPU (the Triton backend), bitwise the two ops.
+
+    x, residual: [..., D] of one dtype; returns (h, normed), both x.dtype.
+    """
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} differ")
+    h = x + residual
+    return h, rms_norm(h, weight, eps)
+
+
+@invariant_op
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,

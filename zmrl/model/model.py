@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zmrl.kernels_batch_invariant.lm_head_logprobs import DEFAULT_CHUNK_ROWS, lm_head_token_logprobs
 from zmrl.kernels_batch_invariant.logprob import token_logprobs
+from zmrl.kernels_batch_invariant.norms import add_rms_norm
 
 from .attn_res import AttnResState, depth_attention
 from .config import ModelConfig
@@ -55,8 +56,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h))
 
     def _plain(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = x + self._token_mixer(x, ctx)
-        return h + self._channel_mixer(h)
+        # the residual add and the channel mixer's norm in one op (bitwise the two; one launch on the GPU)
+        post = self.post_attention_layernorm
+        h, normed = add_rms_norm(x, self._token_mixer(x, ctx), post.weight, post.eps)
+        return h + self.mlp(normed)
 
     def _policy(self, ctx: ForwardContext) -> str:
         # Recompute needs a recorded graph and a forward without side effects: the trainer's

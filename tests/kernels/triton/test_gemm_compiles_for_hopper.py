@@ -68,17 +68,20 @@ def test_gemm_kernel_builds_for_sm90(mode, dtypes):
     k_chunks = (0, 512) if split_w and mode != "blockdiag" else (0,)
     # the LoRA epilogue: one plain, expert or concatenated product without a delta or a split K (_launch)
     loras = (False, True) if mode in ("plain", "experts", "segments") else (False,)
-    for k_chunk, bias, delta, lora in itertools.product(k_chunks, (False, True), (False, True), loras):
-        if lora and (delta or k_chunk):
+    for k_chunk, bias, delta, lora, serial in itertools.product(k_chunks, (False, True), (False, True), loras,
+                                                                (False, True)):
+        if (lora and (delta or k_chunk)) or (serial and not k_chunk):
             continue
-        consts = dict(HAS_BIAS=bias and not k_chunk, HAS_DELTA=delta and not k_chunk, HAS_LORA=lora, LORA_R=32,
+        # the split-K sum in the GEMM's launch (SERIAL_SUM) or in _split_k_sum's
+        consts = dict(SERIAL_SUM=serial, SUM_BIAS=serial and bias, SUM_DELTA=serial and delta,
+                      HAS_BIAS=bias and not k_chunk, HAS_DELTA=delta and not k_chunk, HAS_LORA=lora, LORA_R=32,
                       BLOCK_R=32, EXPERTS=mode == "experts",
                       SEGMENTS=mode in ("segments", "blockdiag"), X_SEGMENTS=mode == "blockdiag",
                       W_TABLE=mode != "plain", W_ALIGN=4, F32_DOT=f32, SPLIT_X=split_x, SPLIT_W=split_w,
                       K_CHUNK=k_chunk, INTERPRET=False, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_E=64)
         ptrs = {"x_ptr": f"*{x_dt}", "w_ptr": f"*{w_dt}", "b_ptr": "*fp32", "d_ptr": "*fp32",
                 "y_ptr": "*fp32" if k_chunk else "*bf16", "offs_ptr": "*i32", "woff_ptr": "*i64", "t_ptr": "*fp32",
-                "lb_ptr": "*fp32", "lboff_ptr": "*i64", "lora_scale": "fp32"}
+                "lb_ptr": "*fp32", "lboff_ptr": "*i64", "lora_scale": "fp32", "o_ptr": "*bf16", "cnt_ptr": "*i32"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _gemm_kernel.arg_names}
         _build_ir(_gemm_kernel, sig, consts)
 

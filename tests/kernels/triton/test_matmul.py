@@ -861,6 +861,38 @@ def test_split_k_fp32_weights(device, interpret):
             assert torch.equal(t[off[e]:off[e + 1]], _lin(x[off[e]:off[e + 1]], stacked[e], out_dtype=torch.float32))
 
 
+def test_split_k_sum_in_the_gemm_launch_equals_the_separate_sum(device, interpret, monkeypatch):
+    """The serial split-K sum (each tile's last program adds the partials, one launch) gives the bits of the
+    separate ``_split_k_sum`` launch: plain (with bias, with a delta, bf16 out), concatenated and expert
+    products; repeated calls reuse the tile counters (each tile's summing program resets its own)."""
+    from zmrl.kernels_batch_invariant.triton import matmul as M
+    k = 2 * M.SPLIT_K_CHUNK + 76
+    g = torch.Generator().manual_seed(21)
+    ws = [torch.randn(n, k, generator=g).to(device) / k**0.5 for n in (32, 8, 96)]
+    bias = torch.randn(32, generator=g).to(device)
+    x = torch.randn(37, k, generator=g).to(device, torch.bfloat16)
+    delta = torch.randn(37, 32, generator=g).to(device)
+    stacked = torch.stack([torch.randn(32, k, generator=g) / k**0.5 for _ in range(4)]).to(device)
+    off = _offsets([5, 0, 19, 13])
+    lin = triton_impl(linear)
+
+    def products():
+        return [lin(x, ws[0], out_dtype=torch.float32), lin(x, ws[0], bias, out_dtype=torch.bfloat16),
+                lin(x, ws[0], out_dtype=torch.float32, delta=delta), lin(x, ws[2], out_dtype=torch.float32),
+                triton_impl(linear_concat)(x, ws, out_dtype=torch.float32),
+                triton_impl(expert_linear)(x, stacked, off, out_dtype=torch.float32)]
+
+    monkeypatch.setattr(M, "SERIAL_SPLIT_SUM", True)
+    serial = products()
+    again = products()
+    monkeypatch.setattr(M, "SERIAL_SPLIT_SUM", False)
+    separate = products()
+    for i, (a, b, c) in enumerate(zip(serial, again, separate)):
+        assert torch.equal(a, c), f"product {i}: the serial sum differs from _split_k_sum"
+        assert torch.equal(a, b), f"product {i}: a repeated call differs"
+    assert all(int(buf.abs().sum()) == 0 for buf, _ in M._COUNTERS.values()), "tile counters left non-zero"
+
+
 @pytest.mark.parametrize("dtype", _dtypes())
 def test_expert_linear_invariant_to_token_counts(device, interpret, dtype):
     """A (row, expert) pair gives the same bits whatever the other experts' and its own expert's

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from zmrl.kernels_batch_invariant.norms import (
-    layer_norm, layer_norm_ref, rms_norm, rms_norm_gated, rms_norm_gated_ref, rms_norm_ref,
+    add_rms_norm, layer_norm, layer_norm_ref, rms_norm, rms_norm_gated, rms_norm_gated_ref, rms_norm_ref,
 )
 from zmrl.kernels_batch_invariant.triton import triton_impl
 
@@ -93,6 +93,29 @@ def test_rms_norms_read_rows_in_place(device, interpret) -> None:
     got = triton_impl(rms_norm_gated)(x3, g3, wg, EPS, torch.float32)
     assert torch.equal(got, triton_impl(rms_norm_gated)(x3.contiguous(), g3.contiguous(), wg, EPS, torch.float32))
     assert torch.equal(triton_impl(rms_norm_gated)(x3, g3.contiguous(), wg, EPS, torch.float32), got)
+
+
+def test_add_rms_norm_is_the_add_and_the_norm(device, interpret) -> None:
+    """One launch, the bits of ``x + residual`` and ``rms_norm`` of it (the kernel's norm instructions are
+    rms_norm's). Under the interpreter, whose fp32 -> bf16 conversion truncates where the GPU rounds to nearest
+    even, h may differ from torch's add by one ulp; the norm is then checked on the kernel's own h."""
+    for d in (96, 2048):
+        x = randn(7, d, device=device, seed=d, dtype=torch.bfloat16)
+        r = randn(7, d, device=device, seed=d + 1, scale=3.0, dtype=torch.bfloat16)
+        w = randn(d, device=device, seed=d + 2, dtype=torch.bfloat16)
+        h, y = triton_impl(add_rms_norm)(x, r, w, EPS)
+        assert h.dtype == y.dtype == torch.bfloat16 and h.shape == y.shape == x.shape
+        if interpret:
+            torch.testing.assert_close(h.float(), (x + r).float(), rtol=2.0**-7, atol=0.0)
+        else:
+            assert torch.equal(h, x + r)
+        assert torch.equal(y, triton_impl(rms_norm)(h, w, EPS))
+        assert_rows_invariant(lambda a, b: triton_impl(add_rms_norm)(a, b, w, EPS), [x, r], batch_sizes(interpret))
+    x32 = randn(3, 16, device=device, seed=5)  # fp32: the two ops
+    h, y = triton_impl(add_rms_norm)(x32, x32, None, EPS)
+    assert torch.equal(h, x32 + x32) and torch.equal(y, triton_impl(rms_norm)(x32 + x32, None, EPS))
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        triton_impl(add_rms_norm)(x, r[:, :-1], w, EPS)
 
 
 def test_gradients(device, interpret) -> None:

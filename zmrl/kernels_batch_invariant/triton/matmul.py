@@ -80,6 +80,7 @@ import collections
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -341,11 +342,12 @@ def _gemm_kernel(
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn, stride_ys,
     stride_tm, stride_lbg, stride_lbn, lora_scale,
+    o_ptr, cnt_ptr, stride_og, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr,
     BLOCK_R: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr,
     X_SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr,
     SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
-    K_CHUNK: tl.constexpr,
+    K_CHUNK: tl.constexpr, SERIAL_SUM: tl.constexpr, SUM_BIAS: tl.constexpr, SUM_DELTA: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -377,6 +379,11 @@ def _gemm_kernel(
     segments) and program pid_n finds its (segment, tile) the way expert mode finds its rows.
     X_SEGMENTS (with SEGMENTS, ``linear_blockdiag``): segment s also reads its own block of x's columns,
     offs[N_EXPERTS+1+s]:offs[N_EXPERTS+2+s] (K_s = its width, replacing K): a block-diagonal product.
+    SERIAL_SUM (with K_CHUNK): the tile's last program to finish (an arrival counter per tile at ``cnt_ptr``,
+    reset by that program) adds the fp32 partials in ascending split order from zero, then the bias
+    (SUM_BIAS) and the delta (SUM_DELTA, laid out as the output), and stores the result into the output
+    ``o_ptr`` (strides ``stride_o*``): ``_split_k_sum``'s arithmetic in the same launch. Which program sums
+    depends on timing; what it computes does not.
     """
     pid_0 = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -388,6 +395,7 @@ def _gemm_kernel(
         w_base = w_ptr + expert_weight_offset(woff_ptr, expert, stride_wg, W_TABLE, W_ALIGN)
         x_base = x_ptr
         y_base = y_ptr
+        o_off = 0
         d_base = d_ptr
         lb_base = lb_ptr + expert.to(tl.int64) * stride_lbg
         t_base = t_ptr
@@ -399,6 +407,7 @@ def _gemm_kernel(
         w_base = w_ptr + pid_g * stride_wg
         x_base = x_ptr + pid_g * stride_xg
         y_base = y_ptr + pid_g * stride_yg
+        o_off = pid_g * stride_og
         d_base = d_ptr + pid_g * stride_yg
         lb_base = lb_ptr
         t_base = t_ptr
@@ -421,9 +430,10 @@ def _gemm_kernel(
         if W_ALIGN > 1:
             soff = tl.multiple_of(soff, W_ALIGN)
         w_base += soff
-        col0 = tl.sum(tl.where(here_s, c_lo, 0), axis=0).to(tl.int64) * stride_yn
-        y_base += col0
-        d_base += col0
+        c0 = tl.sum(tl.where(here_s, c_lo, 0), axis=0).to(tl.int64)
+        y_base += c0 * stride_yn
+        d_base += c0 * stride_yn
+        o_off += c0 * stride_on
         if X_SEGMENTS:
             # the x column table follows the N_EXPERTS+1 output column offsets
             # (names unlike the split pieces': a name reused in the K loop changes type, a compile error)
@@ -503,6 +513,35 @@ def _gemm_kernel(
     if HAS_DELTA:
         acc += tl.load(d_base + tile, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
     tl.store(y_base + tile, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if SERIAL_SUM:
+        _serial_split_sum(y_base - tl.program_id(2).to(tl.int64) * stride_ys + tile, stride_ys, o_ptr + o_off,
+                          d_ptr + o_off, b_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, stride_og, stride_om, stride_on,
+                          SUM_BIAS, SUM_DELTA, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _serial_split_sum(p_ptrs, stride_ps, o_base, d_base, b_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask,
+                      stride_og, stride_om, stride_on,
+                      HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The split-K sum of a tile by its last program to arrive (see ``_gemm_kernel``'s SERIAL_SUM). The barrier
+    and the release half of the counter's atomic publish this program's partial before it counts itself;
+    the acquire half makes every other program's partial visible to the last one, which reads them from L2
+    (``.cg``: never a stale L1 line)."""
+    tl.debug_barrier()
+    tile_id = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(2) - 1:
+        mask = m_mask[:, None] & n_mask[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for sp in range(0, tl.num_programs(2)):  # ascending, from zero: _split_k_sum's order
+            acc += tl.load(p_ptrs + sp * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        if HAS_DELTA:  # laid out as the output
+            acc += tl.load(d_base + out, mask=mask, other=0.0)
+        tl.store(o_base + out, acc.to(o_base.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M", "M_TILES"])
@@ -539,6 +578,32 @@ _SPLIT_PARTNERS = (torch.float32, torch.bfloat16)
 # linear_concat / a row of expert_linear equals the plain linear's.
 SPLIT_K_CHUNK = 512
 _SUM_BLOCK_M, _SUM_BLOCK_N = 32, 64
+# The partials are summed in the GEMM's own launch by each tile's last program to finish (the kernel's
+# SERIAL_SUM: one launch instead of two, ~120 fewer launches per decode step of the bench model) unless
+# ZMRL_SERIAL_SPLIT_SUM=0 (then by ``_split_k_sum``). The same additions in the same order: the same bits.
+SERIAL_SPLIT_SUM = os.environ.get("ZMRL_SERIAL_SPLIT_SUM", "1") != "0"
+# Arrival counters of the serial sum: one int32 per output tile of a launch, zero between launches (a tile's
+# last program resets its own). One buffer per device, handed out in rotating regions so that launches on
+# different streams do not share counters; allocated outside CUDA-graph capture (a launch captured before
+# the first eager one sums with ``_split_k_sum``).
+_COUNTER_CAPACITY = 1 << 20
+_COUNTERS: dict[torch.device, list] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """n zeroed tile counters for one serial-sum launch, or None (the two-launch sum then)."""
+    if not SERIAL_SPLIT_SUM or n > _COUNTER_CAPACITY:
+        return None
+    entry = _COUNTERS.get(device)
+    if entry is None:
+        if _capturing(device):
+            return None
+        entry = _COUNTERS[device] = [torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device), 0]
+    buf, cur = entry
+    if cur + n > _COUNTER_CAPACITY:
+        cur = 0
+    entry[1] = cur + cdiv(n, 256) * 256
+    return buf[cur: cur + n]
 
 
 assert SPLIT_K_CHUNK % SPLIT_BLOCK_K == 0  # every chunk is whole K steps of the split products
@@ -721,13 +786,17 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         if m_tiles == 0:
             return
     out = y3
+    counters = None
     if k_chunk:
         splits = cdiv(k, k_chunk)
         y3 = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
+        counters = _split_counters(out.device, grid[0] * grid[1])
         grid = (*grid, splits)
+    serial = counters is not None
     lora_r = 0 if lora is None else lora.b.shape[-1]
     _gemm_kernel[grid](
-        x3, w3, bias if bias is not None else x3, y3, delta if delta is not None and not k_chunk else y3, offs, woff,
+        x3, w3, bias if bias is not None else x3, y3,
+        delta if delta is not None and (serial or not k_chunk) else y3, offs, woff,
         x3 if lora is None else lora.t, x3 if lora is None else lora.b,
         offs if lora is None or lora.b_table is None else lora.b_table,
         m, m_tiles, n, k, n_experts,
@@ -737,17 +806,20 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
           (y3.stride(0), y3.stride(1), y3.stride(2), 0)),
         *((0, 0, 0, 1.0) if lora is None else
           (lora.t.stride(0), lora.b.stride(0) if lora.b.dim() == 3 else 0, lora.b.stride(-2), lora.scale)),
+        out if serial else y3, counters if serial else offs,
+        *((out.stride(0), out.stride(1), out.stride(2)) if serial else (0, 0, 0)),
         HAS_BIAS=bias is not None and not k_chunk, HAS_DELTA=delta is not None and not k_chunk,
         HAS_LORA=lora is not None, LORA_R=lora_r, BLOCK_R=max(16, next_pow2(max(lora_r, 1))),
         EXPERTS=experts is not None, SEGMENTS=segments is not None,
         X_SEGMENTS=segments is not None and segments.x_blocks,
         W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split_x,
         SPLIT_W=split_w, K_CHUNK=k_chunk,
+        SERIAL_SUM=serial, SUM_BIAS=serial and bias is not None, SUM_DELTA=serial and delta is not None,
         INTERPRET=_interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if k_chunk:
+    if k_chunk and not serial:
         rows, cols = out.shape[1], out.shape[2]
         sum_tiles = cdiv(rows, _SUM_BLOCK_M)
         _split_k_sum[(out.shape[0] * sum_tiles, cdiv(cols, _SUM_BLOCK_N))](

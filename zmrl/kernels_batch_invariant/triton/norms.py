@@ -25,26 +25,44 @@ from ._common import as_rows, compute_in_fp64, row_block, row_offset, row_view, 
 rms_norm = _ops.rms_norm
 layer_norm = _ops.layer_norm
 rms_norm_gated = _ops.rms_norm_gated
+add_rms_norm = _ops.add_rms_norm
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, D, eps, group, x_gs, x_rs, g_gs, g_rs,
-                     HAS_W: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
-    """x and the gate are ``RowView`` s of one row grouping (``group``), each with its own strides."""
+def _row_values(x_row, r_row, h_row, c, m, RESIDUAL: tl.constexpr, STORE_H: tl.constexpr):
+    """Columns c of a row in fp32: x, or with RESIDUAL h = x + residual rounded to x's dtype (torch's add of
+    two 16-bit tensors: an fp32 sum, one rounding), stored to h's row when STORE_H."""
+    x = tl.load(x_row + c, mask=m, other=0.0)
+    if RESIDUAL:
+        h = (x.to(tl.float32) + tl.load(r_row + c, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        if STORE_H:
+            tl.store(h_row + c, h, mask=m)
+        x = h
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, r_ptr, h_ptr, D, eps, group, x_gs, x_rs, g_gs, g_rs,
+                     HAS_W: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """x and the gate are ``RowView`` s of one row grouping (``group``), each with its own strides. RESIDUAL
+    (``add_rms_norm``; contiguous rows): the row normalised is h = x + residual, written to h_ptr in the first
+    pass and recomputed (the same rounding) in the second."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row_offset(row, group, x_gs, x_rs)
     y_row = y_ptr + row * D
+    r_row = r_ptr + row * D
+    h_row = h_ptr + row * D
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, D, BLOCK):
         c = start + cols
-        x = tl.load(x_row + c, mask=c < D, other=0.0).to(tl.float32)
+        x = _row_values(x_row, r_row, h_row, c, c < D, RESIDUAL, True)
         acc += x * x
     r = tl.math.rsqrt(tl.sum(acc, axis=0) / D + eps)
     for start in range(0, D, BLOCK):
         c = start + cols
         m = c < D
-        x = tl.load(x_row + c, mask=m, other=0.0).to(tl.float32)
+        x = _row_values(x_row, r_row, h_row, c, m, RESIDUAL, False)
         y = x * r
         if HAS_W:
             y = y * tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
@@ -108,9 +126,9 @@ def _rms_launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor
     if xv.rows and d:
         block = row_block(d)
         _rms_norm_kernel[(xv.rows,)](
-            xv.base, gv.base, w if w is not None else xv.base, y, d, float(eps),
+            xv.base, gv.base, w if w is not None else xv.base, y, xv.base, xv.base, d, float(eps),
             xv.group, xv.group_stride, xv.row_stride, gv.group_stride, gv.row_stride,
-            HAS_W=w is not None, GATED=gate is not None, BLOCK=block, num_warps=row_warps(block))
+            HAS_W=w is not None, GATED=gate is not None, RESIDUAL=False, BLOCK=block, num_warps=row_warps(block))
     return y
 
 
@@ -130,6 +148,31 @@ def rms_norm_gated_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     if compute_in_fp64(x, gate, weight):
         return rms_norm_gated.impls["torch"](x, gate, weight, eps, out_dtype)
     return _rms_launch(x, gate, weight, eps, out_dtype, "rms_norm_gated")
+
+
+@add_rms_norm.register("triton")
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch: h and its norm (``_rms_norm_kernel`` with RESIDUAL, the norm's instructions unchanged). Under
+    autograd, or for an fp32/fp64 x, the add and ``rms_norm`` as two ops (their backwards; the same bits)."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} differ")
+    if (x.dtype not in (torch.bfloat16, torch.float16) or compute_in_fp64(weight)
+            or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)))):
+        h = x + residual
+        return h, rms_norm(h, weight, eps)
+    d = x.shape[-1]
+    xc, rc = as_rows(x), as_rows(residual)
+    w = _check_param(weight, d, "weight", "add_rms_norm")
+    h = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
+    if xc.shape[0] and d:
+        block = row_block(d)
+        _rms_norm_kernel[(xc.shape[0],)](
+            xc, xc, w if w is not None else xc, y, rc, h, d, float(eps), 1, d, d, d, d,
+            HAS_W=w is not None, GATED=False, RESIDUAL=True, BLOCK=block, num_warps=row_warps(block))
+    return h.view(x.shape), y.view(x.shape)
 
 
 @layer_norm.register("triton")
