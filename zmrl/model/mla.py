@@ -140,8 +140,9 @@ class MLAAttention(nn.Module):
             # the q_lat GEMM's epilogue (grouped_linear's delta: the bits of the separate sum)
             b_uk, _ = self._lora_b_halves(lora)
             t = grouped_linear(q_nope.transpose(0, 1), b_uk.transpose(1, 2), out_dtype=torch.float32)  # [H, T, r]
+            # A^T shared by every head: an expanded view (no per-step copy of it)
             q_delta = scaled(lora.scale, grouped_linear(t, lora.lora_A.t().unsqueeze(0).expand(
-                self.num_heads, -1, -1).contiguous(), out_dtype=torch.float32))  # [H, T, Dc]
+                self.num_heads, -1, -1), out_dtype=torch.float32))  # [H, T, Dc]
         # q_lat[t, h] = q_nope[t, h] @ W_UK[h]: per head, rows tiled like every other linear.
         q_lat = grouped_linear(q_nope.transpose(0, 1), w_uk.transpose(1, 2), out_dtype=torch.float32,
                                delta=q_delta).transpose(0, 1)
