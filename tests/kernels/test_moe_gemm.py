@@ -9,7 +9,7 @@ import torch
 
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.matmul import bmm_fixed, grouped_linear, linear
-from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref
+from zmrl.kernels_batch_invariant.moe_gemm import RowGather, expert_linear, expert_linear_ref
 
 from .invariance import THREAD_COUNTS, num_threads
 
@@ -66,6 +66,23 @@ def test_expert_linear_invariant_to_token_counts(dtype):
                 counts = [sum(1 for e, _ in chosen if e == j) for j in range(E)]
                 y = expert_linear(pool[[i for _, i in chosen]], ws, _offsets(counts))
                 assert torch.equal(y, torch.stack([alone[p] for p in chosen])), (threads, total)
+
+
+def test_gather_is_the_product_of_the_gathered_rows():
+    """``gather`` (the MoE dispatch read in place on the GPU): the bits of the product over x[index // div],
+    with and without autograd (whose gradient reaches the source rows)."""
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(5, 40, generator=g, requires_grad=True)
+    order = torch.randperm(10, generator=g)
+    w = torch.randn(3, 24, 40, generator=g)
+    off = [0, 4, 4, 10]
+    y = expert_linear(h, w, off, gather=RowGather(order, 2))
+    rows = h[order // 2]
+    assert torch.equal(y, expert_linear(rows, w, off))
+    y.sum().backward()
+    assert torch.equal(h.grad, torch.autograd.grad(expert_linear(rows, w, off).sum(), h)[0])
+    with pytest.raises(ValueError, match="gather needs"):
+        expert_linear(h, w, off, gather=RowGather(order, 0))
 
 
 def test_expert_linear_grads_and_errors():

@@ -26,6 +26,7 @@ back. Device offsets are trusted: only their shape is checked (checking the valu
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -36,6 +37,25 @@ from .matmul import LoraUp, check_delta, linear, lora_up_product, resolve_delta
 from .moe_gemm_grads import ExpertLinearFn
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RowGather:
+    """The rows of a product taken from another tensor by index: row r is ``x[index[r] // div]`` (the MoE's
+    dispatch: expert-sorted pair r is token ``order[r] // top_k``). ``expert_linear`` reads them in place on the
+    Triton backend instead of a gathered copy; the values are the gathered rows', so are the bits."""
+
+    index: torch.Tensor  # [M] integer
+    div: int = 1
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.index // self.div] if self.div != 1 else x[self.index]
+
+
+def check_gather(x: torch.Tensor, gather: RowGather) -> None:
+    if x.dim() != 2 or gather.index.dim() != 1 or gather.index.dtype.is_floating_point or gather.div < 1:
+        raise ValueError(f"expert_linear: gather needs x [T, K] and a 1-D integer index with div >= 1, got x "
+                         f"{tuple(x.shape)}, index {gather.index.dtype} {tuple(gather.index.shape)}, div {gather.div}")
 
 
 def as_offsets(offsets: Sequence[int] | torch.Tensor) -> list[int]:
@@ -95,7 +115,7 @@ def check_expert_args(x: torch.Tensor, weights: Weights, offsets: list[int],
 @invariant_op
 def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor,
                   out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
-                  lora: LoraUp | None = None) -> torch.Tensor:
+                  lora: LoraUp | None = None, gather: RowGather | None = None) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ weights[e].T (+ delta[rows of e])`` for expert-sorted rows.
 
     x: [M, K] (rows sorted by expert); weights: E x [N, K] or [E, N, K]; offsets: E+1 ints (host list
@@ -104,7 +124,11 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
     fp32 [M, N] tensor (the experts' LoRA delta) added before the single rounding, as ``linear``'s.
     ``lora`` (instead of ``delta``): the delta as its factors, t [M, r] and stacked b [E, N, r]:
     ``delta = expert_lora_delta(lora, offsets)``, which the Triton GEMM computes in its epilogue.
+    ``gather``: the rows are ``gather.rows(x)`` (x is then the source, [T, K]); this backend gathers them.
     """
+    if gather is not None:
+        check_gather(x, gather)
+        x = gather.rows(x)
     delta = resolve_delta(delta, lora, "expert_linear", lambda up: expert_lora_delta(up, offsets))
     offs = as_offsets(offsets)
     check_expert_args(x, weights, offs)
@@ -152,9 +176,12 @@ def expert_linear_ref(x: torch.Tensor, weights: Weights, offsets: Sequence[int] 
 @expert_linear.register("fast")
 def _expert_linear_fast(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | torch.Tensor,
                         out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
-                        lora: LoraUp | None = None) -> torch.Tensor:
+                        lora: LoraUp | None = None, gather: RowGather | None = None) -> torch.Tensor:
     """Stock kernels, not invariant: one ``torch._grouped_mm`` launch for stacked bf16 weights on CUDA
     (where this torch has it), else one cuBLAS/MKL ``F.linear`` per expert."""
+    if gather is not None:
+        check_gather(x, gather)
+        x = gather.rows(x)
     delta = resolve_delta(delta, lora, "expert_linear", lambda up: expert_lora_delta(up, offsets))
     if delta is not None:
         return (_expert_linear_fast(x, weights, offsets, torch.float32) + delta).to(out_dtype or x.dtype)

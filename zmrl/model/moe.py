@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
-from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
+from zmrl.kernels_batch_invariant.moe_gemm import RowGather, expert_linear
 from zmrl.kernels_batch_invariant.pointwise import add_cast
 from zmrl.kernels_batch_invariant.moe_router import moe_combine_rows, moe_route, moe_sort
 
@@ -114,12 +114,19 @@ class MoE(nn.Module):
         # not depend on how many other tokens chose the same expert.
         # grouped over every routed expert (the router's rows): an expert-parallel rank holds only its slice
         pairs = moe_sort(route.expert_ids, self.gate.weight.shape[0])
-        rows = _dispatch_rows(h, pairs.order, self.top_k)
-        if self._device_dispatch(x):
+        own = type(self)._routed_experts is MoE._routed_experts
+        if own and not (torch.is_grad_enabled() and h.requires_grad):
+            # Without autograd the expert products read each pair's token row where it is (expert_linear's
+            # gather) instead of a dispatched copy: the same values, two launches and a [T * top_k, D] copy fewer.
+            gather = RowGather(pairs.order, self.top_k)
+            offsets = pairs.offsets if x.is_cuda else pairs.offsets.tolist()  # CUDA: never read on the host
+            y_sorted = self._grouped_experts(h, offsets, gather)
+        elif self._device_dispatch(x):
             # CUDA: no host sync (CUDA-graph capturable): the expert offsets stay on the device.
-            y_sorted = self._grouped_experts(rows, pairs.offsets)
+            y_sorted = self._grouped_experts(_dispatch_rows(h, pairs.order, self.top_k), pairs.offsets)
         else:
-            y_sorted = self._routed_experts(rows, pairs.offsets.diff().tolist())
+            y_sorted = self._routed_experts(_dispatch_rows(h, pairs.order, self.top_k),
+                                            pairs.offsets.diff().tolist())
         # slot (t, j) is row t * top_k + j of the unsorted pairs, held at sorted row slot_rows[t, j]: the
         # combine reads the expert-sorted rows where they are (bitwise moe_combine of the un-sorted rows)
         slot_rows = pairs.slot_rows.view(T, self.top_k)
@@ -142,8 +149,10 @@ class MoE(nn.Module):
         see ``_grouped_experts``. Host counts: the CPU path and the hook expert parallelism overrides."""
         return self._grouped_experts(hs, [0, *itertools.accumulate(counts)])
 
-    def _grouped_experts(self, hs: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor:
-        """Expert MLPs of the expert-sorted rows ``hs`` (rows ``offsets[e]:offsets[e+1]`` for expert e).
+    def _grouped_experts(self, hs: torch.Tensor, offsets: list[int] | torch.Tensor,
+                         gather: RowGather | None = None) -> torch.Tensor:
+        """Expert MLPs of the expert-sorted rows ``hs`` (rows ``offsets[e]:offsets[e+1]`` for expert e), or with
+        ``gather`` of the rows ``gather.rows(hs)`` (read where they are by the gate and up products).
 
         One grouped ``expert_linear`` per projection for all experts (one launch on the GPU), bitwise
         equal to running ``self.experts[e]`` on its rows (which the torch backend literally does): a
@@ -160,15 +169,16 @@ class MoE(nn.Module):
                for m in self.experts for p in ("gate_proj", "up_proj", "down_proj")):
             # Outside the model's own layout (an adapter or bias on an expert's Linear): per expert.
             offs = [int(o) for o in offsets.tolist()] if isinstance(offsets, torch.Tensor) else offsets
+            hs = hs if gather is None else gather.rows(hs)
             outs = [self.experts[e](hs[a:b], lora, e) for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]
             return torch.cat(outs) if outs else hs.new_zeros(0, hs.shape[-1])
 
-        def proj(name: str, x: torch.Tensor) -> torch.Tensor:
+        def proj(name: str, x: torch.Tensor, rows: RowGather | None = None) -> torch.Tensor:
             weights = [getattr(m, name).weight for m in self.experts]
             # with LoRA: fp32 base + the experts' fp32 delta, one rounding to x's dtype (the GEMM computes the
             # delta from its factors in its epilogue: the value of ``lora.grouped_delta``)
-            up = None if lora is None else lora.grouped_factors(name, x, offsets)
-            return expert_linear(x, weights, offsets, lora=up)
+            up = None if lora is None else lora.grouped_factors(name, x, offsets, gather=rows)
+            return expert_linear(x, weights, offsets, lora=up, gather=rows)
 
-        act = self.experts[0].glu(proj("gate_proj", hs), proj("up_proj", hs))
+        act = self.experts[0].glu(proj("gate_proj", hs, gather), proj("up_proj", hs, gather))
         return proj("down_proj", act)

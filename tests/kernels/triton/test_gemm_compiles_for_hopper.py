@@ -74,6 +74,7 @@ def test_gemm_kernel_builds_for_sm90(mode, dtypes):
             continue
         # the split-K sum in the GEMM's launch (SERIAL_SUM) or in _split_k_sum's
         consts = dict(SERIAL_SUM=serial, SUM_BIAS=serial and bias, SUM_DELTA=serial and delta,
+                      GATHER_DIV=8 if mode == "experts" and not bias else 0,  # the MoE's dispatch read in place
                       HAS_BIAS=bias and not k_chunk, HAS_DELTA=delta and not k_chunk, HAS_LORA=lora, LORA_R=32,
                       BLOCK_R=32, EXPERTS=mode == "experts",
                       SEGMENTS=mode in ("segments", "blockdiag"), X_SEGMENTS=mode == "blockdiag",
@@ -81,7 +82,7 @@ def test_gemm_kernel_builds_for_sm90(mode, dtypes):
                       K_CHUNK=k_chunk, INTERPRET=False, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, BLOCK_E=64)
         ptrs = {"x_ptr": f"*{x_dt}", "w_ptr": f"*{w_dt}", "b_ptr": "*fp32", "d_ptr": "*fp32",
                 "y_ptr": "*fp32" if k_chunk else "*bf16", "offs_ptr": "*i32", "woff_ptr": "*i64", "t_ptr": "*fp32",
-                "lb_ptr": "*fp32", "lboff_ptr": "*i64", "lora_scale": "fp32", "o_ptr": "*bf16", "cnt_ptr": "*i32"}
+                "lb_ptr": "*fp32", "lboff_ptr": "*i64", "lora_scale": "fp32", "o_ptr": "*bf16", "cnt_ptr": "*i32", "gidx_ptr": "*i64"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in _gemm_kernel.arg_names}
         _build_ir(_gemm_kernel, sig, consts)
 

@@ -14,7 +14,7 @@ import torch
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.matmul import (LoraUp, LoraUpConcat, bmm_fixed, grouped_linear, linear, linear_blockdiag,
                                                  linear_concat, lora_concat_delta, lora_delta)
-from zmrl.kernels_batch_invariant.moe_gemm import expert_linear, expert_linear_ref, expert_lora_delta
+from zmrl.kernels_batch_invariant.moe_gemm import RowGather, expert_linear, expert_linear_ref, expert_lora_delta
 from zmrl.kernels_batch_invariant.triton import triton_impl
 from tests.kernels.triton.gemm_launches import count_gemm_launches
 
@@ -891,6 +891,32 @@ def test_split_k_sum_in_the_gemm_launch_equals_the_separate_sum(device, interpre
         assert torch.equal(a, c), f"product {i}: the serial sum differs from _split_k_sum"
         assert torch.equal(a, b), f"product {i}: a repeated call differs"
     assert all(int(buf.abs().sum()) == 0 for buf, _ in M._COUNTERS.values()), "tile counters left non-zero"
+
+
+def test_expert_linear_reads_gathered_rows_in_place(device, interpret):
+    """``gather``: the MoE's dispatch (pair r reads token order[r] // top_k) read by the kernel gives the bits of
+    the product over the gathered copy: bf16 weights with the LoRA epilogue, and the fp32 A factors (split K)."""
+    from zmrl.kernels_batch_invariant.matmul import LoraUp
+    from zmrl.kernels_batch_invariant.triton.matmul import SPLIT_K_CHUNK
+    g = torch.Generator().manual_seed(31)
+    t_tokens, top_k, k, n, r = 6, 3, SPLIT_K_CHUNK + 40, 48, 8
+    h = torch.randn(t_tokens, k, generator=g).to(device, torch.bfloat16)
+    order = torch.randperm(t_tokens * top_k, generator=g).to(device)
+    off = _offsets([5, 0, 9, 4])
+    gather = RowGather(order, top_k)
+    rows = h[order // top_k]
+    w = torch.stack([torch.randn(n, k, generator=g) / k**0.5 for _ in range(4)]).to(device, torch.bfloat16)
+    a = torch.stack([torch.randn(r, k, generator=g) / k**0.5 for _ in range(4)]).to(device)
+    b = torch.stack([torch.randn(n, r, generator=g) * 0.1 for _ in range(4)]).to(device)
+    el = triton_impl(expert_linear)
+    t = el(h, a, off, out_dtype=torch.float32, gather=gather)
+    assert torch.equal(t, el(rows, a, off, out_dtype=torch.float32))
+    y = el(h, w, off, lora=LoraUp(t, b, 0.5), gather=gather)
+    assert torch.equal(y, el(rows, w, off, lora=LoraUp(t, b, 0.5)))
+    dev_off = torch.tensor(off, dtype=torch.int32, device=device)  # device offsets: the graph-capturable form
+    assert torch.equal(el(h, w, dev_off, gather=gather), el(rows, w, off))
+    with pytest.raises(ValueError, match="gather needs"):
+        el(h, w, off, gather=RowGather(order.float(), top_k))
 
 
 @pytest.mark.parametrize("dtype", _dtypes())

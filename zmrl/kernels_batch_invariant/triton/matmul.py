@@ -342,12 +342,13 @@ def _gemm_kernel(
     stride_wg, stride_wn, stride_wk,
     stride_yg, stride_ym, stride_yn, stride_ys,
     stride_tm, stride_lbg, stride_lbn, lora_scale,
-    o_ptr, cnt_ptr, stride_og, stride_om, stride_on,
+    o_ptr, cnt_ptr, stride_og, stride_om, stride_on, gidx_ptr,
     HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_LORA: tl.constexpr, LORA_R: tl.constexpr,
     BLOCK_R: tl.constexpr, EXPERTS: tl.constexpr, SEGMENTS: tl.constexpr,
     X_SEGMENTS: tl.constexpr, W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, F32_DOT: tl.constexpr,
     SPLIT_X: tl.constexpr, SPLIT_W: tl.constexpr,
     K_CHUNK: tl.constexpr, SERIAL_SUM: tl.constexpr, SUM_BIAS: tl.constexpr, SUM_DELTA: tl.constexpr,
+    GATHER_DIV: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -379,6 +380,9 @@ def _gemm_kernel(
     segments) and program pid_n finds its (segment, tile) the way expert mode finds its rows.
     X_SEGMENTS (with SEGMENTS, ``linear_blockdiag``): segment s also reads its own block of x's columns,
     offs[N_EXPERTS+1+s]:offs[N_EXPERTS+2+s] (K_s = its width, replacing K): a block-diagonal product.
+    GATHER_DIV > 0 (expert mode, ``expert_linear``'s ``gather``): row r of the product reads x's row
+    ``gidx[r] // GATHER_DIV`` (the MoE's dispatch of token rows to expert-sorted pairs, without materialising
+    the gathered rows); everything else (t, delta, y) keeps the product's row r.
     SERIAL_SUM (with K_CHUNK): the tile's last program to finish (an arrival counter per tile at ``cnt_ptr``,
     reset by that program) adds the fp32 partials in ascending split order from zero, then the bias
     (SUM_BIAS) and the delta (SUM_DELTA, laid out as the output), and stores the result into the output
@@ -459,7 +463,11 @@ def _gemm_kernel(
         k_lo = pid_s * K_CHUNK
         k_hi = tl.minimum(k_end, k_lo + K_CHUNK)
         y_base += pid_s.to(tl.int64) * stride_ys
-    x_ptrs = x_base + offs_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    if GATHER_DIV > 0:
+        x_rows = (tl.load(gidx_ptr + offs_m, mask=m_mask, other=0) // GATHER_DIV).to(tl.int64)
+    else:
+        x_rows = offs_m.to(tl.int64)
+    x_ptrs = x_base + x_rows[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
     w_ptrs = w_base + (k_lo + offs_k)[:, None] * stride_wk + offs_n.to(tl.int64)[None, :] * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -659,6 +667,8 @@ class _ExpertLaunch:
     align: int
     n_experts: int
     n_tiles: int
+    gather: torch.Tensor | None = None  # int64 [M]: row r reads x's row gather[r] // gather_div
+    gather_div: int = 1
 
 
 @dataclass(frozen=True)
@@ -808,6 +818,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
           (lora.t.stride(0), lora.b.stride(0) if lora.b.dim() == 3 else 0, lora.b.stride(-2), lora.scale)),
         out if serial else y3, counters if serial else offs,
         *((out.stride(0), out.stride(1), out.stride(2)) if serial else (0, 0, 0)),
+        experts.gather if experts is not None and experts.gather is not None else offs,
         HAS_BIAS=bias is not None and not k_chunk, HAS_DELTA=delta is not None and not k_chunk,
         HAS_LORA=lora is not None, LORA_R=lora_r, BLOCK_R=max(16, next_pow2(max(lora_r, 1))),
         EXPERTS=experts is not None, SEGMENTS=segments is not None,
@@ -815,6 +826,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         W_TABLE=experts is not None and experts.woff is not None, W_ALIGN=align, F32_DOT=f32, SPLIT_X=split_x,
         SPLIT_W=split_w, K_CHUNK=k_chunk,
         SERIAL_SUM=serial, SUM_BIAS=serial and bias is not None, SUM_DELTA=serial and delta is not None,
+        GATHER_DIV=experts.gather_div if experts is not None and experts.gather is not None else 0,
         INTERPRET=_interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1429,16 +1441,18 @@ def _max_expert_tiles(m: int, n_experts: int, block_m: int) -> int:
 
 def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] | torch.Tensor,
                     out_dtype: torch.dtype, delta: torch.Tensor | None = None,
-                    lora: _ops.LoraUp | None = None) -> torch.Tensor:
+                    lora: _ops.LoraUp | None = None, gather: _moe.RowGather | None = None) -> torch.Tensor:
     """``offsets``: a host list (validated here) or an integer tensor [E+1] on x's device (trusted:
     reading its values would sync; the kernel clamps them into [0, M]). ``lora``: t [M, r], stacked b
-    [E, N, r] (in the epilogue; unfused for a split-K product)."""
+    [E, N, r] (in the epilogue; unfused for a split-K product). ``gather``: the product's rows are x's rows
+    by its index (the kernel reads them there)."""
     dev = offsets if isinstance(offsets, torch.Tensor) else None
+    rows = x if gather is None else torch.empty(gather.index.shape[0], x.shape[1], device="meta")  # shapes only
     if dev is None:
-        e, n, k = _moe.check_expert_args(x, weights, offsets, every_weight=False)
+        e, n, k = _moe.check_expert_args(rows, weights, offsets, every_weight=False)
     else:
-        e, n, k = _moe.check_expert_shapes(x, weights, dev.shape[0], every_weight=False)
-    m = x.shape[0]
+        e, n, k = _moe.check_expert_shapes(rows, weights, dev.shape[0], every_weight=False)
+    m = rows.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -1459,9 +1473,10 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
         n_tiles = _max_expert_tiles(m, e, cfg.block_m)
         offs = dev if (dev.dtype == torch.int32 and dev.is_contiguous()) else dev.to(torch.int32).contiguous()
     xs = _rows(x, k)
+    gidx = None if gather is None else gather.index.to(device=x.device, dtype=torch.int64).contiguous()
     _launch(xs.unsqueeze(0), w3, None, y.unsqueeze(0), cfg, m, n, k,
-            experts=_ExpertLaunch(offs, woff, align, e, n_tiles), delta=_delta_rows(delta, m, n),
-            lora=_lora_launch(lora, m, n, stacked=True))
+            experts=_ExpertLaunch(offs, woff, align, e, n_tiles, gidx, 1 if gather is None else gather.div),
+            delta=_delta_rows(delta, m, n), lora=_lora_launch(lora, m, n, stacked=True))
     return y
 
 
@@ -1529,11 +1544,17 @@ class _ExpertLinearFn(torch.autograd.Function):
 @expert_linear.register("triton")
 def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequence[int] | torch.Tensor,
                          out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
-                         lora: _ops.LoraUp | None = None) -> torch.Tensor:
+                         lora: _ops.LoraUp | None = None, gather: _moe.RowGather | None = None) -> torch.Tensor:
     """Triton ``expert_linear``: all experts in one launch; a row's result equals Triton
     ``linear(row, weights[e])`` bitwise. Offsets as an integer tensor on x's device are never read
     on the host (capture-safe forward); host lists / other tensors take the same kernel. ``lora``: the
-    experts' LoRA delta from its factors, in the epilogue."""
+    experts' LoRA delta from its factors, in the epilogue. ``gather``: read in the kernel without autograd (the
+    engine), materialised first under autograd (the backward works on the gathered rows)."""
+    if gather is not None:
+        _moe.check_gather(x, gather)
+        if _needs_grad(x, delta, *(() if lora is None else (lora.t, lora.b)),
+                       *([weights] if isinstance(weights, torch.Tensor) else weights)):
+            return expert_linear_triton(gather.rows(x), weights, offsets, out_dtype, delta, lora)
     if lora is not None and (delta is not None or compute_in_fp64(x, lora.t, lora.b)):
         # (raises with both; fp64 factors: gradchecks)
         delta, lora = _ops.resolve_delta(delta, lora, "expert_linear",
@@ -1545,13 +1566,13 @@ def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequen
         raise ValueError("expert_linear: no experts")
     # Expert weights share one dtype (checked with the weight table), so the first one decides.
     if compute_in_fp64(x, ws[0], delta) or (lora is not None and compute_in_fp64(ws[0])):
-        return expert_linear.impls["torch"](x, weights, offs, out_dtype, delta, lora)
+        return expert_linear.impls["torch"](x, weights, offs, out_dtype, delta, lora, gather)
     out_dtype = out_dtype or x.dtype
     n = weights.shape[1] if isinstance(weights, torch.Tensor) else ws[0].shape[0]
     if delta is not None:
-        _ops.check_delta(delta, (x.shape[0], n))
+        _ops.check_delta(delta, (x.shape[0] if gather is None else gather.index.shape[0], n))
         delta = delta.float()
     lt, lb, ls = (None, None, 1.0) if lora is None else (lora.t, lora.b, float(lora.scale))
     if _needs_grad(x, delta, lt, lb, *ws):
         return _ExpertLinearFn.apply(x, offs, out_dtype, isinstance(weights, torch.Tensor), delta, lt, lb, ls, *ws)
-    return _expert_forward(x, weights, offs, out_dtype, delta, lora)
+    return _expert_forward(x, weights, offs, out_dtype, delta, lora, gather)
