@@ -124,10 +124,11 @@ def _topk_kernel(scores_ptr, qpos_ptr, out_ptr, width, score_stride, K, BLOCK: t
     base = scores_ptr + row * score_stride
     out_row = out_ptr + row * K
     if n <= K:
-        # At most k candidates: all of them, already ascending.
-        for j0 in range(0, n, BLOCK):
+        # At most k candidates: all of them, already ascending, then -1 padding (the row is written whole: the
+        # output needs no fill of its own).
+        for j0 in range(0, K, BLOCK):
             pos = j0 + offs
-            tl.store(out_row + pos, pos.to(tl.int64), mask=pos < n)
+            tl.store(out_row + pos, tl.where(pos < n, pos.to(tl.int64), -1), mask=pos < K)
     else:
         # Radix select of the K-th largest key T, one byte per pass from the top: a pass histograms the
         # next byte of the keys whose higher bytes equal T's so far and keeps the largest byte value d with
@@ -228,7 +229,7 @@ def dsa_topk_triton(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) ->
 def dsa_topk_kernel(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) -> torch.Tensor:
     """The Triton top-k kernel itself (see ``dsa_topk_triton``)."""
     nq, width = scores.shape
-    out = torch.full((nq, topk), -1, dtype=torch.int64, device=scores.device)
+    out = torch.empty((nq, topk), dtype=torch.int64, device=scores.device)  # every row written by the kernel
     if nq == 0 or topk == 0:
         return out
     s = scores.detach().to(torch.float32)
