@@ -173,3 +173,22 @@ def test_decode_gemms_smoke(tmp_path):
     swept = [g for g in groups if "sweep" in g]
     assert len(swept) == 1 and swept[0]["sweep"]
     assert all("error" in t or isinstance(t["equal_bits"], bool) for t in swept[0]["sweep"])
+
+
+# Launches per layer kind of one static decode step of the tiny preset with LoRA, on the Triton backend (CPU,
+# interpreted): the counts at 23b6e37 (benchmarks/results/2026-12-06_decode_launch_census_smoke_23b6e37_cpu.json;
+# fb216e5 had 41 / 63 / 72). A change that adds launches to the decode step fails here and must say why.
+LAUNCH_CEILINGS = {"KDA+MLP": 25, "KDA+MoE": 40, "MLA+MoE": 58, "head": 8}
+
+
+def test_decode_launch_census_smoke(tmp_path):
+    """Every launch of one static decode step is counted per layer kind and issuing line (Triton kernels and the
+    aten ops that reach a kernel), and no layer kind launches more than its ceiling."""
+    pytest.importorskip("triton")
+    res = _run("decode_launch_census.py", "--interpret", out=tmp_path / "c.json", env_extra={"TRITON_INTERPRET": "1"})
+    per_layer = {r["layer"]: r["per_layer"] for r in res["layers"]}
+    assert set(per_layer) == set(LAUNCH_CEILINGS)
+    assert res["total"] == sum(r["launches"] for r in res["layers"]) == sum(s["launches"] for s in res["sites"])
+    over = {k: v for k, v in per_layer.items() if v > LAUNCH_CEILINGS[k]}
+    assert not over, f"more launches per decode step than the ceilings {LAUNCH_CEILINGS}: {over}"
+    assert any(s["kernel"] == "_mla_split_kernel" for s in res["sites"])
