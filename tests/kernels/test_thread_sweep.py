@@ -104,7 +104,8 @@ def test_same_bits_at_every_thread_count(name: str) -> None:
 # Ops whose thread sweep lives with their paged/packed inputs (named in the comment above CASES).
 SWEPT_ELSEWHERE = {"mla_attention", "mla_attention_dense", "dsa_index_scores", "dsa_topk", "kda_chunk", "kda_chunk_step",
                    "kda_decode_step", "kda_decode_prime",  # these two: tests/kernels/test_kda_decode_step.py
-                   "causal_short_conv_pooled"}  # tests/kernels/test_short_conv.py (its pool is updated in place)
+                   "causal_short_conv_pooled",  # tests/kernels/test_short_conv.py (its pool is updated in place)
+                   "write_cache_rows"}  # stores bytes, no arithmetic (tests/kernels/triton/test_cache_write.py)
 
 
 def test_every_op_is_swept() -> None:

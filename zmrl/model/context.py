@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
 
+from zmrl.kernels_batch_invariant.cache_write import write_cache_rows
+
 if TYPE_CHECKING:
     from .kda_pool import KDAStatePool
 
@@ -92,6 +94,12 @@ class LatentStore(abc.ABC):
               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Write the new tokens' entries at flat ``slots`` and return the page tensors to read."""
 
+    def write_parts(self, layer_idx: int, slots: torch.Tensor, latent_parts: Sequence[torch.Tensor],
+                    index_k8: torch.Tensor | None, index_scale: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``write`` with the latent given as its parts side by side (``[c_kv | k_pe]``)."""
+        return self.write(layer_idx, slots, torch.cat(list(latent_parts), dim=-1), index_k8, index_scale)
+
 
 class EphemeralLatentStore(LatentStore):
     """Trainer-side store: builds the pages out of place each call so gradients flow to the latents."""
@@ -137,13 +145,17 @@ class PagedLatentStore(LatentStore):
 
     @torch.no_grad()
     def write(self, layer_idx, slots, latent, index_k8, index_scale):
+        return self.write_parts(layer_idx, slots, (latent,), index_k8, index_scale)
+
+    @torch.no_grad()
+    def write_parts(self, layer_idx, slots, latent_parts, index_k8, index_scale):
+        # one launch on the GPU for the latent parts, the index keys and scales (write_cache_rows)
         kv = self.kv[layer_idx]
-        kv.view(-1, kv.shape[-1])[slots] = latent.to(kv.dtype)
         if index_k8 is None:
+            write_cache_rows(slots, kv, latent_parts)
             return kv, None, None
         k8, ks = self.k8[layer_idx], self.kscale[layer_idx]
-        k8.view(torch.uint8).view(-1, k8.shape[-1] * k8.element_size())[slots] = index_k8.to(k8.dtype).view(torch.uint8)
-        ks.view(-1)[slots] = index_scale
+        write_cache_rows(slots, kv, latent_parts, k8, index_k8, ks, index_scale)
         return kv, k8, ks
 
     @torch.no_grad()

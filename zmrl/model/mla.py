@@ -123,14 +123,15 @@ class MLAAttention(nn.Module):
             # The engine caches FP8 latents; quantise->dequantise here too so both sides attend to the
             # same values (straight-through gradient). The rope part stays in the model dtype.
             c_kv = fake_quant_fp8(c_kv, block=min(128, self.kv_lora_rank))
-        latent = torch.cat([c_kv, k_pe], dim=-1)
 
         index_k8 = index_scale = None
         computes_selection = self.indexer is not None and self.index_source == self.layer_idx
         if computes_selection:
             index_k8, index_scale = self.indexer.keys(x, ctx.positions, self.rope)
             index_scale = index_scale.squeeze(-1)
-        kv_cache, k8_cache, ks_cache = ctx.store.write(self.layer_idx, ctx.slot_mapping, latent, index_k8, index_scale)
+        # the latent [c_kv | k_pe] written as its two parts (the engine's paged store: no concatenated copy)
+        kv_cache, k8_cache, ks_cache = ctx.store.write_parts(self.layer_idx, ctx.slot_mapping, (c_kv, k_pe),
+                                                             index_k8, index_scale)
 
         w_uk, w_uv = self._kv_b()
         lora = self.kv_b_proj.adapter
