@@ -221,7 +221,8 @@ has launch_cuts && step gpu_tests_launch_cuts "${T_LAUNCH_CUTS:-200}" $PY -m pyt
   tests/kernels/triton/test_l2norm.py tests/kernels/triton/test_norms.py tests/kernels/triton/test_short_conv.py \
   tests/kernels/triton/test_pointwise.py tests/kernels/triton/test_moe_router.py tests/kernels/triton/test_kda_decode_step.py \
   tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_static_kv_len.py tests/kernels/triton/test_rowwise_grads.py \
-  tests/kernels/triton/test_glu.py tests/kernels/triton/test_matmul.py tests/kernels/triton/test_model_static_decode.py
+  tests/kernels/triton/test_glu.py tests/kernels/triton/test_matmul.py tests/kernels/triton/test_model_static_decode.py \
+  tests/kernels/triton/test_cache_write.py tests/kernels/triton/test_dsa_indexer.py
 
 has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
   --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 ${DECODE_ARGS:-} --out "$OUT/decode_lora.json"
