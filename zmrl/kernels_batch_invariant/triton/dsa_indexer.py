@@ -126,8 +126,8 @@ def _topk_kernel(scores_ptr, qpos_ptr, out_ptr, width, score_stride, K, BLOCK: t
     if n <= K:
         # At most k candidates: all of them, already ascending, then -1 padding (the row is written whole: the
         # output needs no fill of its own).
-        for j0 in range(0, K, BLOCK):
-            pos = j0 + offs
+        for k0 in range(0, K, BLOCK):  # (its own name: the other branch's j0 loops run to an int64 bound)
+            pos = k0 + offs
             tl.store(out_row + pos, tl.where(pos < n, pos.to(tl.int64), -1), mask=pos < K)
     else:
         # Radix select of the K-th largest key T, one byte per pass from the top: a pass histograms the
