@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant.logprob import token_logprobs
-from zmrl.model import ModelConfig, build_model, cu_seqlens_from_lens, forward_packed
+from zmrl.model import ModelConfig, build_model
 from zmrl.model.context import KDASeqState, SequenceState
 from zmrl.model.kda_pool import KDAStatePool
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from zmrl.rollout.graph_runner import DecodeGraphRunner, buckets, bucket_of
 
 from tests.device import ON_CUDA, TEST_DEVICE
+from tests.rollout.trainer_recompute import assert_trainer_logprobs_equal
 
 GRAPHS = "cuda" if ON_CUDA else "static"
 MAX_TOKENS = 70  # crosses a 64-token chunk boundary while decoding for every prompt below
@@ -129,14 +129,7 @@ def test_preemption_forks_and_staggered_arrivals(model, prompts):
 def test_logprobs_equal_trainer_forward(model, prompts, eager):
     """The trainer's packed forward recomputes every static-decode log-prob bit for bit."""
     engine = RolloutEngine(model, EngineConfig(num_blocks=48, decode_graphs=GRAPHS))
-    outs = engine.generate(prompts, _params(len(prompts)))
-    seqs = [torch.tensor(o.prompt_token_ids + o.token_ids[:-1], device=TEST_DEVICE) for o in outs]
-    with torch.no_grad():
-        logits = forward_packed(model, torch.cat(seqs), cu_seqlens_from_lens([s.numel() for s in seqs], TEST_DEVICE))
-    for o, rows in zip(outs, logits.split([s.numel() for s in seqs])):
-        lp = token_logprobs(rows[len(o.prompt_token_ids) - 1:], torch.tensor(o.token_ids, device=TEST_DEVICE),
-                            o.temperature)
-        assert torch.equal(lp, o.logprobs), f"request {o.request_id}"
+    assert_trainer_logprobs_equal(model, engine.generate(prompts, _params(len(prompts))), TEST_DEVICE)
 
 
 def test_pool_load_store_round_trip(model):

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from zmrl.kernels_batch_invariant import _dispatch
-from zmrl.kernels_batch_invariant.logprob import token_logprobs
 from zmrl.lora import LoraConfig, apply_lora
-from zmrl.model import ModelConfig, build_model, cu_seqlens_from_lens, forward_packed
+from zmrl.model import ModelConfig, build_model
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+from tests.rollout.trainer_recompute import assert_trainer_logprobs_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
@@ -41,10 +42,4 @@ def test_static_decode_logprobs_equal_packed_forward(device, interpret, triton_e
     engine = RolloutEngine(model, EngineConfig(num_blocks=8, decode_graphs="cuda" if device.type == "cuda" else "static"))
     outs = engine.generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == [2, 4]
-    seqs = [torch.tensor(o.prompt_token_ids + o.token_ids[:-1], device=device) for o in outs]
-    with torch.no_grad():
-        logits = forward_packed(model, torch.cat(seqs), cu_seqlens_from_lens([s.numel() for s in seqs], device))
-    for o, rows in zip(outs, logits.split([s.numel() for s in seqs])):
-        lp = token_logprobs(rows[len(o.prompt_token_ids) - 1:], torch.tensor(o.token_ids, device=device),
-                            o.temperature)
-        assert torch.equal(lp, o.logprobs), f"request {o.request_id}: {lp} vs {o.logprobs}"
+    assert_trainer_logprobs_equal(model, outs, device)
