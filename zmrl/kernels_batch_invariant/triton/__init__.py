@@ -5,7 +5,9 @@ Rules every kernel here follows (the GPU form of the CPU rules):
 * Launch configurations (tile sizes, warps, stages) are fixed per kernel or chosen from model
   dimensions only (head dims, hidden sizes), never from the number of tokens, rows or sequences, and
   never autotuned: autotuning could pick different configs in the rollout and trainer processes.
-* No split-K and no atomics in any reduction; K loops run in ascending order in fixed blocks.
+* No atomics in any reduction; K loops run in ascending order in fixed blocks. The one split K (fp32 weights,
+  K > 512: ``matmul.py``) splits at fixed K offsets and adds its partials in ascending order; an atomic
+  arrival counter only chooses which program of a tile does that sum.
 * Reductions are one row per program with a fixed block order and fp32 accumulation.
 
 Each module registers its kernels on the op objects of the torch backend when imported; importing
