@@ -1,4 +1,5 @@
-"""The GEMM kernels' Triton front end for a Hopper target (sm_90), on a machine without a GPU.
+"""The GEMM kernels' (and the decode step's other kernels') Triton front end for a Hopper target (sm_90), on a
+machine without a GPU.
 
 The interpreter (``TRITON_INTERPRET=1``) runs the kernels' Python, not Triton's compiler, so it cannot see
 compile errors such as a loop-carried variable changing type in one constexpr variant (a GPU call found
@@ -197,3 +198,59 @@ def test_lm_head_softmax_grad_builds_for_sm90():
         ptrs = {"z_ptr": "*fp32", "tok_ptr": "*i64", "g_ptr": "*fp32", "inv_t_ptr": "*fp32", "dz_ptr": f"*{out}"}
         _build_ir(_softmax_grad_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32")
                                          for n in _softmax_grad_kernel.arg_names}, consts)
+
+
+def _sig(fn, ptrs: dict[str, str], consts: dict[str, object], scalars: dict[str, str] | None = None) -> dict[str, str]:
+    """A kernel's signature: the named pointers, the constexprs, the named scalars (others i32)."""
+    return {n: "constexpr" if n in consts else ptrs.get(n, (scalars or {}).get(n, "i32")) for n in fn.arg_names}
+
+
+@compiled_only
+def test_decode_step_row_kernels_build_for_sm90():
+    """The decode step's row kernels in every variant the launchers pick: the RMSNorm with the residual add, the
+    norms and the conv reading rows in place, the pooled short conv, the GLU over fused halves, the one-launch
+    pointwise ops, the cache write, the KDA decode row staging and the MLA split kernel's program coordinates."""
+    from zmrl.kernels_batch_invariant.triton import cache_write, glu, kda_recurrent, l2norm, mla_attention, norms
+    from zmrl.kernels_batch_invariant.triton import pointwise, short_conv
+
+    for residual, gated in ((False, False), (False, True), (True, False)):
+        consts = dict(HAS_W=True, GATED=gated, RESIDUAL=residual, BLOCK=2048)
+        ptrs = {"x_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*bf16",
+                "h_ptr": "*bf16"}
+        _build_ir(norms._rms_norm_kernel, _sig(norms._rms_norm_kernel, ptrs, consts, {"eps": "fp32"}), consts)
+    consts = dict(BLOCK=128)
+    _build_ir(l2norm._l2_norm_kernel, _sig(l2norm._l2_norm_kernel, {"x_ptr": "*bf16", "y_ptr": "*fp32"}, consts,
+                                           {"eps": "fp32"}), consts)
+    for blocks, idx in ((1, False), (3, True)):
+        consts = dict(W=4, HAS_STATE=True, HAS_IDX=idx, W_BLOCKS=blocks, SILU=True, BLOCK_C=512)
+        ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "st_ptr": "*bf16",
+                "idx_ptr": "*i64", "seq_ptr": "*i64", "cu_ptr": "*i64", "y_ptr": "*bf16"}
+        _build_ir(short_conv._short_conv_kernel, _sig(short_conv._short_conv_kernel, ptrs, consts), consts)
+        consts = dict(W=4, HAS_STATE=True, HAS_IDX=idx, BLOCK_C=512)
+        ptrs = {"x_ptr": "*bf16", "st_ptr": "*bf16", "idx_ptr": "*i64", "cu_ptr": "*i64", "out_ptr": "*bf16"}
+        _build_ir(short_conv._conv_state_kernel, _sig(short_conv._conv_state_kernel, ptrs, consts), consts)
+    consts = dict(SITU=False, CAP_UP=False, BLOCK=1024)
+    _build_ir(glu._glu_kernel, _sig(glu._glu_kernel, {"g_ptr": "*bf16", "u_ptr": "*bf16", "y_ptr": "*bf16"}, consts,
+                                    {"beta": "fp32", "linear_beta": "fp32"}), consts)
+    consts = dict(BLOCK=1024)
+    _build_ir(pointwise._sigmoid_kernel, _sig(pointwise._sigmoid_kernel, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, consts),
+              consts)
+    _build_ir(pointwise._add_cast_kernel, _sig(pointwise._add_cast_kernel,
+                                               {"a_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16"}, consts), consts)
+    consts = dict(DA=512, DB=64, DK=128, BLOCK=512, HAS_B=True, HAS_INDEX=True)
+    ptrs = {"slot_ptr": "*i64", "kv_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "k8_ptr": "*u8", "ik_ptr": "*u8",
+            "ks_ptr": "*fp32", "is_ptr": "*fp32"}
+    _build_ir(cache_write._write_rows_kernel, _sig(cache_write._write_rows_kernel, ptrs, consts), consts)
+    consts = dict(HK=2048, HV=2048, H=16, BLOCK=2048, C=64)
+    ptrs = {"pos_ptr": "*i64", "slot_ptr": "*i64", "solved_ptr": "*i32", "k_ptr": "*fp32", "v_ptr": "*bf16",
+            "g_ptr": "*fp32", "beta_ptr": "*fp32", "ck_ptr": "*fp32", "cv_ptr": "*bf16", "cg_ptr": "*fp32",
+            "cbeta_ptr": "*fp32", "info_ptr": "*i32"}
+    _build_ir(kda_recurrent._decode_rows_kernel, _sig(kda_recurrent._decode_rows_kernel, ptrs, consts), consts)
+    cfg = mla_attention.kernel_config(64, 512, 64)
+    consts = dict(DC=512, DR=64, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=64, BLOCK_H=cfg.block_h, BLOCK_N=64,
+                  SPLIT=mla_attention.SPLIT_KEYS, DENSE=False, DIRECT=False, SPLIT_BF16=True, N_HG=2)
+    ptrs = {"q_ptr": "*fp32", "qh_ptr": "*bf16", "ql_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i64",
+            "seq_ptr": "*i64", "kp_ptr": "*i64", "qpos_ptr": "*i64", "out_ptr": "*fp32", "m_ptr": "*fp32",
+            "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    for fn in (mla_attention._mla_split_kernel, mla_attention._mla_split_kernel_keys_rows):
+        _build_ir(fn, _sig(fn, ptrs, consts, {"scale": "fp32"}), consts)
