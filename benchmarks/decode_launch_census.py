@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from _common import apply_bench_lora, build_on_device, default_out, env, model_config, setup_logging, table, write_json
 from decode_throughput import PAGE, PENDING, fill_store, kda_template, make_seqs
-from zmrl.kernels_batch_invariant import _dispatch, kernel_mode
+from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.model import ModelCache
 from zmrl.rollout.graph_runner import DecodeGraphRunner
 from zmrl.rollout.request import Request, SamplingParams
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "interpreted on the CPU)")
         dev = torch.device("cpu")
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-        _dispatch.InvariantOp.backend_for = _triton_everywhere(_dispatch.InvariantOp.backend_for)
+        from zmrl.kernels_batch_invariant.triton import triton_everywhere
+        triton_everywhere().__enter__()  # for the rest of the process
     elif torch.cuda.is_available():
         dev = torch.device("cuda")
     else:
@@ -266,17 +267,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                "interpreted": a.interpret, "wall_s": time.perf_counter() - t0, **s}
     write_json(a.out or default_out("decode_launch_census" + ("_smoke" if a.smoke else "")), payload)
     return payload
-
-
-def _triton_everywhere(original):
-    """``InvariantOp.backend_for`` that picks the Triton backend on any device (the CPU under the interpreter);
-    fast mode and ops without one keep theirs."""
-    def backend_for(self, device):  # noqa: ANN001
-        if _dispatch.get_mode() != "fast" and "triton" in self.impls:
-            return "triton"
-        return original(self, device)
-
-    return backend_for
 
 
 if __name__ == "__main__":

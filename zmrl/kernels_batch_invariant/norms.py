@@ -58,11 +58,15 @@ def add_rms_norm(
 
     x, residual: [..., D] of one dtype; returns (h, normed), both x.dtype.
     """
+    check_add_rms_norm(x, residual)
+    h = x + residual
+    return h, rms_norm(h, weight, eps)
+
+
+def check_add_rms_norm(x: torch.Tensor, residual: torch.Tensor) -> None:
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
                          f"{residual.dtype} differ")
-    h = x + residual
-    return h, rms_norm(h, weight, eps)
 
 
 @invariant_op

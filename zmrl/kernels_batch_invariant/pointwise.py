@@ -51,6 +51,10 @@ def sigmoid_op(x: torch.Tensor) -> torch.Tensor:
 def add_cast(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``(a + b.to(a.dtype)).to(out_dtype)``: b widened to a's dtype, one add, one rounding (the MoE's fp32
     routed sum plus its shared expert, rounded to the model dtype). a and b have the same shape."""
+    check_add_cast(a, b)
+    return (a + b.to(a.dtype)).to(out_dtype)
+
+
+def check_add_cast(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.shape != b.shape:
         raise ValueError(f"add_cast: a {tuple(a.shape)} and b {tuple(b.shape)} differ in shape")
-    return (a + b.to(a.dtype)).to(out_dtype)

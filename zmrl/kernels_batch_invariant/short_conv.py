@@ -105,12 +105,24 @@ def causal_short_conv_pooled(
     which is this torch backend; the Triton backend indexes the pool and the weight blocks in its kernels
     (three launches fewer: the weight concatenation, the state gather and the scatter). No autograd (the pool
     is updated in place): the trainer calls ``causal_short_conv``."""
-    if not 1 <= len(weights) <= 3:
-        raise ValueError(f"causal_short_conv_pooled: 1 to 3 weight blocks, got {len(weights)}")
+    check_pooled(x, weights, cu_seqlens, conv_pool, state_indices)
     weight = torch.cat([w.reshape(w.shape[0], w.shape[-1]) for w in weights])
     y, new_state = causal_short_conv(x, weight, cu_seqlens, conv_pool[state_indices], activation, seq_idx)
     conv_pool[state_indices] = new_state
     return y
+
+
+def check_pooled(x: torch.Tensor, weights: Sequence[torch.Tensor], cu_seqlens: torch.Tensor, conv_pool: torch.Tensor,
+                 state_indices: torch.Tensor) -> None:
+    """``causal_short_conv_pooled``'s arguments fit one another (one error for every backend)."""
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"causal_short_conv_pooled: 1 to 3 weight blocks, got {len(weights)}")
+    c, w, n = x.shape[-1], weights[0].shape[-1], cu_seqlens.numel() - 1
+    if (sum(wt.shape[0] for wt in weights) != c or any(wt.shape[-1] != w for wt in weights)
+            or conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (w - 1, c) or tuple(state_indices.shape) != (n,)):
+        raise ValueError(f"causal_short_conv_pooled: weights {[tuple(wt.shape) for wt in weights]}, pool "
+                         f"{tuple(conv_pool.shape)} and state_indices {tuple(state_indices.shape)} do not fit x "
+                         f"{tuple(x.shape)} and {n} sequences")
 
 
 def causal_short_conv_ref(

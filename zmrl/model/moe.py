@@ -114,8 +114,7 @@ class MoE(nn.Module):
         # not depend on how many other tokens chose the same expert.
         # grouped over every routed expert (the router's rows): an expert-parallel rank holds only its slice
         pairs = moe_sort(route.expert_ids, self.gate.weight.shape[0])
-        own = type(self)._routed_experts is MoE._routed_experts
-        if own and not (torch.is_grad_enabled() and h.requires_grad):
+        if self._own_routed_experts() and not (torch.is_grad_enabled() and h.requires_grad):
             # Without autograd the expert products read each pair's token row where it is (expert_linear's
             # gather) instead of a dispatched copy: the same values, two launches and a [T * top_k, D] copy fewer.
             gather = RowGather(pairs.order, self.top_k)
@@ -142,7 +141,11 @@ class MoE(nn.Module):
     def _device_dispatch(self, x: torch.Tensor) -> bool:
         """Route with device offsets (no host sync) instead of host counts: on CUDA, unless a
         subclass replaces ``_routed_experts`` (expert parallelism slices host offsets per rank)."""
-        return x.is_cuda and type(self)._routed_experts is MoE._routed_experts
+        return x.is_cuda and self._own_routed_experts()
+
+    def _own_routed_experts(self) -> bool:
+        """Whether this class runs ``MoE._routed_experts`` (expert parallelism overrides it with host offsets)."""
+        return type(self)._routed_experts is MoE._routed_experts
 
     def _routed_experts(self, hs: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Expert MLPs of the expert-sorted rows ``hs`` (``counts[e]`` rows for expert e, in order);

@@ -882,11 +882,22 @@ def test_split_k_sum_in_the_gemm_launch_equals_the_separate_sum(device, interpre
                 triton_impl(linear_concat)(x, ws, out_dtype=torch.float32),
                 triton_impl(expert_linear)(x, stacked, off, out_dtype=torch.float32)]
 
+    sums: list[int] = []  # _split_k_sum launches: none while the GEMMs sum their own partials
+    real_sum = M._split_k_sum
+
+    class CountingSum:
+        def __getitem__(self, grid):
+            sums.append(1)
+            return real_sum[grid]
+
+    monkeypatch.setattr(M, "_split_k_sum", CountingSum())
     monkeypatch.setattr(M, "SERIAL_SPLIT_SUM", True)
     serial = products()
     again = products()
+    assert not sums, "the serial path fell back to the separate sum"
     monkeypatch.setattr(M, "SERIAL_SPLIT_SUM", False)
     separate = products()
+    assert len(sums) == len(separate), "every product of the case splits K"
     for i, (a, b, c) in enumerate(zip(serial, again, separate)):
         assert torch.equal(a, c), f"product {i}: the serial sum differs from _split_k_sum"
         assert torch.equal(a, b), f"product {i}: a repeated call differs"

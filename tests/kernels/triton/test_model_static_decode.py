@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zmrl.kernels_batch_invariant import _dispatch
+from zmrl.kernels_batch_invariant.triton import triton_everywhere
 from zmrl.lora import LoraConfig, apply_lora
 from zmrl.model import ModelConfig, build_model
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
@@ -21,17 +21,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
 
 @pytest.fixture
-def triton_everywhere(monkeypatch, interpret):
-    if interpret:
-        original = _dispatch.InvariantOp.backend_for
-
-        def backend_for(self, device):  # noqa: ANN001
-            return "triton" if "triton" in self.impls else original(self, device)
-
-        monkeypatch.setattr(_dispatch.InvariantOp, "backend_for", backend_for)
+def triton_backend(interpret):
+    if not interpret:  # on CUDA the dispatcher picks the Triton backend anyway
+        yield
+        return
+    with triton_everywhere():
+        yield
 
 
-def test_static_decode_logprobs_equal_packed_forward(device, interpret, triton_everywhere):
+def test_static_decode_logprobs_equal_packed_forward(device, interpret, triton_backend):
     cfg = ModelConfig.preset("tiny")
     model = build_model(cfg, seed=0, dtype="bfloat16", device=device).eval()
     apply_lora(model, LoraConfig(r=4, alpha=4.0, init_b_std=0.02, init_seed=1))

@@ -16,13 +16,17 @@ Triton's interpreter (``TRITON_INTERPRET=1``) when called through ``triton_impl(
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 import os
 import pkgutil
+from typing import Iterator
 
-from .._dispatch import InvariantOp
+import torch
+
+from .._dispatch import InvariantOp, get_mode
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,25 @@ def triton_impl(op: InvariantOp):
     if "triton" not in op.impls:
         raise LookupError(f"{op.name} has no triton implementation (is triton installed?)")
     return op.impls["triton"]
+
+
+@contextlib.contextmanager
+def triton_everywhere() -> Iterator[None]:
+    """Within it, every op that has a Triton backend dispatches to it on any device, the CPU included (where
+    the kernels run under ``TRITON_INTERPRET=1``): model-level interpreter tests and CPU launch counts. Fast
+    mode and ops without a Triton backend keep their dispatch."""
+    original = InvariantOp.backend_for
+
+    def backend_for(self: InvariantOp, device: torch.device | None) -> str:
+        if get_mode() != "fast" and "triton" in self.impls:
+            return "triton"
+        return original(self, device)
+
+    InvariantOp.backend_for = backend_for  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        InvariantOp.backend_for = original  # type: ignore[method-assign]
 
 
 def load() -> list[str]:

@@ -523,13 +523,13 @@ def _gemm_kernel(
     tl.store(y_base + tile, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     if SERIAL_SUM:
         _serial_split_sum(y_base - tl.program_id(2).to(tl.int64) * stride_ys + tile, stride_ys, o_ptr + o_off,
-                          d_ptr + o_off, b_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, stride_og, stride_om, stride_on,
+                          d_ptr + o_off, b_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, stride_om, stride_on,
                           SUM_BIAS, SUM_DELTA, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _serial_split_sum(p_ptrs, stride_ps, o_base, d_base, b_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask,
-                      stride_og, stride_om, stride_on,
+                      stride_om, stride_on,
                       HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The split-K sum of a tile by its last program to arrive (see ``_gemm_kernel``'s SERIAL_SUM). The barrier
     and the release half of the counter's atomic publish this program's partial before it counts itself;
@@ -1552,9 +1552,6 @@ def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequen
     engine), materialised first under autograd (the backward works on the gathered rows)."""
     if gather is not None:
         _moe.check_gather(x, gather)
-        if _needs_grad(x, delta, *(() if lora is None else (lora.t, lora.b)),
-                       *([weights] if isinstance(weights, torch.Tensor) else weights)):
-            return expert_linear_triton(gather.rows(x), weights, offsets, out_dtype, delta, lora)
     if lora is not None and (delta is not None or compute_in_fp64(x, lora.t, lora.b)):
         # (raises with both; fp64 factors: gradchecks)
         delta, lora = _ops.resolve_delta(delta, lora, "expert_linear",
@@ -1574,5 +1571,6 @@ def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequen
         delta = delta.float()
     lt, lb, ls = (None, None, 1.0) if lora is None else (lora.t, lora.b, float(lora.scale))
     if _needs_grad(x, delta, lt, lb, *ws):
-        return _ExpertLinearFn.apply(x, offs, out_dtype, isinstance(weights, torch.Tensor), delta, lt, lb, ls, *ws)
+        rows = x if gather is None else gather.rows(x)  # the backward works on the gathered rows
+        return _ExpertLinearFn.apply(rows, offs, out_dtype, isinstance(weights, torch.Tensor), delta, lt, lb, ls, *ws)
     return _expert_forward(x, weights, offs, out_dtype, delta, lora, gather)

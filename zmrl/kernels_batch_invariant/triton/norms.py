@@ -155,13 +155,10 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch: h and its norm (``_rms_norm_kernel`` with RESIDUAL, the norm's instructions unchanged). Under
     autograd, or for an fp32/fp64 x, the add and ``rms_norm`` as two ops (their backwards; the same bits)."""
-    if x.shape != residual.shape or x.dtype != residual.dtype:
-        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
-                         f"{residual.dtype} differ")
+    _ops.check_add_rms_norm(x, residual)
     if (x.dtype not in (torch.bfloat16, torch.float16) or compute_in_fp64(weight)
             or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)))):
-        h = x + residual
-        return h, rms_norm(h, weight, eps)
+        return add_rms_norm.impls["torch"](x, residual, weight, eps)
     d = x.shape[-1]
     xc, rc = as_rows(x), as_rows(residual)
     w = _check_param(weight, d, "weight", "add_rms_norm")

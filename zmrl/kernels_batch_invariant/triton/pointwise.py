@@ -53,8 +53,7 @@ def sigmoid_op_triton(x: torch.Tensor) -> torch.Tensor:
 @add_cast.register("triton")
 @with_reference_backward(add_cast.impls["torch"])
 def add_cast_triton(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    if a.shape != b.shape:
-        raise ValueError(f"add_cast: a {tuple(a.shape)} and b {tuple(b.shape)} differ in shape")
+    _ops.check_add_cast(a, b)
     if a.dtype != torch.float32 or compute_in_fp64(b):
         return add_cast.impls["torch"](a, b, out_dtype)
     ac, bc = a.contiguous(), b.contiguous()

@@ -171,16 +171,8 @@ def causal_short_conv_pooled_triton(
 ) -> torch.Tensor:
     if activation not in (None, "silu"):
         raise ValueError(f"causal_short_conv_pooled: unsupported activation {activation!r}")
-    if x.dtype == torch.float64 or not 1 <= len(weights) <= 3:
+    _ops.check_pooled(x, weights, cu_seqlens, conv_pool, state_indices)
+    if x.dtype == torch.float64 or not conv_pool.is_contiguous():  # the kernels address the pool as contiguous
         return causal_short_conv_pooled.impls["torch"](x, weights, cu_seqlens, conv_pool, state_indices, activation,
                                                       seq_idx)
-    t, c = x.shape
-    w = weights[0].shape[-1]
-    n = cu_seqlens.numel() - 1
-    if (sum(wt.shape[0] for wt in weights) != c or any(wt.shape[-1] != w for wt in weights)
-            or conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (w - 1, c) or not conv_pool.is_contiguous()
-            or tuple(state_indices.shape) != (n,)):
-        raise ValueError(f"causal_short_conv_pooled: weights {[tuple(wt.shape) for wt in weights]}, pool "
-                         f"{tuple(conv_pool.shape)} and state_indices {tuple(state_indices.shape)} do not fit x "
-                         f"{tuple(x.shape)} and {n} sequences")
     return _launch(x, list(weights), cu_seqlens, conv_pool, state_indices, conv_pool, activation, seq_idx)
