@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -42,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from _common import apply_bench_lora, build_on_device, default_out, env, model_config, setup_logging, table, write_json
 from decode_throughput import PAGE, PENDING, fill_store, kda_template, make_seqs
 from zmrl.kernels_batch_invariant import kernel_mode
+from zmrl.kernels_batch_invariant.triton import triton_everywhere
 from zmrl.model import ModelCache
 from zmrl.rollout.graph_runner import DecodeGraphRunner
 from zmrl.rollout.request import Request, SamplingParams
@@ -237,8 +239,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "interpreted on the CPU)")
         dev = torch.device("cpu")
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-        from zmrl.kernels_batch_invariant.triton import triton_everywhere
-        triton_everywhere().__enter__()  # for the rest of the process
     elif torch.cuda.is_available():
         dev = torch.device("cuda")
     else:
@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
     if a.lora:
         apply_bench_lora(model, a.lora, a.seed)
-    census, kinds = census_step(model, a.batch, a.context, a.seed)
+    with triton_everywhere() if a.interpret else contextlib.nullcontext():  # the Triton backends on the CPU too
+        census, kinds = census_step(model, a.batch, a.context, a.seed)
     s = summarize(census, kinds)
     print(f"\nLaunches of one static decode step: {'tiny' if a.smoke else 'bench'} preset, "
           f"{cfg.num_hidden_layers} layers, LoRA r={a.lora}, batch {a.batch}, {dev.type}"
