@@ -1,17 +1,18 @@
-"""Counting launches of the Triton GEMM kernel (tests of how many GEMMs a fused path takes)."""
+"""Counting launches of the Triton GEMM module's kernels (tests of how many launches a fused path takes)."""
 from __future__ import annotations
 
 
-def count_gemm_launches(monkeypatch) -> list[int]:
-    """From now on (until ``monkeypatch`` undoes it), one entry per ``_gemm_kernel[grid](...)`` launch."""
+def count_gemm_launches(monkeypatch, kernel: str = "_gemm_kernel") -> list[int]:
+    """From now on (until ``monkeypatch`` undoes it), one entry per ``<kernel>[grid](...)`` launch of
+    ``triton/matmul.py`` (the GEMM kernel by default; e.g. ``_split_k_sum``)."""
     from zmrl.kernels_batch_invariant.triton import matmul as tm
     calls: list[int] = []
-    real = tm._gemm_kernel
+    real = getattr(tm, kernel)
 
     class Counting:
         def __getitem__(self, grid):
             calls.append(1)
             return real[grid]
 
-    monkeypatch.setattr(tm, "_gemm_kernel", Counting())
+    monkeypatch.setattr(tm, kernel, Counting())
     return calls

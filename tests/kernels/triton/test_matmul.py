@@ -882,15 +882,7 @@ def test_split_k_sum_in_the_gemm_launch_equals_the_separate_sum(device, interpre
                 triton_impl(linear_concat)(x, ws, out_dtype=torch.float32),
                 triton_impl(expert_linear)(x, stacked, off, out_dtype=torch.float32)]
 
-    sums: list[int] = []  # _split_k_sum launches: none while the GEMMs sum their own partials
-    real_sum = M._split_k_sum
-
-    class CountingSum:
-        def __getitem__(self, grid):
-            sums.append(1)
-            return real_sum[grid]
-
-    monkeypatch.setattr(M, "_split_k_sum", CountingSum())
+    sums = count_gemm_launches(monkeypatch, "_split_k_sum")  # none while the GEMMs sum their own partials
     monkeypatch.setattr(M, "SERIAL_SPLIT_SUM", True)
     serial = products()
     again = products()
