@@ -33,6 +33,14 @@ from zmrl.model.model import FP32_PARAMS  # noqa: E402
 log = logging.getLogger("benchmarks")
 
 
+def parse_mla_launches(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``"32x8x2,16x4x2"`` -> ((32, 8, 2), (16, 4, 2)): sparse-MLA launches as heads x warps x stages."""
+    found = [re.fullmatch(r"(\d+)x(\d+)x(\d+)", item) for item in text.split(",") if item]
+    if not found or not all(found):
+        raise SystemExit(f"MLA launch: {text!r} is not a list of HxWxS (e.g. 32x8x2,16x4x2)")
+    return tuple((int(m[1]), int(m[2]), int(m[3])) for m in found)
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from _common import (OOM_ERRORS, apply_bench_lora, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
+from _common import (OOM_ERRORS, parse_mla_launches, apply_bench_lora, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
                      default_out, empty_cache, env, free_gib, kv_state_bytes_per_seq, model_config, pick_device,
                      op_profile, print_op_profile, print_profile, profile_step, setup_logging, table, write_json)
 from zmrl.kernels_batch_invariant import kernel_mode
@@ -128,8 +128,21 @@ def main() -> int:
     ap.add_argument("--out", default=None,
                     help="JSON result (default benchmarks/results/<date>_decode_throughput_h200.json)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, tiny shapes: checks the script runs")
+    ap.add_argument("--mla-launch", default=None, metavar="HxWxS",
+                    help="run the sparse MLA kernel under this launch (heads x warps x stages) instead of its "
+                         "kernel_config's (the form is Numerics.mla_mma_rows, e.g. ZMRL_MLA_MMA_ROWS=keys)")
     a = ap.parse_args()
     setup_logging()
+    if a.mla_launch is None:
+        return run(a)
+    from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
+
+    (launch,) = parse_mla_launches(a.mla_launch)
+    with tmla.launch_override(*launch):
+        return run(a)
+
+
+def run(a: argparse.Namespace) -> int:
     dev = pick_device("decode_throughput.py", a.smoke)
     if a.smoke:
         a.batches, a.contexts, a.profile_ctx, a.iters, a.warmup = [1, 3], [192], 192, 2, 1

@@ -43,6 +43,7 @@
 #   newk          the Triton closed-form backwards of the row-wise ops, the MLA query split, their forwards' tests.
 #   final3        the LoRA epilogue (linear, expert_linear, linear_concat), rows read in place, radix top-k and
 #                 MoE sort GPU tests;
+#   mla_keys      the keys MLA form (query resident) vs the heads form: sweep, MLA tests, decode and prefill per form;
 #   mla_forms     mla_dsa_kernels.py --sweep-only per MLA kernel form (launch configurations at decode 256 x 8K and a
 #                 4096-token prefill) + the MLA tests;
 #   decode_gemms  decode_gemms.py: the decode step's GEMM launches alone vs bound and cuBLAS, the top groups swept;
@@ -154,6 +155,22 @@ has mla_forms && step mla_sweep_keys "${T_MLA_FORMS:-100}" $PY benchmarks/mla_ds
   --sweep-launches "${MLA_KEYS_LAUNCHES:-32x8x2,32x8x3,32x8x1,32x4x2,64x8x1,64x4x1}" --out "$OUT/mla_sweep_keys.json"
 has mla_forms && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
   tests/kernels/triton/test_mla_attention.py
+# mla_keys: the keys form with the query resident in shared memory against the heads form, one machine: the launch
+# sweep (bits per form, error vs float64), the MLA GPU tests under both forms, then the decode step (LoRA r = 32, 8K)
+# and the 4 x 8192 prefill under each form at its kernel_config launch.
+has mla_keys && step mla_sweep_heads "${T_MLA_FORMS:-100}" $PY benchmarks/mla_dsa_kernels.py --sweep-only --mma-rows heads \
+  --sweep-launches 32x8x2 --out "$OUT/mla_sweep_heads.json"
+has mla_keys && step mla_sweep_keys "${T_MLA_FORMS:-150}" $PY benchmarks/mla_dsa_kernels.py --sweep-only --mma-rows keys \
+  --sweep-launches "${MLA_KEYS_LAUNCHES:-16x4x2,32x8x2,32x4x2,16x8x2,64x8x1}" --out "$OUT/mla_sweep_keys.json"
+has mla_keys && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
+  tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_static_kv_len.py
+for form in heads keys; do
+  has mla_keys && step "decode_lora_$form" "${T_DECODE_LORA:-150}" env ZMRL_MLA_MMA_ROWS=$form $PY benchmarks/decode_throughput.py \
+    --batches 64,256 --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 256 \
+    --out "$OUT/decode_lora_$form.json"
+  has mla_keys && step "prefill_$form" "${T_PREFILL:-100}" env ZMRL_MLA_MMA_ROWS=$form $PY benchmarks/prefill_throughput.py \
+    --shapes 4x8192 --modes bitwise --iters 2 --out "$OUT/prefill_$form.json"
+done
 # decode_gemms: every GEMM launch of a bitwise decode step at batch 256 and 64 alone (cold L2) against its bytes
 # bound and cuBLAS, the groups of the most step time under the SWEEP configs (bits checked)
 has decode_gemms && step decode_gemms "${T_DECODE_GEMMS:-300}" $PY benchmarks/decode_gemms.py --sweep "${GEMM_SWEEP_TOP:-14}" \

@@ -208,7 +208,7 @@ def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | 
     from zmrl.kernels_batch_invariant.mla_attention import KEY_BLOCK
     from zmrl.kernels_batch_invariant.triton import mla_attention as M
 
-    cfg = M.kernel_config(num_heads, dc, dr)
+    cfg = M.kernel_config(num_heads, dc, dr, mma_rows)
     bh = cfg.block_h if block_h is None else block_h
     ptrs = {"q_ptr": "*fp32", "qh_ptr": "*bf16", "ql_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i64",
             "seq_ptr": "*i64", "kp_ptr": "*i64", "qpos_ptr": "*i64", "out_ptr": "*fp32", "m_ptr": "*fp32",

@@ -15,7 +15,6 @@ import itertools
 import json
 import logging
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks._common import copy_bandwidth_tb_s, parse_mla_launches  # noqa: E402
 from zmrl.kernels_batch_invariant import current_numerics, kernel_mode, numerics_scope  # noqa: E402
 from zmrl.kernels_batch_invariant.dsa_indexer import dsa_index_scores, dsa_topk  # noqa: E402
 from zmrl.kernels_batch_invariant.fp8 import quantize_fp8  # noqa: E402
@@ -176,7 +176,8 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
                    launches: tuple[tuple[int, int, int], ...] = SWEEP_MLA) -> list[dict[str, Any]]:
     """The sparse kernel in each form (Numerics.mla_mma_rows) under each (BLOCK_H, num_warps, num_stages) of
     ``launches``; every row says its fraction of the bytes bound (the unique key rows read once at the measured
-    copy bandwidth) and its largest difference from the first row of its case."""
+    copy bandwidth), its largest difference from the first row of its form in its case (launches of one form
+    should give the same bits) and its largest error against the float64 torch backend."""
     from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
 
     h, dc, dr, page = (16, 64, 16, 64) if smoke else (64, 512, 64, 64)
@@ -185,7 +186,6 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
     scale = (128 + dr) ** -0.5
     cases = [("decode", 4 if smoke else 256, 200 if smoke else 8192), ("prefill", 1, 130 if smoke else 4096)]
     g = torch.Generator().manual_seed(3)
-    default = tmla.kernel_config
     rows = []
     for kind, batch, ctx in cases:
         cache, bt = paged([ctx] * batch, page, dc + dr, dtype, device, seed=4)
@@ -203,41 +203,31 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
         args = (q_lat, q_pe, cache, bt, sidx.to(device), kp.to(device), scale, dc)
         unique_bytes = int((kp >= 0).sum()) * (dc + dr) * cache.element_size()
         sparse_t = triton_impl(mla_attention)
-        ref = None
+        # float64 reference (the torch backend on float64 copies): each row's error, so forms compare by accuracy
+        exact = mla_attention.impls["torch"](q_lat.double(), q_pe.double(), cache.double(), *args[3:])
+        ref: dict[str, torch.Tensor] = {}  # the first output of each form: launches of one form compared bitwise
         for rows_form, (block_h, warps, stages) in itertools.product(mma_rows, launches):
-            base = default(h, dc, dr)
-            cfg = tmla.MLAKernelConfig(block_h=min(block_h, h), n_chunks=base.n_chunks, chunk=base.chunk,
-                                       num_warps=warps, num_stages=stages)
-            tmla.kernel_config = lambda *_a, cfg=cfg: cfg
+            block_h = min(block_h, h)
             row: dict[str, Any] = {"op": f"mla sparse {kind} sweep", "queries": nq, "context": ctx,
-                                   "mma_rows": rows_form, "config": f"{rows_form}/h{cfg.block_h}/w{warps}/s{stages}"}
+                                   "mma_rows": rows_form, "config": f"{rows_form}/h{block_h}/w{warps}/s{stages}"}
             try:
-                with numerics_scope(current_numerics().replace(mla_mma_rows=rows_form)):
+                with numerics_scope(current_numerics().replace(mla_mma_rows=rows_form)), \
+                        tmla.launch_override(block_h, warps, stages):
                     out = sparse_t(*args)
                     ms = bench(lambda: sparse_t(*args), device)
                 row["ms"] = ms
                 row["unique_gb_s"] = unique_bytes / ms / 1e6
                 row["bytes_bound_fraction"] = row["unique_gb_s"] / (bandwidth_tb_s * 1e3)
-                if ref is None:
-                    ref = out
-                row["max_abs_diff_vs_first"] = float((out - ref).abs().max())
+                first = ref.setdefault(rows_form, out)
+                row["max_abs_diff_vs_form_first"] = float((out - first).abs().max())
+                row["max_abs_err_vs_fp64"] = float((out.double() - exact).abs().max())
             except Exception as e:  # a config that does not compile (registers, shared memory) is a row too
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-            finally:
-                tmla.kernel_config = default
             rows.append(row)
             # one line per configuration as it is measured: a configuration that faults the device (an illegal
             # address is sticky: the process cannot go on) is the last line printed
             log.info("sweep %s %s: %s", kind, row["config"], row.get("error") or f"{row['ms']:.4f} ms")
     return rows
-
-
-def parse_launches(text: str) -> tuple[tuple[int, int, int], ...]:
-    """``"32x8x2,32x8x3"`` -> ((32, 8, 2), (32, 8, 3)): heads x warps x stages per launch."""
-    found = [re.fullmatch(r"(\d+)x(\d+)x(\d+)", item) for item in text.split(",") if item]
-    if not found or not all(found):
-        raise SystemExit(f"--sweep-launches: {text!r} is not a list of HxWxS (e.g. 32x8x2,32x8x3)")
-    return tuple((int(m[1]), int(m[2]), int(m[3])) for m in found)
 
 
 def main() -> None:
@@ -258,7 +248,7 @@ def main() -> None:
                          "sweep can leave it out")
     a = ap.parse_args()
     forms = tuple(f for f in a.mma_rows.split(",") if f)
-    launches = SWEEP_MLA if a.sweep_launches is None else parse_launches(a.sweep_launches)
+    launches = SWEEP_MLA if a.sweep_launches is None else parse_mla_launches(a.sweep_launches)
     bad = [f for f in forms if f not in MLA_MMA_ROWS]
     if bad:
         raise SystemExit(f"--mma-rows: unknown {bad} (allowed: {', '.join(MLA_MMA_ROWS)})")
@@ -269,7 +259,6 @@ def main() -> None:
     else:
         sys.stderr.write("mla_dsa_kernels.py: needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)\n")
         raise SystemExit(2)
-    from benchmarks._common import copy_bandwidth_tb_s
     bandwidth = copy_bandwidth_tb_s(device) if device.type == "cuda" else 1.0
     rows = [] if a.sweep_only else (
         ([] if a.dsa_only else mla_rows(device, a.smoke, a.quick)) + dsa_rows(device, a.smoke, a.quick, bandwidth))

@@ -61,7 +61,9 @@ invariant).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -104,30 +106,51 @@ class MLAKernelConfig:
     num_stages: int
 
 
-def kernel_config(num_heads: int, dc: int, dr: int) -> MLAKernelConfig:
-    """BLOCK_H heads per program (the MMA M dim): 32 when the model has that many (H = 64 gives 2 head
-    groups that read the same keys, the second mostly from L2), else the head count rounded up to a power
-    of two (at least 16, the MMA minimum). The latent columns are processed in 4 chunks (Dc = 512: 128
-    columns) for the score dot and for ``p @ c_kv``, with one [BLOCK_H, chunk] fp32 accumulator per chunk,
-    so that no [64, Dc] tile is ever live (a whole 64 x 512 tile plus the accumulators spills registers).
-    The launch sweep behind the choice (H = 64, Dc = 512, bf16 cache; decode at batch 256 / 8K and a
-    4096-token prefill; every configuration gave the same bits) is in
-    benchmarks/results/2026-12-01_mla_sweep_h200.json: 32 heads x 8 warps was the fastest at both. Two
-    software-pipeline stages (the list entries prefetched a block ahead) after the loop lost its branch:
-    benchmarks/results/2026-12-02_mla_split_loop_h200.json."""
+# A launch that replaces kernel_config's (BLOCK_H, num_warps, num_stages) inside ``launch_override``: launch sweeps
+# and benchmarks only (benchmarks/mla_dsa_kernels.py --sweep, decode_throughput.py --mla-launch).
+_LAUNCH_OVERRIDE: list[tuple[int, int, int]] = []
+
+
+@contextlib.contextmanager
+def launch_override(block_h: int, num_warps: int, num_stages: int) -> Iterator[None]:
+    """Run the split kernel under this launch instead of ``kernel_config``'s, for a sweep. Scheduling only: in the
+    heads form no launch has changed a bit in any sweep; the keys form's sweep rows check it."""
+    _LAUNCH_OVERRIDE.append((block_h, num_warps, num_stages))
+    try:
+        yield
+    finally:
+        _LAUNCH_OVERRIDE.pop()
+
+
+def kernel_config(num_heads: int, dc: int, dr: int, mma_rows: str = "heads") -> MLAKernelConfig:
+    """The launch of the split kernel in form ``mma_rows`` (Numerics.mla_mma_rows), a function of the model
+    dims only. The latent columns are processed in 4 chunks (Dc = 512: 128 columns) for the score dot and for
+    ``p @ c_kv``, with one fp32 accumulator per chunk, so that no [64, Dc] tile is ever live (a whole 64 x 512
+    tile plus the accumulators spills registers).
+
+    heads: BLOCK_H = 32 heads per program (the MMA's M) when the model has that many (H = 64 gives 2 head
+    groups that read the same keys, the second mostly from L2), else the head count rounded up to a power of
+    two (at least 16, the MMA minimum); 8 warps, 2 pipeline stages. The launch sweeps behind it (H = 64,
+    Dc = 512, bf16 cache; decode at batch 256 / 8K and a 4096-token prefill; every configuration gave the same
+    bits): benchmarks/results/2026-12-01_mla_sweep_h200.json (32 heads x 8 warps fastest at both),
+    2026-12-02_mla_split_loop_h200.json (two stages once the loop lost its branch). Its sm_90 build (Triton 3.9)
+    has 246 registers/thread and no spill (`python benchmarks/kernel_resources.py --kernels mla`).
+
+    keys: the key block (64) is the warpgroup MMA's M and the program's heads its N, the query's columns
+    resident in shared memory. 16 heads x 4 warps x 2 stages: the launch whose sm_90 build (Triton 3.9) has no
+    spill (254 registers, 184 KB of shared memory); 32 heads spill 256-472 B at 8 / 4 warps."""
     del dr  # fixed per latent width
-    block_h = min(32, max(16, _next_pow2(num_heads)))
     dc_p = max(16, _next_pow2(dc))
-    if dc_p <= 128:
-        return MLAKernelConfig(block_h=block_h, n_chunks=1, chunk=dc_p, num_warps=4, num_stages=1)
-    # 8 warps: 4 spill. The sm_90 build of the chosen 32 heads x 8 warps (Triton 3.9) has 246 registers/thread
-    # and no spill, `python benchmarks/kernel_resources.py --kernels mla,mla_keys`.
-    # The transposed form (mla_mma_rows "keys") takes the same launch: its sm_90 build (Triton 3.9) has 255
-    # registers and a 168 B spill at 32 heads x 8 warps (the query's bf16 halves stay in registers and are
-    # stored to shared memory per block); 4 warps or 64 heads spill 0.8-2.6 KB. On an H100 it took 23 % longer
-    # than the heads form in the decode step, and its 16-head launch faulted in the launch sweep
-    # (benchmarks/results/2026-12-05_h100_decode_gemms_summary.md).
-    return MLAKernelConfig(block_h=block_h, n_chunks=4, chunk=dc_p // 4, num_warps=8, num_stages=2)
+    small = dc_p <= 128
+    if mma_rows == "keys":
+        block_h, warps, stages = 16, 4, (1 if small else 2)
+    else:
+        block_h, warps, stages = min(32, max(16, _next_pow2(num_heads))), (4 if small else 8), (1 if small else 2)
+    if _LAUNCH_OVERRIDE:
+        block_h, warps, stages = _LAUNCH_OVERRIDE[-1]
+    n_chunks = 1 if small else 4
+    return MLAKernelConfig(block_h=block_h, n_chunks=n_chunks, chunk=dc_p // n_chunks, num_warps=warps,
+                           num_stages=stages)
 
 
 @triton.jit
@@ -331,20 +354,34 @@ def _mla_split_kernel(
 
 
 @triton.jit
-def _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid,
-                COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    """s^T += k[:, COL:COL+W] @ q[:, COL:COL+W]^T: keys on the MMA's rows, heads on its columns. Returns the
-    key tile too (its latent columns are the values of ``p @ c_kv``)."""
+def _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
+              SPLIT_BF16: tl.constexpr):
+    """Columns COL..COL+W of the program's query rows, transposed ([W, heads]): the bf16 (hi, lo) halves, or the
+    fp32 query twice. Loaded once, before the key loop: the tiles stay in shared memory for every block's MMA."""
     offs = COL + tl.arange(0, W)
-    cm = offs < LIM
-    qm = cm[:, None] & hmask[None, :]
-    k = tl.load(row[:, None] + offs[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
+    qm = (offs < LIM)[:, None] & hmask[None, :]
     if SPLIT_BF16:
-        s_t = tl.dot(k, tl.load(qh_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0), s_t)
-        s_t = tl.dot(k, tl.load(ql_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0), s_t)
+        hi = tl.load(qh_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
+        lo = tl.load(ql_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
     else:
-        q_t = tl.load(q_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
-        s_t = tl.dot(k.to(tl.float32), q_t, s_t, input_precision="tf32x3")
+        hi = tl.load(q_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _qk_part_keys_rows(s_t, q_hi, q_lo, row, valid, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
+                       SPLIT_BF16: tl.constexpr):
+    """s^T += k[:, COL:COL+W] @ q[:, COL:COL+W]^T: keys on the MMA's rows, heads on its columns, the query's
+    columns (``_q_cols_t``) resident. Returns the key tile too (its latent columns are the values of
+    ``p @ c_kv``)."""
+    offs = COL + tl.arange(0, W)
+    k = tl.load(row[:, None] + offs[None, :], mask=valid[:, None] & (offs < LIM)[None, :], other=0.0)
+    if SPLIT_BF16:
+        s_t = tl.dot(k, q_hi, s_t)
+        s_t = tl.dot(k, q_lo, s_t)
+    else:
+        s_t = tl.dot(k.to(tl.float32), q_hi, s_t, input_precision="tf32x3")
     return s_t, k
 
 
@@ -384,6 +421,12 @@ def _mla_split_kernel_keys_rows(
     q_off = q_rows * D
     seq = tl.load(seq_ptr + qi)
     start, qpos, n_blocks = _split_extent(qi, sp, kp_ptr, kp_stride, L, qpos_ptr, SPLIT, BLOCK_N, DENSE)
+    # The query's columns, once: the MMA reads them from shared memory in every block (not reloaded per block).
+    qh0, ql0 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 0, KC, DC, SPLIT_BF16)
+    qh1, ql1 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, KC, KC, DC, SPLIT_BF16)
+    qh2, ql2 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 2 * KC, KC, DC, SPLIT_BF16)
+    qh3, ql3 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 3 * KC, KC, DC, SPLIT_BF16)
+    qhr, qlr = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, DC, DR_P, D, SPLIT_BF16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -398,13 +441,13 @@ def _mla_split_kernel_keys_rows(
         valid_next, slot_next = _block_slots(start + (blk + 1) * BLOCK_N, offs_n, kp_ptr, qi, kp_stride, L,
                                              start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE)
         s_t = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-        s_t, c0 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, 0, KC, DC, SPLIT_BF16)
+        s_t, c0 = _qk_part_keys_rows(s_t, qh0, ql0, row, valid, 0, KC, DC, SPLIT_BF16)
         if NCH > 1:
-            s_t, c1 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, KC, KC, DC, SPLIT_BF16)
-            s_t, c2 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
-            s_t, c3 = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+            s_t, c1 = _qk_part_keys_rows(s_t, qh1, ql1, row, valid, KC, KC, DC, SPLIT_BF16)
+            s_t, c2 = _qk_part_keys_rows(s_t, qh2, ql2, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
+            s_t, c3 = _qk_part_keys_rows(s_t, qh3, ql3, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
         if DR > 0:
-            s_t, _ = _qk_part_keys_rows(s_t, qh_ptr, ql_ptr, q_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16)
+            s_t, _ = _qk_part_keys_rows(s_t, qhr, qlr, row, valid, DC, DR_P, D, SPLIT_BF16)
         p_t, p_hi, p_lo, alpha, m_new, l_i = _softmax_block(s_t, valid, m_i, l_i, scale, 0, SPLIT_BF16)
         acc0 = _pv_part_keys_rows(acc0 * alpha[None, :], p_t, p_hi, p_lo, c0, SPLIT_BF16)
         if NCH > 1:
@@ -553,8 +596,9 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         width = kp.shape[1]
         kp_stride = kp.stride(0) if kp.dim() == 2 and kp.shape[0] else 0
     num_splits = max(1, cdiv(width, SPLIT_KEYS))
-    cfg = kernel_config(h, dc, dr)
-    split_kernel = split_kernel_for(mla_mma_rows())
+    form = mla_mma_rows()
+    cfg = kernel_config(h, dc, dr, form)
+    split_kernel = split_kernel_for(form)
     n_hg = cdiv(h, cfg.block_h)
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, _next_pow2(dr)),
                   BLOCK_H=cfg.block_h, BLOCK_N=KEY_BLOCK, SPLIT=SPLIT_KEYS, DENSE=dense,
