@@ -161,7 +161,7 @@ has mla_forms && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:ca
 has mla_keys && step mla_sweep_heads "${T_MLA_FORMS:-100}" $PY benchmarks/mla_dsa_kernels.py --sweep-only --mma-rows heads \
   --sweep-launches 32x8x2 --out "$OUT/mla_sweep_heads.json"
 has mla_keys && step mla_sweep_keys "${T_MLA_FORMS:-150}" $PY benchmarks/mla_dsa_kernels.py --sweep-only --mma-rows keys \
-  --sweep-launches "${MLA_KEYS_LAUNCHES:-16x4x2,32x8x2,32x4x2,16x8x2,64x8x1}" --out "$OUT/mla_sweep_keys.json"
+  --sweep-launches "${MLA_KEYS_LAUNCHES:-32x8x2,32x4x2,64x8x1,16x8x2,16x4x2}" --out "$OUT/mla_sweep_keys.json"
 has mla_keys && step mla_keys_stacked "${T_MLA_FORMS:-150}" $PY benchmarks/probes/mla_keys_stacked_probe.py \
   --out "$OUT/mla_keys_stacked.json"
 has mla_keys && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \

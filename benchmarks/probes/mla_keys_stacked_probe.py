@@ -132,7 +132,7 @@ def _stacked_split_kernel(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--launches", default="16x4x2,16x8x2,32x8x2,32x4x2")
+    ap.add_argument("--launches", default="32x8x2,16x8x2,16x4x2,32x4x2")
     ap.add_argument("--out", default=None)
     ap.add_argument("--force-split", action="store_true", help="--smoke: run the bf16 hi / lo kernels anyway")
     a = ap.parse_args()
@@ -162,7 +162,7 @@ def main() -> None:
         q_pe = torch.randn(nq, h, dr, generator=g).to(device)
         args = (q_lat, q_pe, cache, bt, sidx.to(device), kp.to(device), (128 + dr) ** -0.5, dc)
         exact = mla_attention.impls["torch"](q_lat.double(), q_pe.double(), cache.double(), *args[3:])
-        for variant in ("heads", "keys", "stacked"):
+        for variant in ("heads", "stacked", "keys"):
             form = "heads" if variant == "heads" else "keys"
             for launch in (launches if variant != "heads" else [(32, 8, 2)]):
                 row = {"case": kind, "queries": nq, "variant": variant, "launch": "x".join(map(str, launch))}
