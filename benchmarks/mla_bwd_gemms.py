@@ -28,7 +28,8 @@ import torch
 from _common import cuda_time_ms, default_out, env, require_cuda, setup_logging, table, write_json  # noqa: I001
 from _train_flops import measured_matmul_peak_tflops
 
-from zmrl.kernels_batch_invariant.mla_attention_grads import CHUNK_ELEMS, KEY_PAD, _mm_f32
+from zmrl.kernels_batch_invariant.backward_gemms import mm_f32 as _mm_f32
+from zmrl.kernels_batch_invariant.mla_attention_grads import CHUNK_ELEMS, KEY_PAD
 
 log = logging.getLogger("benchmarks.mla_bwd_gemms")
 

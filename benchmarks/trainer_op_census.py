@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from _common import apply_bench_lora, build_on_device, default_out, env, model_config, setup_logging, table, write_json
 from zmrl.kernels_batch_invariant import _dispatch, current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
+from zmrl.kernels_batch_invariant.triton import triton_everywhere
 from zmrl.lora import lora_parameters
 from zmrl.trainer import compute_logprobs
 
@@ -314,7 +315,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--triton", action="store_true",
+                   help="on CPU: every op on its Triton backend under TRITON_INTERPRET=1 (the GPU's glue; kernels whose "
+                        "backward is GPU-only still take their CPU fallbacks)")
     a = p.parse_args(argv)
+    if a.triton and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--triton needs TRITON_INTERPRET=1 (the kernels run under Triton's interpreter on the CPU)")
     if a.smoke:
         a.device = "cpu"
         a.seq_lens = a.seq_lens or [24, 24]
@@ -329,7 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(1)
     setup_logging()
     precision = a.backward_precision or current_numerics().backward_matmul_precision
-    with numerics_scope(current_numerics().replace(backward_matmul_precision=precision)):
+    with numerics_scope(current_numerics().replace(backward_matmul_precision=precision)), \
+            (triton_everywhere() if a.triton else contextlib.nullcontext()):
         result = run_census(a)
     result["config"]["backward_matmul_precision"] = precision
     out = a.out or default_out("trainer_op_census")

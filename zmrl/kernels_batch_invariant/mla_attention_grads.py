@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .backward_gemms import fp32_out_gemms, mm_f32
 from .mla_attention import cache_slots
 from .numerics import backward_matmuls, current_numerics
 
@@ -55,7 +56,7 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
     # are not zero-filled here; the key gradient is accumulated into, so it is.
     # the bf16 path (backward_matmul_precision="bf16") and its stages, decided once per call
     bf16_stages = (_bf16_stages(dev) if cdt == torch.float32 and current_numerics().backward_matmul_precision == "bf16"
-                   and _bf16_gemms(dev) else None)
+                   and fp32_out_gemms(dev) else None)
     if bf16_stages is not None and (need[0] or need[1]):
         # one [T, H, Dc + Dr] buffer that dQ's single GEMM writes; the two query gradients are its column views
         g_q = torch.empty((nq, h, d), dtype=cdt, device=dev)
@@ -154,14 +155,14 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     k, listed = _chunk_keys(flat, u, loc, bf)
     c = k[:, :dc]
     qs = stages.query(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
-    p16 = stages.softmax(_mm_f32(qs, k.t()), listed, h)  # [G*H, U]
+    p16 = stages.softmax(mm_f32(qs, k.t()), listed, h)  # [G*H, U]
     go16 = go.reshape(g * h, dc).to(bf)
-    ds16 = stages.ds(_mm_f32(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
+    ds16 = stages.ds(mm_f32(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
     if g_q is not None:
-        _mm_f32(ds16, k, scale, out=g_q.view(g * h, -1))  # dQ = scale * dS K, latent and rope columns at once
+        mm_f32(ds16, k, scale, out=g_q.view(g * h, -1))  # dQ = scale * dS K, latent and rope columns at once
     if g_kv is not None:
-        dk = _mm_f32(ds16.t(), qs)  # scale * dS^T q: dK (latent and rope)
-        dk[:, :dc] += _mm_f32(p16.t(), go16)  # + dV (the latents are the values)
+        dk = mm_f32(ds16.t(), qs)  # scale * dS^T q: dK (latent and rope)
+        dk[:, :dc] += mm_f32(p16.t(), go16)  # + dV (the latents are the values)
         g_kv.index_add_(0, u, dk[:n_u])  # u is unique: one add per row
 
 
@@ -252,42 +253,3 @@ def _probabilities(s: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     p = torch.softmax(s.masked_fill_(masked, float("-inf")), dim=-1)
     del s
     return p.masked_fill_(masked, 0.0)
-
-
-_FP32_OUT_BF16_MM: dict[torch.device, bool] = {}  # per CUDA device: do this torch's mm / addmm take out_dtype?
-
-
-def _bf16_gemms(device: torch.device) -> bool:
-    """Whether the bf16 path can run here: anywhere but on a CUDA torch whose ``mm`` / ``addmm`` have no fp32 output for
-    bf16 operands (there a bf16-rounded score or dP before the softmax / the dP - delta cancellation would
-    cost far more than the operands' rounding, so the fp32 path runs). Probed once per device with a 1 x 1
-    product, so a failing real product (e.g. out of memory) is never taken for a missing feature."""
-    if device.type != "cuda":
-        return True
-    if device not in _FP32_OUT_BF16_MM:
-        one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
-        try:
-            out = torch.addmm(one.float(), one, one, beta=0, out_dtype=torch.float32,
-                              out=torch.empty(1, 1, device=device))
-            _FP32_OUT_BF16_MM[device] = (torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
-                                         and out.dtype == torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            _FP32_OUT_BF16_MM[device] = False
-    return _FP32_OUT_BF16_MM[device]
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """scale * (a @ b) of bf16 operands, accumulated and returned in fp32 (written into ``out`` if given):
-    cuBLAS's bf16 GEMM with an fp32 output on CUDA (torch's ``out_dtype``; ``_bf16_gemms`` says it exists,
-    the scale in its alpha; beta = 0 ignores the unfilled ``out``), the exact fp32 GEMM of the bf16 values
-    elsewhere."""
-    if a.is_cuda:
-        if out is None and scale == 1.0:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        if out is None:
-            out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-        return torch.addmm(out, a, b, beta=0, alpha=scale, out_dtype=torch.float32, out=out)
-    y = a.float() @ b.float()
-    if scale != 1.0:
-        y.mul_(scale)
-    return y if out is None else out.copy_(y)

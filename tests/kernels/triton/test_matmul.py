@@ -796,6 +796,45 @@ def test_linear_concat_lora_gradients(device, interpret, frozen):
         assert (a.double() - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("concat", [False, True])
+def test_lora_gradients_of_a_16bit_output(device, interpret, concat, monkeypatch):
+    """With a bf16 output (the model's projections) the LoRA factors' gradients of ``linear`` / ``linear_concat``
+    match float64 and are deterministic. On CUDA the 16-bit output gradient is multiplied as it is (each fp32
+    factor as two bf16 halves, ``mm_fp32_factor``; the path is asserted taken), never copied to fp32; on CPU the
+    fp32 GEMMs run. Bound: the gradient is exact in bf16, the factors carried to ~2^-17 relative, fp32
+    accumulation over <= 40 (or M = 37) terms: 2e-5 of the largest value is ample, while a wrong column block or a
+    transposed factor gives errors of the size of the values."""
+    from zmrl.kernels_batch_invariant import backward_gemms
+    from zmrl.kernels_batch_invariant.triton import matmul as tmm
+    calls = []
+    real = backward_gemms.mm_fp32_factor
+    monkeypatch.setattr(tmm, "mm_fp32_factor", lambda a, f: calls.append(a.shape) or real(a, f))
+    g = torch.Generator().manual_seed(41)
+    ns, k, r, m, scale = ((8, 24, 16) if concat else (40,)), 40, 8, 37, 2.0
+    x, ws, up = _concat_lora_case(g, device, torch.bfloat16, k, ns, (r,) * len(ns), m, scale)
+    t = up.t.clone().requires_grad_()
+    bs = [b.clone().requires_grad_() for b in up.bs]
+    gy = torch.randn(m, sum(ns), generator=g).to(device, torch.bfloat16)
+
+    def grads():
+        if concat:
+            y = triton_impl(linear_concat)(x, ws, lora=LoraUpConcat(t, tuple(bs), scale))
+        else:
+            y = _lin(x, ws[0], lora=LoraUp(t, bs[0], scale))
+        assert y.dtype == torch.bfloat16
+        return torch.autograd.grad(y, [t, *bs], gy)
+
+    got = grads()
+    assert all(torch.equal(a, b) for a, b in zip(got, grads())), "the backward is deterministic"
+    assert bool(calls) == (device.type == "cuda"), calls
+    td, bd = t.detach().double().requires_grad_(), [b.detach().double().requires_grad_() for b in bs]
+    ys = [scale * ts @ b.t() for ts, b in zip(td.split(r, dim=-1), bd)]
+    ref = torch.autograd.grad(torch.cat(ys, -1), [td, *bd], gy.double())
+    for a, want in zip(got, ref):
+        assert a.shape == want.shape and a.dtype == torch.float32
+        assert (a.double() - want).abs().max() <= 2e-5 * want.abs().max() + 1e-6
+
+
 def test_lora_epilogue_at_training_rows(device, interpret, monkeypatch):
     """At training sizes (>= LARGE_M rows per expert, or rows of a linear / linear_concat: the 256-row tiles the
     LoRA epilogue narrows to 128 rows) every row is computed and equals the unfused delta path: a grid counted for the wider tile leaves rows

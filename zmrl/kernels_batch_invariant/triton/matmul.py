@@ -90,6 +90,7 @@ import triton.language as tl
 
 from .. import matmul as _ops
 from .. import moe_gemm as _moe
+from ..backward_gemms import HALF, fp32_out_gemms, mm_fp32_factor
 from ..moe_gemm_grads import expert_linear_grads
 from ..numerics import with_backward_matmuls
 from ._common import INTERPRET, cdiv, compute_in_fp64, next_pow2
@@ -903,13 +904,22 @@ def _bwd_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
 
 def lora_grads(g: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, need_t: bool,
                need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dt, db) of ``scale * t @ b^T`` given its fp32 output gradient g [M, N] (t [M, r], b [N, r]; fp32 GEMMs
-    at the contract's backward precision, as the unfused product's backward)."""
+    """(dt, db) in fp32 of ``scale * t @ b^T`` given its output gradient g [M, N] (t [M, r], b [N, r] fp32; g may be a
+    column-block view). A 16-bit g on CUDA is multiplied as it is (``mm_fp32_factor``: each fp32 factor as two
+    16-bit halves, fp32 accumulation), never copied to fp32: at 16K tokens that copy of a fused projection's
+    gradient is the largest tensor of its backward. Otherwise fp32 GEMMs at the contract's backward precision, as
+    the unfused product's backward."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if g.is_cuda and g.dtype in HALF and fp32_out_gemms(g.device):
+        dt = mm_fp32_factor(g, b) if need_t else None
+        db = mm_fp32_factor(g.t(), t2) if need_b else None
+    else:
+        g = g.float()
+        dt = g @ b if need_t else None
+        db = g.t() @ t2 if need_b else None
     if scale != 1.0:
-        g = g * scale
-    dt = (g @ b).reshape(t.shape) if need_t else None
-    db = g.t() @ t.reshape(-1, t.shape[-1]) if need_b else None
-    return dt, db
+        dt, db = (None if dt is None else dt.mul_(scale)), (None if db is None else db.mul_(scale))
+    return (None if dt is None else dt.reshape(t.shape)), db
 
 
 class _LinearFn(torch.autograd.Function):
@@ -946,7 +956,7 @@ class _LinearFn(torch.autograd.Function):
         d_delta = gy.float() if ctx.needs_input_grad[4] else None
         dt = dlb = None
         if lora_t is not None and any(ctx.needs_input_grad[5:7]):
-            dt, dlb = lora_grads(gy.reshape(-1, n).float(), lora_t, lora_b, ctx.lora_scale, *ctx.needs_input_grad[5:7])
+            dt, dlb = lora_grads(gy.reshape(-1, n), lora_t, lora_b, ctx.lora_scale, *ctx.needs_input_grad[5:7])
         return dx, dw, db, None, d_delta, dt, dlb, None
 
 
@@ -1122,10 +1132,10 @@ class _LinearConcatFn(torch.autograd.Function):
         need_b = list(ctx.needs_input_grad[6 + ctx.n_weights:])
         if lora_t is not None and (ctx.needs_input_grad[3] or any(need_b)):
             # segment s: scale * t_s @ B_s^T with the output gradient's column block s
-            g32 = gy.reshape(-1, gy.shape[-1]).float().split(widths, dim=-1)
+            gs = gy.reshape(-1, gy.shape[-1]).split(widths, dim=-1)  # column-block views, no copy
             ts = lora_t.reshape(-1, lora_t.shape[-1]).split([b.shape[1] for b in lora_bs], dim=-1)
             parts = [lora_grads(g, t, b, ctx.lora_scale, ctx.needs_input_grad[3], need)
-                     for g, t, b, need in zip(g32, ts, lora_bs, need_b)]
+                     for g, t, b, need in zip(gs, ts, lora_bs, need_b)]
             if ctx.needs_input_grad[3]:
                 dt = torch.cat([p[0] for p in parts], dim=-1).reshape(lora_t.shape)
             dbs = [p[1] for p in parts]
@@ -1533,11 +1543,14 @@ class _ExpertLinearFn(torch.autograd.Function):
         d_delta = gy.float() if ctx.needs_input_grad[4] else None
         dt = dlb = None
         if lora_t is not None and any(ctx.needs_input_grad[5:7]):
-            # the LoRA up product's backward: that of expert_linear(t, b) on scale * the output's gradient
-            g = gy.float() if ctx.lora_scale == 1.0 else gy.float() * ctx.lora_scale
-            dt, dlbs = expert_linear_grads(g, lora_t, lora_b, offsets, ctx.needs_input_grad[5],
+            # the LoRA up product's backward: that of expert_linear(t, b) (fp32 factors: fp32 compute class) on the
+            # output's gradient as it is (a 16-bit one is widened in the kernels' registers, exactly: no fp32 copy),
+            # then scaled
+            dt, dlbs = expert_linear_grads(gy, lora_t, lora_b, offsets, ctx.needs_input_grad[5],
                                            [ctx.needs_input_grad[6]], lora_t.dtype)
             dlb = dlbs[0]
+            if ctx.lora_scale != 1.0:
+                dt, dlb = (None if dt is None else dt * ctx.lora_scale), (None if dlb is None else dlb * ctx.lora_scale)
         return (dx, None, None, None, d_delta, dt, dlb, None, *dws)
 
 
