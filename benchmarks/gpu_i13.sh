@@ -164,12 +164,15 @@ has mla_keys && step mla_sweep_keys "${T_MLA_FORMS:-150}" $PY benchmarks/mla_dsa
   --sweep-launches "${MLA_KEYS_LAUNCHES:-32x8x2,32x4x2,64x8x1,16x8x2,16x4x2}" --out "$OUT/mla_sweep_keys.json"
 has mla_keys && step mla_keys_stacked "${T_MLA_FORMS:-150}" $PY benchmarks/probes/mla_keys_stacked_probe.py \
   --out "$OUT/mla_keys_stacked.json"
-has mla_keys && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -m gpu -q -rfEs $XDIST \
-  tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_static_kv_len.py
+has mla_keys && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -q -rfEs $XDIST \
+  tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_static_kv_len.py tests/kernels/test_backward_gemms.py \
+  tests/kernels/triton/test_matmul.py::test_lora_gradients_of_a_16bit_output tests/kernels/triton/test_expert_grads.py
 for form in heads keys; do
   has mla_keys && step "decode_lora_$form" "${T_DECODE_LORA:-150}" env ZMRL_MLA_MMA_ROWS=$form $PY benchmarks/decode_throughput.py \
     --batches 64,256 --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 256 \
     --out "$OUT/decode_lora_$form.json"
+done
+for form in keys heads; do
   has mla_keys && step "prefill_$form" "${T_PREFILL:-100}" env ZMRL_MLA_MMA_ROWS=$form $PY benchmarks/prefill_throughput.py \
     --shapes 4x8192 --modes bitwise --iters 2 --out "$OUT/prefill_$form.json"
 done
