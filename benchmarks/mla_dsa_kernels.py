@@ -171,6 +171,35 @@ SWEEP_MLA = ((16, 8, 1), (16, 4, 1), (16, 8, 2), (32, 8, 1), (32, 8, 2), (32, 8,
              (64, 8, 2), (64, 4, 1))
 
 
+def sweep_cases(smoke: bool) -> list[tuple[str, int, int]]:
+    """(kind, batch, context) of the sparse-MLA sweeps: decode 256 x 8K and one 4096-token prefill (top-2048)."""
+    return [("decode", 4 if smoke else 256, 200 if smoke else 8192), ("prefill", 1, 130 if smoke else 4096)]
+
+
+def sparse_case(kind: str, batch: int, ctx: int, device: torch.device, smoke: bool, dtype: torch.dtype | None = None,
+                seed: int = 3) -> tuple[Any, ...]:
+    """Arguments of ``mla_attention`` at the bench preset's shapes (64 heads, kv_lora 512, rope 64, page 64, a bf16
+    cache; smoke: tiny, fp32): ``batch`` decode queries at the end of ``ctx``-token sequences, or a ``ctx``-token
+    prefill of one sequence, each query listing a random sorted top-k of its positions."""
+    h, dc, dr, page = (16, 64, 16, 64) if smoke else (64, 512, 64, 64)
+    dtype = dtype or (torch.float32 if smoke else torch.bfloat16)
+    topk = 64 if smoke else 2048
+    g = torch.Generator().manual_seed(seed)
+    cache, bt = paged([ctx] * batch, page, dc + dr, dtype, device, seed=4)
+    if kind == "decode":
+        sidx, qpos = torch.arange(batch), torch.full((batch,), ctx - 1)
+    else:
+        sidx, qpos = torch.zeros(ctx, dtype=torch.int64), torch.arange(ctx)
+    nq = len(qpos)
+    kp = torch.full((nq, topk), -1, dtype=torch.int64)
+    for i, t in enumerate(qpos.tolist()):
+        n = min(topk, t + 1)
+        kp[i, :n] = torch.sort(torch.randperm(t + 1, generator=g)[:n]).values
+    q_lat = torch.randn(nq, h, dc, generator=g).to(device)
+    q_pe = torch.randn(nq, h, dr, generator=g).to(device)
+    return q_lat, q_pe, cache, bt, sidx.to(device), kp.to(device), (128 + dr) ** -0.5, dc
+
+
 def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
                    mma_rows: tuple[str, ...] = MLA_MMA_ROWS,
                    launches: tuple[tuple[int, int, int], ...] = SWEEP_MLA) -> list[dict[str, Any]]:
@@ -180,28 +209,12 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
     should give the same bits) and its largest error against the float64 torch backend."""
     from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
 
-    h, dc, dr, page = (16, 64, 16, 64) if smoke else (64, 512, 64, 64)
-    dtype = torch.float32 if smoke else torch.bfloat16
-    topk = 64 if smoke else 2048
-    scale = (128 + dr) ** -0.5
-    cases = [("decode", 4 if smoke else 256, 200 if smoke else 8192), ("prefill", 1, 130 if smoke else 4096)]
-    g = torch.Generator().manual_seed(3)
     rows = []
-    for kind, batch, ctx in cases:
-        cache, bt = paged([ctx] * batch, page, dc + dr, dtype, device, seed=4)
-        if kind == "decode":
-            sidx, qpos = torch.arange(batch), torch.full((batch,), ctx - 1)
-        else:
-            sidx, qpos = torch.zeros(ctx, dtype=torch.int64), torch.arange(ctx)
-        nq = len(qpos)
-        kp = torch.full((nq, topk), -1, dtype=torch.int64)
-        for i, t in enumerate(qpos.tolist()):
-            n = min(topk, t + 1)
-            kp[i, :n] = torch.sort(torch.randperm(t + 1, generator=g)[:n]).values
-        q_lat = torch.randn(nq, h, dc, generator=g).to(device)
-        q_pe = torch.randn(nq, h, dr, generator=g).to(device)
-        args = (q_lat, q_pe, cache, bt, sidx.to(device), kp.to(device), scale, dc)
-        unique_bytes = int((kp >= 0).sum()) * (dc + dr) * cache.element_size()
+    for kind, batch, ctx in sweep_cases(smoke):
+        args = sparse_case(kind, batch, ctx, device, smoke)
+        q_lat, q_pe, cache, kp = args[0], args[1], args[2], args[5]
+        nq, h = q_lat.shape[:2]
+        unique_bytes = int((kp >= 0).sum()) * cache.shape[-1] * cache.element_size()
         sparse_t = triton_impl(mla_attention)
         # float64 reference (the torch backend on float64 copies): each row's error, so forms compare by accuracy
         exact = mla_attention.impls["torch"](q_lat.double(), q_pe.double(), cache.double(), *args[3:])

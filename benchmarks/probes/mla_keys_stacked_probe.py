@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from mla_dsa_kernels import bench, paged  # noqa: E402
+from mla_dsa_kernels import bench, sparse_case, sweep_cases  # noqa: E402
 
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope  # noqa: E402
 from zmrl.kernels_batch_invariant.mla_attention import mla_attention  # noqa: E402
@@ -137,30 +137,16 @@ def main() -> None:
     ap.add_argument("--force-split", action="store_true", help="--smoke: run the bf16 hi / lo kernels anyway")
     a = ap.parse_args()
     device = torch.device("cpu" if a.smoke else "cuda")
-    h, dc, dr = (16, 512, 64) if a.smoke else (64, 512, 64)
-    topk = 64 if a.smoke else 2048
-    cases = [("decode", 2, 200)] if a.smoke else [("decode", 256, 8192), ("prefill", 1, 4096)]
     launches = [tuple(int(v) for v in x.split("x")) for x in a.launches.split(",") if x]
-    g = torch.Generator().manual_seed(3)
     if a.smoke and a.force_split:
         M._INTERPRET = False  # take the bf16 hi / lo path under the interpreter (runs; the interpreter's bf16 dot is wrong)
     sparse = triton_impl(mla_attention)
     production = M.split_kernel_for
     rows = []
-    for kind, batch, ctx in cases:
-        cache, bt = paged([ctx] * batch, 64, dc + dr, torch.bfloat16, device, seed=4)
-        if kind == "decode":
-            sidx, qpos = torch.arange(batch), torch.full((batch,), ctx - 1)
-        else:
-            sidx, qpos = torch.zeros(ctx, dtype=torch.int64), torch.arange(ctx)
-        nq = len(qpos)
-        kp = torch.full((nq, topk), -1, dtype=torch.int64)
-        for i, t in enumerate(qpos.tolist()):
-            n = min(topk, t + 1)
-            kp[i, :n] = torch.sort(torch.randperm(t + 1, generator=g)[:n]).values
-        q_lat = torch.randn(nq, h, dc, generator=g).to(device)
-        q_pe = torch.randn(nq, h, dr, generator=g).to(device)
-        args = (q_lat, q_pe, cache, bt, sidx.to(device), kp.to(device), (128 + dr) ** -0.5, dc)
+    for kind, batch, ctx in sweep_cases(a.smoke)[:1 if a.smoke else 2]:
+        args = sparse_case(kind, batch, ctx, device, a.smoke, dtype=torch.bfloat16)
+        q_lat, q_pe, cache = args[:3]
+        nq = q_lat.shape[0]
         exact = mla_attention.impls["torch"](q_lat.double(), q_pe.double(), cache.double(), *args[3:])
         for variant in ("heads", "stacked", "keys"):
             form = "heads" if variant == "heads" else "keys"
