@@ -166,7 +166,8 @@ has mla_keys && step mla_keys_stacked "${T_MLA_FORMS:-150}" $PY benchmarks/probe
   --out "$OUT/mla_keys_stacked.json"
 has mla_keys && step gpu_tests_mla "${T_MLA_TESTS:-120}" $PY -m pytest -p no:cacheprovider -q -rfEs $XDIST \
   tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_static_kv_len.py tests/kernels/test_backward_gemms.py \
-  tests/kernels/triton/test_matmul.py::test_lora_gradients_of_a_16bit_output tests/kernels/triton/test_expert_grads.py
+  tests/kernels/triton/test_matmul.py::test_lora_gradients_of_a_16bit_output tests/kernels/triton/test_expert_grads.py \
+  tests/model/test_moe_dispatch.py
 for form in heads keys; do
   has mla_keys && step "decode_lora_$form" "${T_DECODE_LORA:-150}" env ZMRL_MLA_MMA_ROWS=$form $PY benchmarks/decode_throughput.py \
     --batches 64,256 --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 256 \

@@ -11,7 +11,7 @@ from torch import nn
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
 from zmrl.kernels_batch_invariant.moe_gemm import RowGather, expert_linear
 from zmrl.kernels_batch_invariant.pointwise import add_cast
-from zmrl.kernels_batch_invariant.moe_router import moe_combine_rows, moe_route, moe_sort
+from zmrl.kernels_batch_invariant.moe_router import ExpertOrder, moe_combine_rows, moe_route, moe_sort
 
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, Weight, project
@@ -47,29 +47,30 @@ class MLP(nn.Module):
 class _DispatchRows(torch.autograd.Function):
     """``h[order // top_k]``: each token's row once per routed slot, in expert-sorted order.
 
-    The forward is that gather (the same values). The backward adds each token's ``top_k`` slot
-    gradients: autograd's gather backward is an accumulating ``index_put_`` (a zero fill, a sort of the
-    T * top_k indices, a scatter-add); here the slot gradients go back to (token, slot) order with one
-    ``index_copy_`` (``order`` is a permutation: each row written once) and are summed over the slots
-    with one reduction in a fixed order (fp32 accumulation): deterministic run to run."""
+    The forward is that gather (the same values). The backward adds each token's ``top_k`` slot gradients,
+    read where they lie in the expert-sorted rows (``slot_rows[t, j]``): ``moe_combine_rows`` with unit
+    weights, one pass (fp32 sums in slot order, one rounding). Autograd's gather backward is an accumulating
+    ``index_put_`` (a zero fill, a sort of the T * top_k indices, a scatter-add); a permuting copy back to
+    slot order followed by a sum would write and read the [T * top_k, D] gradient once more. Deterministic
+    run to run."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(order)
-        ctx.top_k = top_k
+    def forward(ctx, h: torch.Tensor, order: torch.Tensor, slot_rows: torch.Tensor,  # type: ignore[override]
+                top_k: int) -> torch.Tensor:
+        ctx.save_for_backward(slot_rows)
         return h[order // top_k]
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (order,) = ctx.saved_tensors
-        pairs = g.new_empty(g.shape).index_copy_(0, order, g)  # row t * top_k + j: token t's slot j
-        return pairs.view(-1, ctx.top_k, g.shape[-1]).sum(1), None, None
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (slot_rows,) = ctx.saved_tensors
+        ones = torch.ones(slot_rows.shape, dtype=torch.float32, device=g.device)
+        return moe_combine_rows(g, slot_rows, ones, out_dtype=g.dtype), None, None, None
 
 
-def _dispatch_rows(h: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+def _dispatch_rows(h: torch.Tensor, pairs: ExpertOrder, top_k: int) -> torch.Tensor:
     if torch.is_grad_enabled() and h.requires_grad:
-        return _DispatchRows.apply(h, order, top_k)
-    return h[order // top_k]
+        return _DispatchRows.apply(h, pairs.order, pairs.slot_rows.view(-1, top_k), top_k)
+    return h[pairs.order // top_k]
 
 
 class Router(Weight):
@@ -122,9 +123,9 @@ class MoE(nn.Module):
             y_sorted = self._grouped_experts(h, offsets, gather)
         elif self._device_dispatch(x):
             # CUDA: no host sync (CUDA-graph capturable): the expert offsets stay on the device.
-            y_sorted = self._grouped_experts(_dispatch_rows(h, pairs.order, self.top_k), pairs.offsets)
+            y_sorted = self._grouped_experts(_dispatch_rows(h, pairs, self.top_k), pairs.offsets)
         else:
-            y_sorted = self._routed_experts(_dispatch_rows(h, pairs.order, self.top_k),
+            y_sorted = self._routed_experts(_dispatch_rows(h, pairs, self.top_k),
                                             pairs.offsets.diff().tolist())
         # slot (t, j) is row t * top_k + j of the unsorted pairs, held at sorted row slot_rows[t, j]: the
         # combine reads the expert-sorted rows where they are (bitwise moe_combine of the un-sorted rows)
