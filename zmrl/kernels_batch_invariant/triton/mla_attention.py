@@ -137,13 +137,15 @@ def kernel_config(num_heads: int, dc: int, dr: int, mma_rows: str = "heads") -> 
     has 246 registers/thread and no spill (`python benchmarks/kernel_resources.py --kernels mla`).
 
     keys: the key block (64) is the warpgroup MMA's M and the program's heads its N, the query's columns
-    resident in shared memory. 16 heads x 4 warps x 2 stages: the launch whose sm_90 build (Triton 3.9) has no
-    spill (254 registers, 184 KB of shared memory); 32 heads spill 256-472 B at 8 / 4 warps."""
+    resident in shared memory. 32 heads x 4 warps x 2 stages, the fastest of the launch sweep on an H100
+    (benchmarks/results/2026-12-06_h100_mla_keys_summary.md: 0.92 ms per decode layer at batch 256 x 8K, 9.7 ms
+    for a 4096-token prefill, against 0.96 / 10.4 ms for the heads form; 16 heads took 1.33 / 14.0 ms) although
+    its sm_90 build (Triton 3.9) spills 472 B per thread (16 heads x 4 warps: none)."""
     del dr  # fixed per latent width
     dc_p = max(16, _next_pow2(dc))
     small = dc_p <= 128
     if mma_rows == "keys":
-        block_h, warps, stages = 16, 4, (1 if small else 2)
+        block_h, warps, stages = min(32, max(16, _next_pow2(num_heads))), 4, (1 if small else 2)
     else:
         block_h, warps, stages = min(32, max(16, _next_pow2(num_heads))), (4 if small else 8), (1 if small else 2)
     if _LAUNCH_OVERRIDE:
