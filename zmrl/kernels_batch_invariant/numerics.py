@@ -37,9 +37,10 @@ Fields:
   ``mma.sync``: 32 heads are fewer rows than its warpgroup instruction needs, and each warp reads the
   whole query operand). "keys": the transposed products ``k @ q^T`` and ``c_kv^T @ p^T``, the key block and
   the latent columns on the rows and the heads on the columns, which Hopper runs as warpgroup MMAs
-  (``wgmma``). Same operands and hi/lo splits, other instructions, so other bits: shared numerics. Default:
-  ``$ZMRL_MLA_MMA_ROWS`` if set when this module is first imported, else "heads" ("keys" took 23 % longer in
-  the decode step on an H100, benchmarks/results/2026-12-05_h100_decode_gemms_summary.md).
+  (``wgmma``), the query's columns resident in shared memory. Same operands and hi/lo splits, other
+  instructions, so possibly other bits: shared numerics. Default: ``$ZMRL_MLA_MMA_ROWS`` if set when this module
+  is first imported, else "heads" (the "keys" kernel is only 4-7 % faster on an H100 and its build spills,
+  benchmarks/results/2026-12-06_h100_mla_keys_summary.md).
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
   ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
   result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs
