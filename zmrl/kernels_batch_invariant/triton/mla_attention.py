@@ -144,10 +144,8 @@ def kernel_config(num_heads: int, dc: int, dr: int, mma_rows: str = "heads") -> 
     del dr  # fixed per latent width
     dc_p = max(16, _next_pow2(dc))
     small = dc_p <= 128
-    if mma_rows == "keys":
-        block_h, warps, stages = min(32, max(16, _next_pow2(num_heads))), 4, (1 if small else 2)
-    else:
-        block_h, warps, stages = min(32, max(16, _next_pow2(num_heads))), (4 if small else 8), (1 if small else 2)
+    block_h = min(32, max(16, _next_pow2(num_heads)))
+    warps, stages = (4 if small or mma_rows == "keys" else 8), (1 if small else 2)
     if _LAUNCH_OVERRIDE:
         block_h, warps, stages = _LAUNCH_OVERRIDE[-1]
     n_chunks = 1 if small else 4
