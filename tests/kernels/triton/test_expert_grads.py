@@ -49,6 +49,7 @@ MIXES = {
     "base_bf16_gy": (torch.bfloat16, torch.bfloat16, torch.bfloat16),  # base experts without LoRA
     "lora_A": (torch.bfloat16, torch.float32, torch.float32),  # x @ A^T -> t (fp32)
     "lora_B": (torch.float32, torch.float32, torch.float32),  # t @ B^T
+    "lora_B_bf16_gy": (torch.float32, torch.float32, torch.bfloat16),  # t @ B^T under a bf16 output (widened in registers)
 }
 # small tiles: several row tiles per expert, several K steps, tails everywhere
 SMALL_DX = GemmConfig(16, 16, 16, 4, 1)

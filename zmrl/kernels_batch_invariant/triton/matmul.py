@@ -905,12 +905,12 @@ def _bwd_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
 def lora_grads(g: torch.Tensor, t: torch.Tensor, b: torch.Tensor, scale: float, need_t: bool,
                need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dt, db) in fp32 of ``scale * t @ b^T`` given its output gradient g [M, N] (t [M, r], b [N, r] fp32; g may be a
-    column-block view). A 16-bit g on CUDA is multiplied as it is (``mm_fp32_factor``: each fp32 factor as two
-    16-bit halves, fp32 accumulation), never copied to fp32: at 16K tokens that copy of a fused projection's
-    gradient is the largest tensor of its backward. Otherwise fp32 GEMMs at the contract's backward precision, as
-    the unfused product's backward."""
+    column-block view). A 16-bit g is multiplied as it is (``mm_fp32_factor``: each fp32 factor as two 16-bit
+    halves, fp32 accumulation), never copied to fp32: at 16K tokens that copy of a fused projection's gradient is
+    the largest tensor of its backward. Otherwise (an fp32 g, or a CUDA torch without fp32-output 16-bit GEMMs)
+    fp32 GEMMs at the contract's backward precision, as the unfused product's backward."""
     t2 = t.reshape(-1, t.shape[-1])
-    if g.is_cuda and g.dtype in HALF and fp32_out_gemms(g.device):
+    if g.dtype in HALF and fp32_out_gemms(g.device):
         dt = mm_fp32_factor(g, b) if need_t else None
         db = mm_fp32_factor(g.t(), t2) if need_b else None
     else:
