@@ -47,6 +47,7 @@
 #   mla_forms     mla_dsa_kernels.py --sweep-only per MLA kernel form (launch configurations at decode 256 x 8K and a
 #                 4096-token prefill) + the MLA tests;
 #   decode_gemms  decode_gemms.py: the decode step's GEMM launches alone vs bound and cuBLAS, the top groups swept;
+#   train_gemms   train_gemms.py: the trainer forward's GEMM launches (16K tokens) timed in place vs peak and cuBLAS;
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -181,6 +182,8 @@ done
 # bound and cuBLAS, the groups of the most step time under the SWEEP configs (bits checked)
 has decode_gemms && step decode_gemms "${T_DECODE_GEMMS:-300}" $PY benchmarks/decode_gemms.py --sweep "${GEMM_SWEEP_TOP:-14}" \
   --out "$OUT/decode_gemms.json"
+# train_gemms: every GEMM launch of one trainer forward at 4 x 4096 tokens, timed in place, against the matmul peak and cuBLAS
+has train_gemms && step train_gemms "${T_TRAIN_GEMMS:-200}" $PY benchmarks/train_gemms.py --out "$OUT/train_gemms.json"
 has dsa && step dsa_kernels "${T_DSA:-90}" $PY benchmarks/mla_dsa_kernels.py --dsa-only --out "$OUT/dsa_kernels.json"
 
 has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py

@@ -175,6 +175,19 @@ def test_decode_gemms_smoke(tmp_path):
     assert all("error" in t or isinstance(t["equal_bits"], bool) for t in swept[0]["sweep"])
 
 
+def test_train_gemms_smoke(tmp_path):
+    """Every GEMM launch of one trainer forward (autograd on) is timed in place and grouped: the dense,
+    concatenated, batched and expert products, with LoRA epilogues; FLOPs per group are 2 M N K."""
+    pytest.importorskip("triton")
+    res = _run("train_gemms.py", out=tmp_path / "t.json", env_extra={"TRITON_INTERPRET": "1"})
+    groups = res["groups"]
+    modes = {g["signature"].split()[1].split("+")[0].rstrip("0123456789") for g in groups}
+    assert {"plain", "concat", "batch", "experts"} <= modes
+    assert any("+lora" in g["signature"] for g in groups)
+    assert all(g["calls"] > 0 and g["ms"] > 0 and g["tflop"] > 0 for g in groups)
+    assert abs(res["total_tflop"] - sum(g["tflop"] for g in groups)) < 1e-9
+
+
 # Launches per layer kind of one static decode step of the tiny preset with LoRA, on the Triton backend (CPU,
 # interpreted): the counts at 23b6e37 (benchmarks/results/2026-12-06_decode_launch_census_smoke_23b6e37_cpu.json;
 # fb216e5 had 41 / 63 / 72). A change that adds launches to the decode step fails here and must say why.
