@@ -41,6 +41,12 @@ def parse_mla_launches(text: str) -> tuple[tuple[int, int, int], ...]:
     return tuple((int(m[1]), int(m[2]), int(m[3])) for m in found)
 
 
+def require_interpreter(what: str) -> None:
+    """Exit with one line unless Triton's interpreter is on (``what`` runs Triton kernels on CPU tensors)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit(f"{what}: set TRITON_INTERPRET=1 (the Triton kernels run interpreted on the CPU)")
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -32,14 +32,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from _common import (apply_bench_lora, build_on_device, copy_bandwidth_tb_s, default_out, env, model_config, pick_device,
+from _common import (apply_bench_lora, require_interpreter, build_on_device, copy_bandwidth_tb_s, default_out, env, model_config, pick_device,
                      setup_logging, table, write_json, _call_site)
 from decode_throughput import PAGE, PENDING, fill_store, kda_template, make_seqs
 from zmrl.kernels_batch_invariant import kernel_mode
@@ -311,8 +310,7 @@ def main() -> int:
     setup_logging()
     dev = pick_device("decode_gemms.py", a.smoke)
     if a.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("decode_gemms.py --smoke: set TRITON_INTERPRET=1 (the GEMMs run interpreted on the CPU)")
+        require_interpreter("decode_gemms.py --smoke")
         a.batches, a.context = [3], 192
         for op in (mm.linear, mm.linear_concat, mm.linear_blockdiag, mm.grouped_linear, mm.bmm_fixed, mm.expert_linear):
             op.backend_for = lambda device: "triton"  # the Triton GEMMs on CPU tensors, interpreted

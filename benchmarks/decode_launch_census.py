@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import apply_bench_lora, build_on_device, default_out, env, model_config, setup_logging, table, write_json
+from _common import apply_bench_lora, build_on_device, require_interpreter, default_out, env, model_config, setup_logging, table, write_json
 from decode_throughput import PAGE, PENDING, fill_store, kda_template, make_seqs
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.triton import triton_everywhere
@@ -234,9 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if a.smoke:
         a.interpret = True
     if a.interpret:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("decode_launch_census.py --interpret: set TRITON_INTERPRET=1 (the kernels run "
-                             "interpreted on the CPU)")
+        require_interpreter("decode_launch_census.py --interpret")
         dev = torch.device("cpu")
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     elif torch.cuda.is_available():

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from _common import apply_bench_lora, build_on_device, default_out, env, model_config, pick_device, setup_logging, table, \
-    write_json, _call_site
+from _common import (apply_bench_lora, build_on_device, default_out, env, model_config, pick_device,
+                     require_interpreter, setup_logging, table, write_json, _call_site)
 from _train_flops import measured_matmul_peak_tflops
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.triton import matmul as mm
@@ -151,8 +150,7 @@ def main() -> int:
     setup_logging()
     dev = pick_device("train_gemms.py", a.smoke)
     if a.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("train_gemms.py --smoke: set TRITON_INTERPRET=1 (the GEMMs run interpreted on the CPU)")
+        require_interpreter("train_gemms.py --smoke")
         a.seq_lens = [24, 24]
     cuda = dev.type == "cuda"
     cfg = model_config(a.layers, a.smoke)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import apply_bench_lora, build_on_device, default_out, env, model_config, setup_logging, table, write_json
+from _common import apply_bench_lora, require_interpreter, build_on_device, default_out, env, model_config, setup_logging, table, write_json
 from zmrl.kernels_batch_invariant import _dispatch, current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
 from zmrl.kernels_batch_invariant.triton import triton_everywhere
@@ -319,8 +319,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="on CPU: every op on its Triton backend under TRITON_INTERPRET=1 (the GPU's glue; kernels whose "
                         "backward is GPU-only still take their CPU fallbacks)")
     a = p.parse_args(argv)
-    if a.triton and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("--triton needs TRITON_INTERPRET=1 (the kernels run under Triton's interpreter on the CPU)")
+    if a.triton:
+        require_interpreter("trainer_op_census.py --triton")
     if a.smoke:
         a.device = "cpu"
         a.seq_lens = a.seq_lens or [24, 24]
