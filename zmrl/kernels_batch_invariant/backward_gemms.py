@@ -55,5 +55,5 @@ def mm_fp32_factor(a: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     factors (LoRA: N = r) the cost is reading ``a`` twice in 16 bits instead of writing and reading an fp32
     copy of it."""
     hi = f.to(a.dtype)
-    lo = (f - hi.float()).to(a.dtype)
+    lo = torch.sub(f, hi).to(a.dtype)  # f - hi in fp32 (hi promoted exactly inside the one kernel)
     return mm_f32(a, hi).add_(mm_f32(a, lo))
