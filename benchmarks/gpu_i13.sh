@@ -48,6 +48,7 @@
 #                 4096-token prefill) + the MLA tests;
 #   decode_gemms  decode_gemms.py: the decode step's GEMM launches alone vs bound and cuBLAS, the top groups swept;
 #   train_gemms   train_gemms.py: the trainer forward's GEMM launches (16K tokens) timed in place vs peak and cuBLAS;
+#   next          grads16 train_gemms mla_stages parity (what the 2026-12-06 session left unmeasured);
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -113,6 +114,10 @@ XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n ${XDIST_WORKERS:-8}"
 
 STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
+# "next": what the 2026-12-06 session left unmeasured, in one call: the GPU gradient tests of its backward paths (one
+# process, no xdist: an xdist worker lost the `device` fixture there), the trainer forward's GEMM breakdown, the heads
+# MLA form's 3-stage launch, then the bench-shape parity test
+[[ " $STEPS " == *" next "* ]] && STEPS="$STEPS grads16 train_gemms mla_stages parity"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # The recurrent KDA kernel's launch configurations (shared numerics: decode == packed checked per configuration),
@@ -183,6 +188,13 @@ done
 # bound and cuBLAS, the groups of the most step time under the SWEEP configs (bits checked)
 has decode_gemms && step decode_gemms "${T_DECODE_GEMMS:-300}" $PY benchmarks/decode_gemms.py --sweep "${GEMM_SWEEP_TOP:-14}" \
   --out "$OUT/decode_gemms.json"
+# grads16: the backward paths that take 16-bit gradients as they are (LoRA factors, expert LoRA, MoE dispatch) and the
+# whole-trainer gradients against float64
+has grads16 && step gpu_tests_grads16 "${T_GRADS16:-180}" $PY -m pytest -p no:cacheprovider -p no:xdist -q -rfEs \
+  tests/kernels/test_backward_gemms.py tests/kernels/triton/test_matmul.py::test_lora_gradients_of_a_16bit_output \
+  tests/model/test_moe_dispatch.py tests/kernels/triton/test_expert_grads.py tests/trainer/test_gradients_gpu.py
+has mla_stages && step mla_sweep_heads_stages "${T_MLA_FORMS:-100}" $PY benchmarks/mla_dsa_kernels.py --sweep-only \
+  --mma-rows heads --sweep-launches 32x8x2,32x8x3 --out "$OUT/mla_sweep_heads_stages.json"
 # train_gemms: every GEMM launch of one trainer forward at 4 x 4096 tokens, timed in place, against the matmul peak and cuBLAS
 has train_gemms && step train_gemms "${T_TRAIN_GEMMS:-200}" $PY benchmarks/train_gemms.py --out "$OUT/train_gemms.json"
 has dsa && step dsa_kernels "${T_DSA:-90}" $PY benchmarks/mla_dsa_kernels.py --dsa-only --out "$OUT/dsa_kernels.json"
