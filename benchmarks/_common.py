@@ -196,6 +196,17 @@ def apply_bench_lora(model: torch.nn.Module, r: int, seed: int) -> torch.nn.Modu
     return apply_lora(model, LoraConfig(r=r, alpha=float(r), init_b_std=0.02, init_seed=seed))
 
 
+def build_bench_model(layers: int | None, smoke: bool, device: torch.device, lora_r: int = 0,
+                seed: int = 0) -> tuple[ModelConfig, HybridForCausalLM]:
+    """The benchmarks' model: ``model_config(layers, smoke)`` built in bf16 on ``device`` (``build_on_device``), with
+    ``apply_bench_lora`` at rank ``lora_r`` (0: none)."""
+    cfg = model_config(layers, smoke)
+    model = build_on_device(cfg, torch.bfloat16, device, seed=seed)
+    if lora_r:
+        apply_bench_lora(model, lora_r, seed)
+    return cfg, model
+
+
 def experts_hit(cfg: ModelConfig, batch: int) -> float:
     """Expected distinct routed experts of one MoE layer that ``batch`` tokens pick (top-k each, uniform):
     k at batch 1, ``E * (1 - (1 - k/E)^B)`` beyond."""

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from _common import (apply_bench_lora, require_interpreter, build_on_device, copy_bandwidth_tb_s, default_out, env, model_config, pick_device,
+from _common import (build_bench_model, require_interpreter, copy_bandwidth_tb_s, default_out, env, pick_device,
                      setup_logging, table, write_json, _call_site)
 from decode_throughput import PAGE, PENDING, fill_store, kda_template, make_seqs
 from zmrl.kernels_batch_invariant import kernel_mode
@@ -316,10 +316,7 @@ def main() -> int:
             op.backend_for = lambda device: "triton"  # the Triton GEMMs on CPU tensors, interpreted
     t_start = time.perf_counter()
     torch.manual_seed(a.seed)
-    cfg = model_config(a.layers, a.smoke)
-    model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
-    if a.lora:
-        apply_bench_lora(model, a.lora, a.seed)
+    cfg, model = build_bench_model(a.layers, a.smoke, dev, a.lora, a.seed)
     cuda = dev.type == "cuda"
     bw = copy_bandwidth_tb_s(dev, gib=0.25 if a.smoke else 2.0)
     template = kda_template(model, dev)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import apply_bench_lora, build_on_device, require_interpreter, default_out, env, model_config, setup_logging, table, write_json
+from _common import build_bench_model, require_interpreter, default_out, env, setup_logging, table, write_json
 from decode_throughput import PAGE, PENDING, fill_store, kda_template, make_seqs
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.triton import triton_everywhere
@@ -245,10 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--batch must be >= 1 and --context > {PENDING + PAGE}, got {a.batch}, {a.context}")
     t0 = time.perf_counter()
     torch.manual_seed(a.seed)
-    cfg = model_config(a.layers, a.smoke)
-    model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
-    if a.lora:
-        apply_bench_lora(model, a.lora, a.seed)
+    cfg, model = build_bench_model(a.layers, a.smoke, dev, a.lora, a.seed)
     with triton_everywhere() if a.interpret else contextlib.nullcontext():  # the Triton backends on the CPU too
         census, kinds = census_step(model, a.batch, a.context, a.seed)
     s = summarize(census, kinds)

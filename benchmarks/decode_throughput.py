@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from _common import (OOM_ERRORS, parse_mla_launches, apply_bench_lora, build_on_device, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
-                     default_out, empty_cache, env, free_gib, kv_state_bytes_per_seq, model_config, pick_device,
+from _common import (build_bench_model, OOM_ERRORS, parse_mla_launches, copy_bandwidth_tb_s, cuda_time_ms, decode_weight_bytes,
+                     default_out, empty_cache, env, free_gib, kv_state_bytes_per_seq, pick_device,
                      op_profile, print_op_profile, print_profile, profile_step, setup_logging, table, write_json)
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.model import ModelCache, SequenceState, forward_incremental
@@ -152,12 +152,9 @@ def run(a: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     torch.manual_seed(a.seed)
 
-    cfg = model_config(a.layers, a.smoke)
-    model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
-    log.info("bench model: %d layers, %.2f B params, built in %.1fs", cfg.num_hidden_layers,
+    cfg, model = build_bench_model(a.layers, a.smoke, dev, a.lora, a.seed)
+    log.info("bench model: %d layers, LoRA r=%d, %.2f B params, built in %.1fs", cfg.num_hidden_layers, a.lora,
              sum(p.numel() for p in model.parameters()) / 1e9, time.perf_counter() - t_start)
-    if a.lora:
-        apply_bench_lora(model, a.lora, a.seed)
     bw = copy_bandwidth_tb_s(dev, gib=0.25 if a.smoke else 2.0)
     log.info("device-to-device copy bandwidth %.2f TB/s", bw)
     def weight_bytes_at(batch: int) -> int:

@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from _common import apply_bench_lora, build_on_device, default_out, env, model_config, pick_device, setup_logging, table, write_json
+from _common import build_bench_model, default_out, env, pick_device, setup_logging, table, write_json
 from zmrl.kernels_batch_invariant import set_mode
 from zmrl.rollout import EngineConfig, RolloutEngine, SamplingParams
 from zmrl.rollout import engine as engine_module
@@ -317,9 +317,7 @@ def main() -> int:
     cuda = dev.type == "cuda"
     t_start = time.perf_counter()
     set_mode("bitwise")
-    cfg = model_config(a.layers, a.smoke)
-    model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
-    apply_bench_lora(model, a.lora_r, a.seed)
+    cfg, model = build_bench_model(a.layers, a.smoke, dev, a.lora_r, a.seed)
     n_seqs = a.prompts * a.n
     per_seq_blocks = -(-(a.prompt_len + a.max_new) // 64)
     engine = RolloutEngine(model, EngineConfig(

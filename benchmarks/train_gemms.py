@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from _common import (apply_bench_lora, build_on_device, default_out, env, model_config, pick_device,
+from _common import (build_bench_model, default_out, env, pick_device,
                      require_interpreter, setup_logging, table, write_json, _call_site)
 from _train_flops import measured_matmul_peak_tflops
 from zmrl.kernels_batch_invariant import kernel_mode
@@ -153,10 +153,7 @@ def main() -> int:
         require_interpreter("train_gemms.py --smoke")
         a.seq_lens = [24, 24]
     cuda = dev.type == "cuda"
-    cfg = model_config(a.layers, a.smoke)
-    model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
-    if a.lora:
-        apply_bench_lora(model, a.lora, a.seed)
+    cfg, model = build_bench_model(a.layers, a.smoke, dev, a.lora, a.seed)
     g = torch.Generator().manual_seed(a.seed)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in a.seq_lens]
     plens = [max(1, n // 2) for n in a.seq_lens]

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import apply_bench_lora, require_interpreter, build_on_device, default_out, env, model_config, setup_logging, table, write_json
+from _common import build_bench_model, require_interpreter, default_out, env, setup_logging, table, write_json
 from zmrl.kernels_batch_invariant import _dispatch, current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.numerics import BACKWARD_MATMUL_PRECISIONS
 from zmrl.kernels_batch_invariant.triton import triton_everywhere
@@ -265,9 +265,7 @@ def print_summary(summary: dict[str, Any], top: int) -> None:
 
 def run_census(a: argparse.Namespace) -> dict[str, Any]:
     dev = torch.device(a.device)
-    cfg = model_config(a.layers, a.smoke)
-    model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
-    apply_bench_lora(model, a.lora_r, a.seed)
+    cfg, model = build_bench_model(a.layers, a.smoke, dev, a.lora_r, a.seed)
     params = lora_parameters(model)
     g = torch.Generator().manual_seed(a.seed)
     seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in a.seq_lens]

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from _common import (OOM_ERRORS, apply_bench_lora, build_on_device, cuda_time_ms, default_out, empty_cache, env, model_config,
+from _common import (build_bench_model, OOM_ERRORS, cuda_time_ms, default_out, empty_cache, env, model_config,
                      pick_device, print_profile, profile_step, setup_logging, table, write_json)
 from _train_flops import expected_peak_memory, measured_matmul_peak_tflops, train_flops
 from zmrl.kernels_batch_invariant import current_numerics, kernel_mode, numerics_scope
@@ -76,9 +76,7 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
     """``on_row(rows)`` runs after each configuration (the caller writes the JSON: a run cut short by a
     time limit keeps every configuration it finished)."""
     t0 = time.perf_counter()
-    cfg = model_config(a.layers, a.smoke)
-    model = build_on_device(cfg, torch.bfloat16, dev, seed=a.seed)
-    apply_bench_lora(model, a.lora_r, a.seed)
+    cfg, model = build_bench_model(a.layers, a.smoke, dev, a.lora_r, a.seed)
     params = lora_parameters(model)
     log.info("model: %d layers, LoRA r=%d (%.1f M trainable), built in %.1fs", cfg.num_hidden_layers, a.lora_r,
              sum(p.numel() for p in params) / 1e6, time.perf_counter() - t0)
