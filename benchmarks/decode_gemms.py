@@ -43,6 +43,7 @@ from _common import (build_bench_model, require_interpreter, copy_bandwidth_tb_s
 from decode_throughput import PAGE, PENDING, fill_store, kda_template, make_seqs
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.triton import matmul as mm
+from zmrl.kernels_batch_invariant.triton import triton_everywhere
 from zmrl.model import ModelCache, forward_incremental
 
 log = logging.getLogger("benchmarks.decode_gemms")
@@ -309,11 +310,15 @@ def main() -> int:
     a = ap.parse_args()
     setup_logging()
     dev = pick_device("decode_gemms.py", a.smoke)
-    if a.smoke:
-        require_interpreter("decode_gemms.py --smoke")
-        a.batches, a.context = [3], 192
-        for op in (mm.linear, mm.linear_concat, mm.linear_blockdiag, mm.grouped_linear, mm.bmm_fixed, mm.expert_linear):
-            op.backend_for = lambda device: "triton"  # the Triton GEMMs on CPU tensors, interpreted
+    if not a.smoke:
+        return measure_batches(a, dev)
+    require_interpreter("decode_gemms.py --smoke")
+    a.batches, a.context = [3], 192
+    with triton_everywhere():  # the Triton backends on CPU tensors, interpreted
+        return measure_batches(a, dev)
+
+
+def measure_batches(a: argparse.Namespace, dev: torch.device) -> int:
     t_start = time.perf_counter()
     torch.manual_seed(a.seed)
     cfg, model = build_bench_model(a.layers, a.smoke, dev, a.lora, a.seed)
