@@ -53,10 +53,8 @@ def _halves_sum(x, R: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _q_stacked(qh_ptr, ql_ptr, q_off, hmask, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
                BLOCK_H: tl.constexpr):
-    offs = COL + tl.arange(0, W)
-    qm = (offs < LIM)[:, None] & hmask[None, :]
-    hi = tl.load(qh_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
-    lo = tl.load(ql_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
+    """The keys form's resident query columns ([W, heads] hi and lo, ``_q_cols_t``) interleaved on N."""
+    hi, lo = M._q_cols_t(qh_ptr, qh_ptr, ql_ptr, q_off, hmask, COL, W, LIM, True)
     return _interleave(hi, lo, W, BLOCK_H)
 
 

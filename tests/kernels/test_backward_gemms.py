@@ -30,9 +30,12 @@ def test_fp32_factor_product_is_the_product_to_16_bits(device, dtype):
     hi_only = mm_f32(a, f.to(dtype)).double()
     if dtype == torch.bfloat16:
         assert ((hi_only - want).abs() > 2**-15 * scale).any(), "the bound is tight enough to see the lo half"
-    # transposed operands (the weight-gradient product g^T @ t) read as views
-    got_t = mm_fp32_factor(a.t(), torch.randn(37, 8, generator=g).to(dev))
+    # a transposed view as the 16-bit operand (the weight-gradient product g^T @ t): the same bound
+    t = torch.randn(37, 8, generator=g).to(dev)
+    got_t = mm_fp32_factor(a.t(), t)
+    want_t = a.double().t() @ t.double()
     assert got_t.shape == (300, 8)
+    assert ((got_t.double() - want_t).abs() <= 2**-15 * (a.double().abs().t() @ t.double().abs())).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
