@@ -12,7 +12,7 @@ from torch import nn
 from zmrl.kernels_batch_invariant import InvariantOp, current_numerics, linear, numerics_scope
 from zmrl.kernels_batch_invariant.matmul import resolve_delta
 from zmrl.lora import LoraAdapter
-from zmrl.model.layers import Linear, project
+from zmrl.model.layers import Linear, joined_columns, project
 from tests.kernels.triton.gemm_launches import count_gemm_launches
 
 K, NS, R, M = 40, (24, 8, 33), 8, 5
@@ -159,3 +159,28 @@ def test_project_gradients(backend, adapters):
         scale = r.abs().max()
         assert (a - b).abs().max() <= 1e-5 * scale
         assert (a.double() - r).abs().max() <= 1e-5 * scale
+
+
+def test_joined_columns_keeps_the_parts_gradients(backend):
+    """``joined_columns`` of project()'s outputs (how the KDA layer joins q|k|v for its conv): with no gradient
+    wanted, a column slice of the fused output (no copy); under autograd, exactly the gradients of
+    ``torch.cat`` of the parts. The Triton backend's autograd Function returns a view of its own output buffer,
+    whose ``_base`` autograd does not track: a slice of that base cut every part's gradient (found on the
+    model: the KDA q/k/v LoRA gradients were zero)."""
+    device, _ = backend
+    lins = _linears(torch.float32, "LLL", device, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(M, K, generator=g).to(device).requires_grad_()
+    gy = torch.randn(M, sum(NS[:2]), generator=g).to(device)
+    params = [x, *(p for lin in lins for p in (lin.adapter.lora_A, lin.adapter.lora_B))]
+
+    with torch.no_grad():
+        parts = project(x, lins)
+        joined = joined_columns(parts[:2])
+    assert joined.data_ptr() == parts[0].data_ptr() and torch.equal(joined, torch.cat(parts[:2], dim=-1))
+
+    grads = [torch.autograd.grad((join(project(x, lins)[:2]) * gy).sum(), params, allow_unused=True)
+             for join in (joined_columns, lambda ps: torch.cat(ps, dim=-1))]
+    for got, want in zip(*grads):
+        assert want is None or (got is not None and torch.equal(got, want))
+    assert all(grads[0][i] is not None for i in range(5))  # x and both A/B pairs of the joined parts

@@ -95,9 +95,13 @@ def project(x: torch.Tensor, linears: Sequence[Linear]) -> list[torch.Tensor]:
 def joined_columns(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts, dim=-1)`` for 2-D parts; when they are adjacent column views of one tensor (as
     ``project``'s outputs are), that tensor's column slice instead: the same values, no copy (one launch
-    fewer at decode). Autograd sees a slice of the tensor the parts were split from."""
+    fewer at decode). Autograd sees a slice of the tensor the parts were split from, so the slice is taken only
+    where autograd tracks that tensor or no part needs a gradient: ``_base`` is the storage's root view, which
+    for the output of an autograd Function that returns a view of its own buffer is that untracked buffer
+    (a slice of it would silently cut the parts' gradients)."""
     base = parts[0]._base
-    if (base is not None and base.dim() == 2 and all(p.dim() == 2 and p._base is base for p in parts)
+    tracked = base is not None and (base.requires_grad or not any(p.requires_grad for p in parts))
+    if (tracked and base.dim() == 2 and all(p.dim() == 2 and p._base is base for p in parts)
             and all(p.stride() == base.stride() for p in parts)):
         elt = base.element_size()
         offsets = [(p.data_ptr() - base.data_ptr()) // elt for p in parts]
