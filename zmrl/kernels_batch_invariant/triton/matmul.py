@@ -1023,7 +1023,9 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
                              sum(cdiv(c, cfg.block_n) for c in ns), x_blocks)
         _launch(x2.unsqueeze(0), weights[table.base_index].unsqueeze(0), None, y.unsqueeze(0), cfg, m, n, k_cfg,
                 segments=seg, delta=_delta_rows(delta, m, n), lora=launch_lora)
-    return y.reshape(*lead, n)
+    # 2-D x: y itself, not a reshape view of it. An autograd Function's output that is a view keeps the untracked
+    # buffer as its ``_base``, and layers.joined_columns then has to copy the parts instead of slicing y
+    return y if x.dim() == 2 else y.reshape(*lead, n)
 
 
 def _fusable_concat_lora(x: torch.Tensor, ws: list[torch.Tensor], lora: _ops.LoraUpConcat) -> bool:
