@@ -80,6 +80,25 @@ class Launch:
                 f"->{d.get(y3.dtype, y3.dtype)}")
 
 
+def capture(x3, w3, bias, y3, cfg, m, n, k, **kw) -> Launch:  # type: ignore[no-untyped-def]
+    """A ``_launch`` call as a replayable ``Launch``: activations, delta and LoRA t cloned (the caller reuses its
+    buffers), weights by reference, the expert offsets and segment widths read once."""
+    experts, segments, lora, delta = kw.get("experts"), kw.get("segments"), kw.get("lora"), kw.get("delta")
+    hit = widths = None
+    if experts is not None:
+        offs = experts.offsets.tolist()
+        hit = [e for e in range(experts.n_experts) if offs[e + 1] > offs[e]]
+        experts = dataclasses.replace(experts, offsets=experts.offsets.clone())
+    if segments is not None:
+        cols = segments.col_offsets.tolist()
+        widths = [cols[s + 1] - cols[s] for s in range(segments.n_segments)]
+    if lora is not None:
+        lora = dataclasses.replace(lora, t=lora.t.clone())
+    return Launch(_call_site(), (x3.clone(), w3, bias, torch.empty_like(y3), cfg, m, n, k),
+                  {"experts": experts, "segments": segments, "delta": None if delta is None else delta.clone(),
+                   "lora": lora}, hit, widths)
+
+
 def record_step(step: Callable[[], None]) -> list[Launch]:
     """The GEMM launches of one call of ``step``, in order. Under the interpreter ``_launch`` calls itself
     once for a 16-bit output; only the outer call counts."""
@@ -87,26 +106,10 @@ def record_step(step: Callable[[], None]) -> list[Launch]:
     original = mm._launch
     depth = 0
 
-    def clone(t: Any) -> Any:
-        return t.clone() if isinstance(t, torch.Tensor) else t
-
     def recording(x3, w3, bias, y3, cfg, m, n, k, **kw):  # type: ignore[no-untyped-def]
         nonlocal depth
         if depth == 0:
-            experts, segments, lora = kw.get("experts"), kw.get("segments"), kw.get("lora")
-            hit = widths = None
-            if experts is not None:
-                offs = experts.offsets.tolist()
-                hit = [e for e in range(experts.n_experts) if offs[e + 1] > offs[e]]
-                experts = dataclasses.replace(experts, offsets=experts.offsets.clone())
-            if segments is not None:
-                cols = segments.col_offsets.tolist()
-                widths = [cols[s + 1] - cols[s] for s in range(segments.n_segments)]
-            if lora is not None:
-                lora = dataclasses.replace(lora, t=lora.t.clone())
-            launches.append(Launch(_call_site(), (x3.clone(), w3, bias, torch.empty_like(y3), cfg, m, n, k),
-                                   {"experts": experts, "segments": segments, "delta": clone(kw.get("delta")),
-                                    "lora": lora}, hit, widths))
+            launches.append(capture(x3, w3, bias, y3, cfg, m, n, k, **kw))
         depth += 1
         try:
             return original(x3, w3, bias, y3, cfg, m, n, k, **kw)
@@ -242,6 +245,30 @@ def time_ms(fn: Callable[[], Any], cuda: bool, reps: int = 20, samples: int = 7)
     return max(ms, 0.0)
 
 
+def sweep_launch(launch: Launch, ms: float, configs: list[tuple[int, ...]], cuda: bool) -> dict[str, Any]:
+    """``launch`` under every admissible config of ``configs`` (``ms``: its time under its own), each output
+    checked ``torch.equal`` to its own config's: the tries, the configs whose bits differ (none expected: the
+    module doc of matmul.py), and the fastest config with equal bits (its own if none is faster)."""
+    ref = run(launch, launch.cfg).clone()
+    tried: list[dict[str, Any]] = []
+    for c in map(lambda t: mm.GemmConfig(*t), configs):
+        if not admits(launch, c) or c == launch.cfg:
+            continue
+        try:
+            same = torch.equal(run(launch, c), ref)
+            t_ms = time_ms(lambda: run(launch, c), cuda) if same else None
+        except Exception as err:  # e.g. out of shared memory for this tile
+            tried.append({"config": str(c), "error": f"{type(err).__name__}: {err}"[:200]})
+            continue
+        tried.append({"config": str(c), "equal_bits": same, "ms": t_ms})
+    ok = [t for t in tried if t.get("equal_bits") and t["ms"] is not None]
+    best = min(ok, key=lambda t: t["ms"], default=None)
+    if best is None or best["ms"] >= ms:
+        best = {"config": str(launch.cfg), "ms": ms}
+    return {"sweep": tried, "differing_bits": [t["config"] for t in tried if t.get("equal_bits") is False],
+            "best_config": best["config"], "best_ms": best["ms"]}
+
+
 def measure(launches: list[Launch], bw: float, cuda: bool, sweep_top: int) -> list[dict[str, Any]]:
     """One row per launch signature: calls per step, times, bounds; the ``sweep_top`` groups of the most step
     time swept over SWEEP (every config is a compile per kernel variant: the sweep stays where the time is)."""
@@ -263,27 +290,7 @@ def measure(launches: list[Launch], bw: float, cuda: bool, sweep_top: int) -> li
     # batched products (grouped_linear / bmm_fixed: tiles per matrix shape, bmm_config) have no sweep
     sweepable = [r for r in groups.values() if first[r["signature"]].args[0].shape[0] == 1]
     for row in sorted(sweepable, key=lambda r: -r["ms"] * r["calls"])[:sweep_top]:
-        launch = first[row["signature"]]
-        ref = run(launch, launch.cfg).clone()
-        tried = []
-        for c in map(lambda t: mm.GemmConfig(*t), SWEEP):
-            if not admits(launch, c) or c == launch.cfg:
-                continue
-            try:
-                same = torch.equal(run(launch, c), ref)
-                ms = time_ms(lambda: run(launch, c), cuda) if same else None
-            except Exception as err:  # e.g. out of shared memory for this tile
-                tried.append({"config": str(c), "error": f"{type(err).__name__}: {err}"[:200]})
-                continue
-            tried.append({"config": str(c), "equal_bits": same, "ms": ms})
-        row["sweep"] = tried
-        ok = [t for t in tried if t.get("equal_bits") and t["ms"] is not None]
-        best = min(ok, key=lambda t: t["ms"], default=None)
-        row["differing_bits"] = [t["config"] for t in tried if t.get("equal_bits") is False]
-        if best is not None and best["ms"] < row["ms"]:
-            row["best_config"], row["best_ms"] = best["config"], best["ms"]
-        else:
-            row["best_config"], row["best_ms"] = row["config"], row["ms"]
+        row.update(sweep_launch(first[row["signature"]], row["ms"], SWEEP, cuda))
     rows = list(groups.values())
     for r in rows:
         r["step_ms"] = r["ms"] * r["calls"]

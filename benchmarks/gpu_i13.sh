@@ -48,6 +48,8 @@
 #                 4096-token prefill) + the MLA tests;
 #   decode_gemms  decode_gemms.py: the decode step's GEMM launches alone vs bound and cuBLAS, the top groups swept;
 #   train_gemms   train_gemms.py: the trainer forward's GEMM launches (16K tokens) timed in place vs peak and cuBLAS;
+#   train_sweep   the same with --sweep: the groups of the most time under the training tile configs (bits checked);
+#   grads_f64     the whole model's CUDA LoRA gradients vs float64, determinism and recompute (test_gradients_gpu);
 #   next          grads16 train_gemms mla_stages parity (what the 2026-12-06 session left unmeasured);
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
@@ -193,10 +195,15 @@ has decode_gemms && step decode_gemms "${T_DECODE_GEMMS:-300}" $PY benchmarks/de
 has grads16 && step gpu_tests_grads16 "${T_GRADS16:-180}" $PY -m pytest -p no:cacheprovider -p no:xdist -q -rfEs \
   tests/kernels/test_backward_gemms.py tests/kernels/triton/test_matmul.py::test_lora_gradients_of_a_16bit_output \
   tests/model/test_moe_dispatch.py tests/kernels/triton/test_expert_grads.py tests/trainer/test_gradients_gpu.py
+has grads_f64 && step gpu_tests_grads_f64 "${T_GRADS_F64:-320}" $PY -m pytest -p no:cacheprovider -p no:xdist -v -rfEs -s \
+  --durations=5 tests/trainer/test_gradients_gpu.py
 has mla_stages && step mla_sweep_heads_stages "${T_MLA_FORMS:-100}" $PY benchmarks/mla_dsa_kernels.py --sweep-only \
   --mma-rows heads --sweep-launches 32x8x2,32x8x3 --out "$OUT/mla_sweep_heads_stages.json"
 # train_gemms: every GEMM launch of one trainer forward at 4 x 4096 tokens, timed in place, against the matmul peak and cuBLAS
 has train_gemms && step train_gemms "${T_TRAIN_GEMMS:-200}" $PY benchmarks/train_gemms.py --out "$OUT/train_gemms.json"
+# train_sweep: the same, with the groups of the most time replayed under the training tile configs (bits checked)
+has train_sweep && step train_gemms_sweep "${T_TRAIN_SWEEP:-300}" $PY benchmarks/train_gemms.py --sweep "${TRAIN_SWEEP_TOP:-12}" \
+  --sweep-budget-s "${TRAIN_SWEEP_BUDGET:-220}" --out "$OUT/train_gemms_sweep.json"
 has dsa && step dsa_kernels "${T_DSA:-90}" $PY benchmarks/mla_dsa_kernels.py --dsa-only --out "$OUT/dsa_kernels.json"
 
 has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py

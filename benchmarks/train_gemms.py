@@ -1,7 +1,8 @@
 """Every invariant GEMM launch of one trainer forward (a packed micro-batch, autograd on), timed where it runs,
 against the matmul peak and cuBLAS on the same shapes.
 
-    python benchmarks/train_gemms.py [--seq-lens 4096,4096,4096,4096] [--layers 16] [--lora 32] [--out FILE.json]
+    python benchmarks/train_gemms.py [--seq-lens 4096,4096,4096,4096] [--layers 16] [--lora 32] [--sweep N]
+                                     [--out FILE.json]
 
 Why: at 16K tokens the invariant GEMM is the largest item of the trainer's forward (benchmarks/results/
 2026-12-06_h100_mla_keys_summary.md: 174 ms for ~26 TFLOP), but the profile names ``_gemm_kernel`` only. This
@@ -13,6 +14,12 @@ grouped; per group: calls, device ms, the FLOPs (2 M N K; an expert product's M 
 the bf16 matmul peak measured in the same run, and cuBLAS bf16 on one call's shape (``torch.mm``, or
 ``torch._grouped_mm`` over the same expert row counts). The events serialize nothing but each launch with itself,
 so a group's ms is its kernels' device time.
+
+``--sweep N``: the first launch of each of the N groups of the most time (one product per launch: the batched
+``bmm_fixed`` products take ``bmm_config``) is replayed alone with a cold L2 (decode_gemms.time_ms) under every
+config of TRAIN_SWEEP it admits, its output checked ``torch.equal`` to its own config's
+(decode_gemms.sweep_launch); the fastest with equal bits is reported. ``--sweep-budget-s`` stops starting new
+groups after that many seconds (each config is a compile per kernel variant).
 
 ``--smoke``: CPU, the tiny preset, the GEMMs under the Triton interpreter, host-clock times (checks the script).
 """
@@ -30,6 +37,7 @@ import torch
 from _common import (build_bench_model, default_out, env, pick_device,
                      require_interpreter, setup_logging, table, write_json, _call_site)
 from _train_flops import measured_matmul_peak_tflops
+from decode_gemms import Launch, capture, run, sweep_launch, time_ms
 from zmrl.kernels_batch_invariant import kernel_mode
 from zmrl.kernels_batch_invariant.triton import matmul as mm
 from zmrl.kernels_batch_invariant.triton import triton_everywhere
@@ -37,6 +45,10 @@ from zmrl.trainer import compute_logprobs
 
 log = logging.getLogger("benchmarks.train_gemms")
 _DT = {torch.bfloat16: "bf16", torch.float32: "f32", torch.float16: "f16"}
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): training-sized tiles; a split operand keeps its 64-wide K step
+TRAIN_SWEEP = [(64, 32, 64, 4, 4), (64, 64, 64, 4, 4), (128, 32, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 64, 8, 3),
+               (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3),
+               (64, 64, 128, 4, 3), (128, 64, 128, 8, 3)]
 
 
 @dataclass
@@ -51,6 +63,8 @@ class Group:
     expert_rows: list[int] | None  # expert mode: rows per expert (one call's)
     flop: float  # one call's 2 M N K (summed over batch elements)
     ms: list[float] = field(default_factory=list)
+    config: str = ""  # the config its launches ran
+    first: Launch | None = None  # its first launch, replayable (only when sweeping)
 
 
 def _signature(x3: torch.Tensor, w3: torch.Tensor, y3: torch.Tensor, m: int, n: int, k: int,
@@ -63,9 +77,9 @@ def _signature(x3: torch.Tensor, w3: torch.Tensor, y3: torch.Tensor, m: int, n: 
             f"{_DT.get(x3.dtype, x3.dtype)}x{_DT.get(w3.dtype, w3.dtype)}->{_DT.get(y3.dtype, y3.dtype)}")
 
 
-def timed_launches(step: Callable[[], None], cuda: bool) -> list[Group]:
+def timed_launches(step: Callable[[], None], cuda: bool, keep_first: bool = False) -> list[Group]:
     """Run ``step`` with every outer ``_launch`` timed (CUDA events, or the host clock on CPU); grouped by signature
-    in order of first appearance."""
+    in order of first appearance; ``keep_first``: each group's first launch captured for replay."""
     groups: dict[str, Group] = {}
     pending: list[tuple[Group, Any, Any]] = []
     original = mm._launch
@@ -83,7 +97,9 @@ def timed_launches(step: Callable[[], None], cuda: bool) -> list[Group]:
             if experts is not None:
                 offs = experts.offsets.tolist()
                 rows = [offs[e + 1] - offs[e] for e in range(experts.n_experts)]
-            grp = groups[sig] = Group(sig, m, n, k, x3.shape[0], rows, 2.0 * x3.shape[0] * m * n * k)
+            grp = groups[sig] = Group(sig, m, n, k, x3.shape[0], rows, 2.0 * x3.shape[0] * m * n * k, config=str(cfg))
+            if keep_first:
+                grp.first = capture(x3, w3, bias, y3, cfg, m, n, k, **kw)
         depth += 1
         try:
             if cuda:
@@ -139,11 +155,31 @@ def stock_ms(grp: Group, device: torch.device) -> float | None:
         return None
 
 
+def sweep_groups(groups: list[Group], top: int, budget_s: float, cuda: bool) -> dict[str, dict[str, Any]]:
+    """``decode_gemms.sweep_launch`` over TRAIN_SWEEP for the ``top`` single-product groups of the most time, each
+    group's own config timed the same way (``replay_ms``: alone, cold L2); new groups stop after ``budget_s``."""
+    t0 = time.perf_counter()
+    out: dict[str, dict[str, Any]] = {}
+    single = [g for g in groups if g.first is not None and g.g == 1]
+    for grp in sorted(single, key=lambda g: -sum(g.ms))[:top]:
+        if time.perf_counter() - t0 > budget_s:
+            log.info("sweep budget spent: %s not swept", grp.signature)
+            continue
+        launch = grp.first
+        own = time_ms(lambda: run(launch, launch.cfg), cuda)
+        out[grp.signature] = {"replay_ms": own, **sweep_launch(launch, own, TRAIN_SWEEP, cuda)}
+        grp.first = None  # its clones freed
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", type=lambda s: [int(v) for v in s.split(",") if v], default=[4096] * 4)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--lora", type=int, default=32, metavar="R", help="LoRA rank (0 = base model)")
+    ap.add_argument("--sweep", type=int, default=0, metavar="N",
+                    help="replay the N groups of the most time under every TRAIN_SWEEP config, bits checked")
+    ap.add_argument("--sweep-budget-s", type=float, default=240.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset, the GEMMs interpreted")
@@ -165,7 +201,8 @@ def main() -> int:
 
     with triton_everywhere() if a.smoke else contextlib.nullcontext():  # smoke: the Triton backends on the CPU
         forward()  # compiles, weight tables
-        groups = timed_launches(forward, cuda)
+        groups = timed_launches(forward, cuda, keep_first=a.sweep > 0)
+        swept = sweep_groups(groups, a.sweep, a.sweep_budget_s, cuda)
     peak = measured_matmul_peak_tflops(dev) if cuda else None
     rows = []
     for grp in groups:
@@ -175,7 +212,8 @@ def main() -> int:
         rows.append({"signature": grp.signature, "calls": len(grp.ms), "ms": ms, "ms_per_call": ms / len(grp.ms),
                      "tflop": grp.flop * len(grp.ms) / 1e12, "tflop_s": tflops,
                      "of_peak": None if peak is None else tflops / peak, "cublas_ms_per_call": stock,
-                     "vs_cublas": None if stock is None else stock / (ms / len(grp.ms))})
+                     "vs_cublas": None if stock is None else stock / (ms / len(grp.ms)),
+                     "config": grp.config, **swept.get(grp.signature, {})})
     rows.sort(key=lambda r: -r["ms"])
     total_ms = sum(r["ms"] for r in rows)
     total_tflop = sum(r["tflop"] for r in rows)
@@ -186,6 +224,10 @@ def main() -> int:
     print(table(rows, [("signature", "launch", "s"), ("calls", "calls", "d"), ("ms", "ms", ".3f"),
                        ("tflop_s", "TFLOP/s", ".1f"), ("of_peak", "of peak", ".0%"),
                        ("cublas_ms_per_call", "cuBLAS ms/call", ".4f"), ("vs_cublas", "vs cuBLAS", ".2f")]))
+    for r in rows:
+        if "best_ms" in r:
+            print(f"sweep {r['signature']}: {r['config']} {r['replay_ms']:.4f} ms -> {r['best_config']} "
+                  f"{r['best_ms']:.4f} ms; differing bits: {r['differing_bits'] or 'none'}")
     write_json(a.out or default_out("train_gemms" + ("_smoke" if a.smoke else "")),
                {"benchmark": "train_gemms", **env(), "seq_lens": a.seq_lens, "lora_r": a.lora,
                 "matmul_peak_tflop_s": peak, "total_ms": total_ms, "total_tflop": total_tflop, "groups": rows})

@@ -177,10 +177,18 @@ def test_decode_gemms_smoke(tmp_path):
 
 def test_train_gemms_smoke(tmp_path):
     """Every GEMM launch of one trainer forward (autograd on) is timed in place and grouped: the dense,
-    concatenated, batched and expert products, with LoRA epilogues; FLOPs per group are 2 M N K."""
+    concatenated, batched and expert products, with LoRA epilogues; FLOPs per group are 2 M N K. The largest group
+    replays under the training sweep's configs, its bits checked."""
     pytest.importorskip("triton")
-    res = _run("train_gemms.py", out=tmp_path / "t.json", env_extra={"TRITON_INTERPRET": "1"})
+    res = _run("train_gemms.py", "--sweep", "1", out=tmp_path / "t.json", env_extra={"TRITON_INTERPRET": "1"})
     groups = res["groups"]
+    swept = [g for g in groups if "sweep" in g]
+    assert len(swept) == 1 and swept[0]["sweep"]
+    # the interpreter's dot sums a K step's products in one numpy reduction, so its bits follow BLOCK_K (the GPU's
+    # MMAs chain 16-wide K slices: equal bits across K steps there); configs with the group's own K step must agree
+    own_k = swept[0]["config"].split("/")[0].split("x")[2]
+    same_k = [t for t in swept[0]["sweep"] if "error" not in t and t["config"].split("/")[0].split("x")[2] == own_k]
+    assert same_k and all(t["equal_bits"] is True for t in same_k), swept[0]["sweep"]
     modes = {g["signature"].split()[1].split("+")[0].rstrip("0123456789") for g in groups}
     assert {"plain", "concat", "batch", "experts"} <= modes
     assert any("+lora" in g["signature"] for g in groups)
