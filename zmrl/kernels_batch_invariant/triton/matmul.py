@@ -147,6 +147,8 @@ SPLIT_BLOCK_K = 64
 LM_HEAD_TILES = 512
 DECODE_M = 64
 BATCH_M = 256
+# Outputs at most this wide count as narrow at training / prefill rows (LoRA A products: r, or 5 r fused)
+NARROW_N = 192
 LARGE_M = 1024
 
 
@@ -187,7 +189,16 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
             return GemmConfig(64, 64, 64, 4, 4)
         if (bucket == 0 and n <= 2048) or (bucket == 1 and n <= 1024):
             return GemmConfig(16, 32, 128, 4, 4)
+        if bucket >= 2 and n <= NARROW_N:
+            # training / prefill rows of narrow outputs (the LoRA A products x @ A^T with the fp32 A split into
+            # three bf16 pieces, dense and per expert; the router): one or a few column tiles, so the rows carry
+            # the parallelism. 16K tokens, replayed alone (train_gemms.py --sweep, bits equal under every config;
+            # benchmarks/results/2026-12-06_h200_train_gemms_sweep.md): KDA's five A factors N 160 0.758 -> 0.153
+            # ms, MoE gate|up A N 64 0.298 -> 0.065 ms, expert A N 32 over 128K rows 0.567 -> 0.249 ms
+            return GemmConfig(128, 32, 64, 4, 4)
         if bucket == 3:
+            if cdiv(n, 128) >= LM_HEAD_TILES:  # the lm_head at 1024-row chunks: 1.552 -> 1.474 ms (same sweep)
+                return GemmConfig(128, 128, 64, 8, 3)
             return GemmConfig(256, 128, 64, 8, 3)
         if bucket == 2:
             return GemmConfig(128, 128, 64, 4, 4)
