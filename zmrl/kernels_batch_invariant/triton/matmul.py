@@ -193,7 +193,7 @@ def _linear_config(n: int, dtype: torch.dtype, bucket: int, experts: bool = Fals
             # training / prefill rows of narrow outputs (the LoRA A products x @ A^T with the fp32 A split into
             # three bf16 pieces, dense and per expert; the router): one or a few column tiles, so the rows carry
             # the parallelism. 16K tokens, replayed alone (train_gemms.py --sweep, bits equal under every config;
-            # benchmarks/results/2026-12-06_h200_train_gemms_sweep.md): KDA's five A factors N 160 0.758 -> 0.153
+            # benchmarks/results/2026-12-06_train_gemms_sweep_5684a47_h200.json): KDA's five A factors N 160 0.758 -> 0.153
             # ms, MoE gate|up A N 64 0.298 -> 0.065 ms, expert A N 32 over 128K rows 0.567 -> 0.249 ms
             return GemmConfig(128, 32, 64, 4, 4)
         if bucket == 3:
