@@ -130,11 +130,12 @@ def kernel_config(num_heads: int, dc: int, dr: int, mma_rows: str = "heads") -> 
 
     heads: BLOCK_H = 32 heads per program (the MMA's M) when the model has that many (H = 64 gives 2 head
     groups that read the same keys, the second mostly from L2), else the head count rounded up to a power of
-    two (at least 16, the MMA minimum); 8 warps, 2 pipeline stages. The launch sweeps behind it (H = 64,
+    two (at least 16, the MMA minimum); 8 warps, 3 pipeline stages. The launch sweeps behind it (H = 64,
     Dc = 512, bf16 cache; decode at batch 256 / 8K and a 4096-token prefill; every configuration gave the same
     bits): benchmarks/results/2026-12-01_mla_sweep_h200.json (32 heads x 8 warps fastest at both),
-    2026-12-02_mla_split_loop_h200.json (two stages once the loop lost its branch). Its sm_90 build (Triton 3.9)
-    has 246 registers/thread and no spill (`python benchmarks/kernel_resources.py --kernels mla`).
+    2026-12-02_mla_split_loop_h200.json (two stages once the loop lost its branch), 2026-12-06_mla_sweep_heads_
+    stages_df24418_h100.json (three stages: decode 0.959 -> 0.909 ms per layer, prefill 10.50 -> 10.46 ms, equal
+    bits). Its sm_90 build (Triton 3.9) has no spill (`python benchmarks/kernel_resources.py --kernels mla`).
 
     keys: the key block (64) is the warpgroup MMA's M and the program's heads its N, the query's columns
     resident in shared memory. 32 heads x 4 warps x 2 stages, the fastest of the launch sweep on an H100
@@ -145,7 +146,8 @@ def kernel_config(num_heads: int, dc: int, dr: int, mma_rows: str = "heads") -> 
     dc_p = max(16, _next_pow2(dc))
     small = dc_p <= 128
     block_h = min(32, max(16, _next_pow2(num_heads)))
-    warps, stages = (4 if small or mma_rows == "keys" else 8), (1 if small else 2)
+    warps = 4 if small or mma_rows == "keys" else 8
+    stages = 1 if small else 2 if mma_rows == "keys" else 3
     if _LAUNCH_OVERRIDE:
         block_h, warps, stages = _LAUNCH_OVERRIDE[-1]
     n_chunks = 1 if small else 4
