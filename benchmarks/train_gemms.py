@@ -15,8 +15,8 @@ the bf16 matmul peak measured in the same run, and cuBLAS bf16 on one call's sha
 ``torch._grouped_mm`` over the same expert row counts). The events serialize nothing but each launch with itself,
 so a group's ms is its kernels' device time.
 
-``--sweep N``: the first launch of each of the N groups of the most time (one product per launch: the batched
-``bmm_fixed`` products take ``bmm_config``) is replayed alone with a cold L2 (decode_gemms.time_ms) under every
+``--sweep N``: the first launch of each of the N groups of the most time (the batched ``bmm_fixed`` products
+too: their tiles come from ``bmm_config``, a function of the per-matrix shape) is replayed alone with a cold L2 (decode_gemms.time_ms) under every
 config of TRAIN_SWEEP it admits, its output checked ``torch.equal`` to its own config's
 (decode_gemms.sweep_launch); the fastest with equal bits is reported. ``--sweep-budget-s`` stops starting new
 groups after that many seconds (each config is a compile per kernel variant).
@@ -156,12 +156,12 @@ def stock_ms(grp: Group, device: torch.device) -> float | None:
 
 
 def sweep_groups(groups: list[Group], top: int, budget_s: float, cuda: bool) -> dict[str, dict[str, Any]]:
-    """``decode_gemms.sweep_launch`` over TRAIN_SWEEP for the ``top`` single-product groups of the most time, each
-    group's own config timed the same way (``replay_ms``: alone, cold L2); new groups stop after ``budget_s``."""
+    """``decode_gemms.sweep_launch`` over TRAIN_SWEEP for the ``top`` groups of the most time, each group's own
+    config timed the same way (``replay_ms``: alone, cold L2); new groups stop after ``budget_s``."""
     t0 = time.perf_counter()
     out: dict[str, dict[str, Any]] = {}
-    single = [g for g in groups if g.first is not None and g.g == 1]
-    for grp in sorted(single, key=lambda g: -sum(g.ms))[:top]:
+    captured = [g for g in groups if g.first is not None]
+    for grp in sorted(captured, key=lambda g: -sum(g.ms))[:top]:
         if time.perf_counter() - t0 > budget_s:
             log.info("sweep budget spent: %s not swept", grp.signature)
             continue
