@@ -51,6 +51,7 @@
 #   train_sweep   the same with --sweep: the groups of the most time under the training tile configs (bits checked);
 #   grads_f64     the whole model's CUDA LoRA gradients vs float64, determinism and recompute (test_gradients_gpu);
 #   next          grads16 train_gemms mla_stages parity (what the 2026-12-06 session left unmeasured);
+#   next2         train_sweep trainer decode_lora prefill parity (what the third 2026-12-06 session left unmeasured);
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -120,6 +121,9 @@ STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
 # process, no xdist: an xdist worker lost the `device` fixture there), the trainer forward's GEMM breakdown, the heads
 # MLA form's 3-stage launch, then the bench-shape parity test
 [[ " $STEPS " == *" next "* ]] && STEPS="$STEPS grads16 train_gemms mla_stages parity"
+# "next2": what the third 2026-12-06 session left for the next one: the training tile sweep with MLA's batched products,
+# the trainer step, decode with the heads MLA form's three stages, prefill, then the parity tests
+[[ " $STEPS " == *" next2 "* ]] && STEPS="$STEPS train_sweep trainer decode_lora prefill parity"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # The recurrent KDA kernel's launch configurations (shared numerics: decode == packed checked per configuration),
