@@ -17,7 +17,8 @@ import torch
 from zmrl.model import apply_recompute
 from zmrl.trainer import compute_logprobs
 
-from .test_gradients import MBT, PROMPTS, TEMPS, batch, grads64, model32, model64  # noqa: F401 (fixtures)
+from .test_gradients import (MBT, PROMPTS, TEMPS, batch, grads64, model32, model64,  # noqa: F401 (fixtures)
+                             relative_grad_errors)
 
 pytestmark = pytest.mark.gpu
 
@@ -36,14 +37,7 @@ def _cuda_grads(model32, batch, policy: str = "none"):  # noqa: F811
 def test_cuda_gradients_match_float64(model32, batch, grads64):  # noqa: F811
     got = _cuda_grads(model32, batch)
     _, want = grads64
-    worst = []
-    for n, a in got.items():
-        b = want[n]
-        if a is None or b is None:
-            assert a is None and b is None and ".indexer." in n, n
-            continue
-        worst.append((float((a.double() - b).norm() / b.norm()), n))
-    worst.sort(reverse=True)
+    worst = relative_grad_errors(got, want)
     print("\nCUDA LoRA gradients vs float64, worst relative errors:", [(f"{e:.2e}", n) for e, n in worst[:5]])
     assert worst[0][0] < 2e-2, worst[:5]
 

@@ -121,6 +121,12 @@ def lora_delta(lora: LoraUp, linear_fn: Callable[..., torch.Tensor] | None = Non
     return lora_up_product(lora, linear_fn or linear)
 
 
+def grouped_lora_delta(lora: LoraUp, grouped_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """A per-group LoraUp's delta [G, M, N]: ``scale * grouped_linear(t, b)`` in fp32 (the unfused composition that
+    defines it); ``grouped_fn``: a backend's own ``grouped_linear`` (default the op)."""
+    return lora_up_product(lora, grouped_fn or grouped_linear)
+
+
 def lora_concat_delta(lora: LoraUpConcat, blockdiag_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """``lora``'s delta [..., sum N_s] (the unfused composition that defines it); ``blockdiag_fn``: a backend's
     own ``linear_blockdiag`` (default the op)."""
@@ -273,15 +279,19 @@ def check_blockdiag(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[in
 
 @invariant_op
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-                   delta: torch.Tensor | None = None) -> torch.Tensor:
+                   delta: torch.Tensor | None = None, lora: LoraUp | None = None) -> torch.Tensor:
     """Per-group ``linear``: ``y[g] = x[g] @ weight[g].T (+ delta[g])`` for x [G, M, K], weight [G, N, K].
 
     Each group's rows are tiled exactly like ``linear`` (ROW_TILE rows, N and K padded to COL_TILE),
     so a row's result equals ``linear(row, weight[g])`` bitwise and is independent of M and G.
     ``delta``: fp32 [G, M, N] (a LoRA term) added to the fp32 result before the one rounding, bitwise
     ``(grouped_linear(x, weight, torch.float32) + delta).to(out_dtype)`` (the Triton GEMM adds it in its
-    epilogue). Used for per-head absorbed MLA projections and batched expert/LoRA weights.
+    epilogue). ``lora`` (instead of ``delta``): the delta as its factors, t [G, M, r] and b [G, N, r] fp32
+    (b may be an expanded view: one B for every group), ``delta = grouped_lora_delta(lora)``, which the Triton
+    GEMM computes in its epilogue (no [G, M, N] fp32 delta written and read back). Used for per-head absorbed
+    MLA projections (with their LoRA terms) and batched expert/LoRA weights.
     """
+    delta = resolve_delta(delta, lora, "grouped_linear", grouped_lora_delta)
     out_dtype = out_dtype or x.dtype
     g, m, k = x.shape
     n = weight.shape[1]
@@ -331,6 +341,7 @@ def _bmm_fixed_fast(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @grouped_linear.register("fast")
 def _grouped_linear_fast(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-                         delta: torch.Tensor | None = None) -> torch.Tensor:
+                         delta: torch.Tensor | None = None, lora: LoraUp | None = None) -> torch.Tensor:
+    delta = resolve_delta(delta, lora, "grouped_linear", lambda up: grouped_lora_delta(up, _grouped_linear_fast))
     y = torch.bmm(x, weight.to(x.dtype).transpose(1, 2))
     return y.to(out_dtype or x.dtype) if delta is None else (y.float() + delta).to(out_dtype or x.dtype)

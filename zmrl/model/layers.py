@@ -135,13 +135,6 @@ def _adapter_terms(x: torch.Tensor, adapters: list[nn.Module],
     return [adapters[j](x) if d is None else d for j, d in enumerate(pieces)]
 
 
-def scaled(scale: float, t: torch.Tensor) -> torch.Tensor:
-    """``scale * t``, skipping the multiply at scale 1 (LoRA alpha = r): ``1.0 * v == v`` bit for bit in IEEE
-    arithmetic, so the values are the same and the forward and backward each save one elementwise pass
-    over the [T, out] fp32 delta."""
-    return t if scale == 1.0 else scale * t
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None):
         super().__init__()

@@ -7,13 +7,14 @@ from torch import nn
 from zmrl.kernels_batch_invariant import grouped_linear, linear
 from zmrl.kernels_batch_invariant.dsa_indexer import dsa_index_scores, dsa_topk
 from zmrl.kernels_batch_invariant.fp8 import fake_quant_fp8, quantize_fp8
+from zmrl.kernels_batch_invariant.matmul import LoraUp
 from zmrl.kernels_batch_invariant.hadamard import hadamard_rotate
 from zmrl.kernels_batch_invariant.mla_attention import mla_attention, mla_attention_dense
 from zmrl.kernels_batch_invariant.pointwise import sigmoid
 
 from .config import ModelConfig
 from .context import ForwardContext
-from .layers import LayerNorm, Linear, RMSNorm, project, scaled
+from .layers import LayerNorm, Linear, RMSNorm, project
 from .rope import RotaryTable
 
 
@@ -135,18 +136,18 @@ class MLAAttention(nn.Module):
 
         w_uk, w_uv = self._kv_b()
         lora = self.kv_b_proj.adapter
-        q_delta = None
+        q_lora = None
         if lora is not None:
-            # kv_b's LoRA in the absorbed form, unfused: + scale * (q_nope[h] @ B_UK[h]) @ A, added in fp32 by
-            # the q_lat GEMM's epilogue (grouped_linear's delta: the bits of the separate sum)
+            # kv_b's LoRA in the absorbed form: + scale * (q_nope[h] @ B_UK[h]) @ A, its up half computed and added
+            # in fp32 by the q_lat GEMM's epilogue (grouped_linear's lora: the bits of the separate sum, without
+            # the [H, T, Dc] fp32 delta in memory)
             b_uk, _ = self._lora_b_halves(lora)
             t = grouped_linear(q_nope.transpose(0, 1), b_uk.transpose(1, 2), out_dtype=torch.float32)  # [H, T, r]
             # A^T shared by every head: an expanded view (no per-step copy of it)
-            q_delta = scaled(lora.scale, grouped_linear(t, lora.lora_A.t().unsqueeze(0).expand(
-                self.num_heads, -1, -1), out_dtype=torch.float32))  # [H, T, Dc]
+            q_lora = LoraUp(t, lora.lora_A.t().unsqueeze(0).expand(self.num_heads, -1, -1), lora.scale)
         # q_lat[t, h] = q_nope[t, h] @ W_UK[h]: per head, rows tiled like every other linear.
         q_lat = grouped_linear(q_nope.transpose(0, 1), w_uk.transpose(1, 2), out_dtype=torch.float32,
-                               delta=q_delta).transpose(0, 1)
+                               lora=q_lora).transpose(0, 1)
         if self.indexer is not None:
             if computes_selection:
                 positions = ctx.index_selection[self.layer_idx] = self.indexer.select(
@@ -162,12 +163,13 @@ class MLAAttention(nn.Module):
         if lora is None:
             o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=x.dtype).transpose(0, 1)  # [T, H, v]
         else:
-            # + scale * (o_lat[h] @ A^T) @ B_UV[h]^T, added in fp32 before the single rounding (the epilogue's delta)
+            # + scale * (o_lat[h] @ A^T) @ B_UV[h]^T, computed and added in fp32 before the single rounding by the
+            # GEMM's epilogue (grouped_linear's lora)
             _, b_uv = self._lora_b_halves(lora)
             a = linear(o_lat.reshape(-1, self.kv_lora_rank), lora.lora_A, out_dtype=torch.float32)
             a = a.view(T, H, -1).transpose(0, 1)  # [H, T, r]
-            o_delta = scaled(lora.scale, grouped_linear(a, b_uv, out_dtype=torch.float32))  # [H, T, v]
-            o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=x.dtype, delta=o_delta).transpose(0, 1)
+            o = grouped_linear(o_lat.transpose(0, 1), w_uv, out_dtype=x.dtype,
+                               lora=LoraUp(a, b_uv, lora.scale)).transpose(0, 1)
         o = o.reshape(T, H * self.v_dim)
         if hasattr(self, "g_proj"):
             o = (o.float() * sigmoid(self.g_proj(x, out_dtype=torch.float32))).to(x.dtype)

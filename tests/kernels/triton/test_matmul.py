@@ -513,6 +513,53 @@ def test_grouped_linear_delta_equals_the_sum(device, interpret):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("shared_b", [True, False], ids=["shared_b", "per_group_b"])
+@pytest.mark.parametrize("scale", [1.0, 0.75])
+def test_grouped_linear_lora_equals_its_delta(device, interpret, shared_b, scale, monkeypatch):
+    """``grouped_linear`` with ``lora`` (the absorbed MLA LoRA terms as their factors: t [G, M, r] per head, b one
+    B for every head as an expanded view, or one per head) is bitwise the ``delta`` path it replaces,
+    ``delta = scale * grouped_linear(t, b, fp32)``, on the Triton and torch backends, for the q_lat (bf16 x bf16
+    -> fp32) and o (fp32 x bf16 -> bf16) products; a fused call writes no [G, M, N] delta. Its gradients match
+    float64 (fp32 backward GEMMs over <= 40 terms: 1e-5 of the largest value)."""
+    g = torch.Generator().manual_seed(23)
+    G, M, K, N, R = (3, 9, 40, 24, 8) if interpret else (64, 70, 512, 128, 32)
+    for x_dtype, out_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        x = torch.randn(G, M, K, generator=g).to(device, x_dtype)
+        w = (torch.randn(G, N, K, generator=g) / K**0.5).to(device, torch.bfloat16)
+        t = torch.randn(G, M, R, generator=g).to(device)
+        # shared: MLA's A^T [N, r] for every head, a transposed view expanded (strides 0, 1, N)
+        b = (torch.randn(R, N, generator=g).to(device).t().unsqueeze(0).expand(G, -1, -1) if shared_b else
+             torch.randn(G, N, R, generator=g).to(device))
+        lora = LoraUp(t, b, scale)
+        for impl in ("triton", "torch"):
+            op = triton_impl(grouped_linear) if impl == "triton" else grouped_linear.impls["torch"]
+            d = op(t, b, out_dtype=torch.float32)
+            delta = d if scale == 1.0 else scale * d
+            assert torch.equal(op(x, w, out_dtype=out_dtype, lora=lora), op(x, w, out_dtype=out_dtype, delta=delta)), \
+                (impl, x_dtype)
+        with pytest.raises(ValueError, match="lora must hold"):
+            triton_impl(grouped_linear)(x, w, lora=LoraUp(t[:, :1], b, scale))
+    launches = count_gemm_launches(monkeypatch)
+    triton_impl(grouped_linear)(x, w, out_dtype=torch.bfloat16, lora=lora)
+    assert len(launches) == 1, "the LoRA delta in the product's epilogue"
+    monkeypatch.undo()
+    # gradients of x, t and b (a shared b's flow through its expand) against float64
+    x = torch.randn(G, M, K, generator=g).to(device).requires_grad_()
+    w = (torch.randn(G, N, K, generator=g) / K**0.5).to(device)
+    t = torch.randn(G, M, R, generator=g).to(device).requires_grad_()
+    b0 = torch.randn(1 if shared_b else G, N, R, generator=g).to(device).requires_grad_()
+    gy = torch.randn(G, M, N, generator=g).to(device)
+    b = b0.expand(G, -1, -1)
+    with numerics_scope(current_numerics().replace(backward_matmul_precision="ieee")):
+        got = torch.autograd.grad(triton_impl(grouped_linear)(x, w, out_dtype=torch.float32,
+                                                              lora=LoraUp(t, b, scale)), [x, t, b0], gy)
+    xd, td, bd = (v.detach().double().requires_grad_() for v in (x, t, b0))
+    y = xd @ w.double().transpose(1, 2) + scale * td @ bd.expand(G, -1, -1).transpose(1, 2)
+    want = torch.autograd.grad(y, [xd, td, bd], gy.double())
+    for a, r in zip(got, want):
+        assert a.shape == r.shape and (a.double() - r).abs().max() <= 1e-5 * r.abs().max()
+
+
 def test_grouped_linear_grads(device):
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 9, 40, generator=g).to(device).requires_grad_(True)

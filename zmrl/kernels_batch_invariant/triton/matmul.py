@@ -368,10 +368,11 @@ def _gemm_kernel(
 
     ``d`` (HAS_DELTA): an fp32 tensor laid out as y (same strides), added in fp32 after the bias and
     before the one rounding: the result equals storing the fp32 sum and adding d in torch.
-    HAS_LORA (plain mode of one element, or expert mode): the delta from its factors instead,
+    HAS_LORA (plain or batched mode, or expert mode): the delta from its factors instead,
     ``lora_scale * t @ lb^T`` with t [M, LORA_R] fp32 (rows as x's, ``stride_tm`` apart, unit column
     stride) and lb [N, LORA_R] fp32 (expert e's at ``e * stride_lbg``; ``stride_lbn`` between rows, unit
-    stride over r): the six split MMAs of the fp32 x fp32 product in the K loop's order, over the one K
+    stride over r; batched mode: element g's t rows g*M.. and its B at ``g * stride_lbg``, 0 for a shared B):
+    the six split MMAs of the fp32 x fp32 product in the K loop's order, over the one K
     step the standalone product ``linear(t, lb)`` takes (r <= BLOCK_R; its zero-padded K columns add
     exact zeros), so the added value is that product's, bit for bit. With SEGMENTS (``linear_concat`` with
     ``LoraUpConcat``): segment s's B starts ``lboff_ptr[s]`` elements after ``lb_ptr`` and its t columns are
@@ -425,8 +426,10 @@ def _gemm_kernel(
         y_base = y_ptr + pid_g * stride_yg
         o_off = pid_g * stride_og
         d_base = d_ptr + pid_g * stride_yg
-        lb_base = lb_ptr
-        t_base = t_ptr
+        # batched LoRA (grouped_linear): group g's t rows follow the previous groups' M rows; its B is
+        # ``stride_lbg`` elements on (0: one B shared by every group)
+        lb_base = lb_ptr + pid_g * stride_lbg
+        t_base = t_ptr + pid_g * M * stride_tm
 
     n_end = N
     tile_n = pid_n
@@ -753,13 +756,15 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     ``experts``: expert mode, with x3/y3 of G=1 and w3 the lowest-address expert weight as
     [1, N, K] (per-expert weights) or the stacked [E, N, K] weights.
     ``segments``: segment mode, G=1, w3 the lowest-address weight as [1, N_s, K], y3 [1, M, sum N_s].
-    ``lora``: the delta from its factors (the kernel's HAS_LORA; one element, expert or segment mode (with its
-    ``b_table``), without ``delta``, x blocks or a split K, whose epilogue is the partial sum's)."""
-    if lora is not None and (delta is not None or x3.shape[0] != 1 or _k_chunk(x3.dtype, w3.dtype, k)
+    ``lora``: the delta from its factors (the kernel's HAS_LORA; plain or batched (t [G * M, r] rows, b [G, N, r]),
+    expert or segment mode (with its ``b_table``), without ``delta``, x blocks or a split K, whose epilogue is the
+    partial sum's)."""
+    if lora is not None and (delta is not None or (x3.shape[0] != 1 and (experts or segments) is not None)
+                             or _k_chunk(x3.dtype, w3.dtype, k)
                              or (segments is not None) != (lora.b_table is not None)
                              or (segments is not None and segments.x_blocks)):
-        raise ValueError("triton GEMM: the LoRA epilogue takes one plain, expert or concatenated product without "
-                         "a delta or a split K (the callers compute such a delta unfused)")
+        raise ValueError("triton GEMM: the LoRA epilogue takes a plain, batched, expert or concatenated product "
+                         "without a delta or a split K (the callers compute such a delta unfused)")
     if lora is not None and cfg.block_m * cfg.block_n > LORA_MAX_TILE:
         # the caller sized the grid (expert mode: its tile count) for cfg: it must pick the LoRA tile first
         raise ValueError(f"triton GEMM: a {cfg} tile is larger than the LoRA epilogue's (lora_config)")
@@ -1254,50 +1259,93 @@ def linear_blockdiag_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
 
 # ------------------------------------------------------------------------------- grouped_linear
 def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
-                     delta: torch.Tensor | None = None) -> torch.Tensor:
+                     delta: torch.Tensor | None = None, lora: _ops.LoraUp | None = None) -> torch.Tensor:
     g, m, k = x.shape
     n = weight.shape[1]
     y = torch.empty(g, m, n, dtype=out_dtype, device=x.device)
     if g and m and n:
         # linear's config: a row of group g equals Triton linear(row, weight[g]) bitwise.
         cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
+        launch_lora = None
+        if lora is not None:
+            cfg = lora_config(cfg)
+            b = lora.b
+            if b.stride(-1) != 1:  # the epilogue reads B rows with unit stride over r
+                # a shared B (an expanded view, e.g. MLA's A^T for every head): one [N, r] copy, still shared
+                b = b[0].contiguous().expand(g, -1, -1) if b.stride(0) == 0 else b.contiguous()
+            launch_lora = _LoraLaunch(lora.t.reshape(g * m, lora.t.shape[-1]).contiguous(), b, float(lora.scale))
         xs = x if (x.stride(-1) == 1 or k <= 1) else x.contiguous()
         # the kernel reads the delta with y's strides: [G, M, N] contiguous
-        _launch(xs, weight, None, y, cfg, m, n, k, delta=None if delta is None else delta.contiguous())
+        _launch(xs, weight, None, y, cfg, m, n, k, delta=None if delta is None else delta.contiguous(),
+                lora=launch_lora)
     return y
+
+
+def _fusable_grouped_lora(x: torch.Tensor, weight: torch.Tensor, lora: _ops.LoraUp) -> bool:
+    """Whether the batched epilogue can add ``lora``'s delta (shapes checked, ValueError otherwise): fp32 t [G, M, r]
+    and b [G, N, r] of x's and weight's groups and rows, r within one epilogue K step, and a K the GEMM does not
+    split (a split-K product's epilogue is its partial sums')."""
+    (g, m, k), n = x.shape, weight.shape[1]
+    t, b = lora.t, lora.b
+    r = t.shape[-1]
+    if tuple(t.shape) != (g, m, r) or tuple(b.shape) != (g, n, r):
+        raise ValueError(f"grouped_linear: lora must hold t [{g}, {m}, r] and b [{g}, {n}, r], got t "
+                         f"{tuple(t.shape)} and b {tuple(b.shape)}")
+    return t.dtype == torch.float32 and b.dtype == torch.float32 and r <= SPLIT_BLOCK_K and not _k_chunk(
+        x.dtype, weight.dtype, k)
 
 
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
-                delta: torch.Tensor | None = None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return _grouped_forward(x, weight, out_dtype, delta)
+                delta: torch.Tensor | None = None, lora_t: torch.Tensor | None = None,
+                lora_b: torch.Tensor | None = None, lora_scale: float = 1.0) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, lora_t, lora_b)
+        ctx.lora_scale = lora_scale
+        lora = None if lora_t is None else _ops.LoraUp(lora_t, lora_b, lora_scale)
+        return _grouped_forward(x, weight, out_dtype, delta, lora)
 
     @staticmethod
     @with_backward_matmuls
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w = ctx.saved_tensors
+        x, w, lora_t, lora_b = ctx.saved_tensors
         cdt = _bwd_dtype(x, w)
         g = gy.to(cdt)
         dx = torch.bmm(g, w.to(cdt)).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = torch.bmm(g.transpose(1, 2), x.to(cdt)).to(w.dtype) if ctx.needs_input_grad[1] else None
         # the delta is added in fp32 before the rounding: its gradient is the output's, in fp32
         d_delta = gy.float() if ctx.needs_input_grad[3] else None
-        return dx, dw, None, d_delta
+        dt = db = None
+        if lora_t is not None and any(ctx.needs_input_grad[4:6]):
+            # scale * t[g] @ b[g]^T: per group dt = scale gy b, db = scale gy^T t (a shared b's expand sums them)
+            g32 = gy.float()
+            dt = torch.bmm(g32, lora_b) if ctx.needs_input_grad[4] else None
+            db = torch.bmm(g32.transpose(1, 2), lora_t) if ctx.needs_input_grad[5] else None
+            if ctx.lora_scale != 1.0:
+                dt, db = (None if v is None else v.mul_(ctx.lora_scale) for v in (dt, db))
+        return dx, dw, None, d_delta, dt, db, None
 
 
 @grouped_linear.register("triton")
 def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-                          delta: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton ``grouped_linear``: y[g] = x[g] @ weight[g]^T (+ delta[g], fp32, in the epilogue) for x [G, M, K],
-    weight [G, N, K] (any strides, e.g. expanded or transposed views)."""
-    if compute_in_fp64(x, weight, delta):
-        return grouped_linear.impls["torch"](x, weight, out_dtype, delta)
-    out_dtype = out_dtype or x.dtype
+                          delta: torch.Tensor | None = None, lora: _ops.LoraUp | None = None) -> torch.Tensor:
+    """Triton ``grouped_linear``: y[g] = x[g] @ weight[g]^T (+ delta[g], fp32, or the LoRA delta from its factors,
+    in the epilogue) for x [G, M, K], weight [G, N, K] (any strides, e.g. expanded or transposed views)."""
     g, m, k = x.shape
     if weight.shape[0] != g or weight.shape[2] != k:
         raise ValueError(f"grouped_linear: x {tuple(x.shape)} vs weight {tuple(weight.shape)}")
+    if lora is not None and (delta is not None or compute_in_fp64(x, weight, lora.t, lora.b)
+                             or not _fusable_grouped_lora(x, weight, lora)):
+        # (raises with both; fp64 factors: gradchecks) the delta unfused: the same value
+        delta, lora = _ops.resolve_delta(delta, lora, "grouped_linear",
+                                         lambda up: _ops.grouped_lora_delta(up, grouped_linear_triton)), None
+    if compute_in_fp64(x, weight, delta):
+        return grouped_linear.impls["torch"](x, weight, out_dtype, delta)
+    out_dtype = out_dtype or x.dtype
+    if lora is not None:
+        if _needs_grad(x, weight, lora.t, lora.b):
+            return _GroupedLinearFn.apply(x, weight, out_dtype, None, lora.t, lora.b, float(lora.scale))
+        return _grouped_forward(x, weight, out_dtype, lora=lora)
     if delta is not None:
         _ops.check_delta(delta, (g, m, weight.shape[1]))
     if _needs_grad(x, weight, delta):
