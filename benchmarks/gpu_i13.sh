@@ -52,6 +52,8 @@
 #   grads_f64     the whole model's CUDA LoRA gradients vs float64, determinism and recompute (test_gradients_gpu);
 #   next          grads16 train_gemms mla_stages parity (what the 2026-12-06 session left unmeasured);
 #   next2         train_sweep trainer decode_lora prefill parity (what the third 2026-12-06 session left unmeasured);
+#   gate_up       the GPU tests of expert_gate_up (one gradient for the MoE rows), with its bench-shape timing;
+#   next3 / next4 gate_up trainer parity / decode_lora prefill train_sweep (the fourth 2026-12-06 session's calls);
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -124,6 +126,11 @@ STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
 # "next2": what the third 2026-12-06 session left for the next one: the training tile sweep with MLA's batched products,
 # the trainer step, decode with the heads MLA form's three stages, prefill, then the parity tests
 [[ " $STEPS " == *" next2 "* ]] && STEPS="$STEPS train_sweep trainer decode_lora prefill parity"
+# "next3" / "next4": the first 12-06 evening session's two calls: the GPU tests of expert_gate_up (the MoE's one rows
+# gradient), the trainer step with it and with the MLA epilogue LoRA, the bench-shape parity; then decode, prefill and
+# the training tile sweep
+[[ " $STEPS " == *" next3 "* ]] && STEPS="$STEPS gate_up trainer parity"
+[[ " $STEPS " == *" next4 "* ]] && STEPS="$STEPS decode_lora prefill train_sweep"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # The recurrent KDA kernel's launch configurations (shared numerics: decode == packed checked per configuration),
@@ -210,6 +217,8 @@ has train_sweep && step train_gemms_sweep "${T_TRAIN_SWEEP:-300}" $PY benchmarks
   --sweep-budget-s "${TRAIN_SWEEP_BUDGET:-220}" --out "$OUT/train_gemms_sweep.json"
 has dsa && step dsa_kernels "${T_DSA:-90}" $PY benchmarks/mla_dsa_kernels.py --dsa-only --out "$OUT/dsa_kernels.json"
 
+has gate_up && step gpu_tests_gate_up "${T_GATE_UP:-150}" $PYTEST tests/kernels/triton/test_expert_gate_up.py \
+  tests/kernels/triton/test_moe_gemm_grads_gpu.py::test_gate_up_one_gradient_bench_shapes
 has new && step gpu_tests_new 60 $PYTEST tests/kernels/triton/test_lm_head_logprobs_gpu.py tests/kernels/triton/test_moe_gemm_grads_gpu.py
 
 has kda_bwd && step gpu_tests_kda_bwd "${T_KDA_BWD:-220}" $PYTEST -k "H16 or deterministic or path_is_taken" tests/kernels/triton/test_kda_chunk_bwd_gpu.py

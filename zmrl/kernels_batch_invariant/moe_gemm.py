@@ -147,6 +147,45 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
     return _per_expert_linear(x, weights, offs, out_dtype)
 
 
+@dataclass(frozen=True)
+class ExpertLoraFactors:
+    """One expert projection's LoRA factors for all experts: a [E, r, K] (``lora_A``), b [E, N, r] (``lora_B``),
+    scale (alpha / r). Its delta for expert e's rows is ``expert_lora_delta(LoraUp(x @ a[e]^T in fp32, b, scale))``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float = 1.0
+
+    def up(self, x: torch.Tensor, offsets: Sequence[int] | torch.Tensor, gather: RowGather | None = None) -> LoraUp:
+        """The up half for the rows x (the A products in fp32; fp64 for fp64 operands: gradchecks), what
+        ``expert_linear`` adds in its epilogue."""
+        acc = torch.float64 if torch.float64 in (x.dtype, self.a.dtype) else torch.float32
+        return LoraUp(expert_linear(x, self.a, offsets, out_dtype=acc, gather=gather), self.b, self.scale)
+
+
+@invariant_op
+def expert_gate_up(x: torch.Tensor, gate_weights: Weights, up_weights: Weights, offsets: Sequence[int] | torch.Tensor,
+                   gate_lora: ExpertLoraFactors | None = None, up_lora: ExpertLoraFactors | None = None,
+                   gather: RowGather | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' GLU input products of the same expert-sorted rows, with their LoRA deltas: bitwise
+
+        (expert_linear(x, gate_weights, offsets, lora=gate_lora.up(x, offsets)),
+         expert_linear(x, up_weights, offsets, lora=up_lora.up(x, offsets)))
+
+    (``gather`` passed to each; no LoRA where a factor set is None), which this backend computes. One op, so
+    that a backend can give x a single gradient: four products read x, and autograd would leave four
+    [M, K] gradients and three adds (at 16K tokens x top-8 each is 512 MiB); the Triton backend sums them in
+    one kernel (triton/expert_gate_up.py)."""
+    def product(weights: Weights, lora: ExpertLoraFactors | None) -> torch.Tensor:
+        up = None if lora is None else lora.up(x, offsets, gather)
+        return expert_linear(x, weights, offsets, lora=up, gather=gather)
+
+    return product(gate_weights, gate_lora), product(up_weights, up_lora)
+
+
+expert_gate_up.register("fast")(expert_gate_up.impls["torch"])  # the composition of fast expert_linear calls
+
+
 def expert_lora_delta(lora: LoraUp, offsets: Sequence[int] | torch.Tensor, expert_linear_fn=None) -> torch.Tensor:
     """The experts' LoRA delta from its factors (the unfused composition that defines it): expert e's rows
     ``scale * t[rows] @ b[e]^T`` in fp32; ``expert_linear_fn``: a backend's own ``expert_linear`` (default the op)."""

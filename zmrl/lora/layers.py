@@ -12,7 +12,7 @@ from torch import nn
 
 from zmrl.kernels_batch_invariant import linear
 from zmrl.kernels_batch_invariant.matmul import LoraUp, LoraUpConcat, lora_delta
-from zmrl.kernels_batch_invariant.moe_gemm import RowGather, expert_linear, expert_lora_delta
+from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, RowGather, expert_lora_delta
 
 
 class LoraAdapter(nn.Module):
@@ -80,12 +80,17 @@ class ExpertLoRA(nn.Module):
         up = self.grouped_factors(proj, x, offsets)
         return None if up is None else expert_lora_delta(up, offsets)
 
+    def factors(self, proj: str) -> ExpertLoraFactors | None:
+        """``proj``'s factors of every expert (None where ``proj`` has no adapter): what the MoE hands to
+        ``expert_gate_up``."""
+        if proj not in self.projs:
+            return None
+        return ExpertLoraFactors(getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B"), self.scale)
+
     def grouped_factors(self, proj: str, x: torch.Tensor, offsets: list[int] | torch.Tensor,
                         gather: RowGather | None = None) -> LoraUp | None:
         """``grouped_delta`` as its up factors (t = the experts' A products in fp32, the stacked B factors,
         the scale): what the MoE hands to ``expert_linear``, which adds the delta in its epilogue. ``gather``:
         x's rows by index (``expert_linear``'s)."""
-        if proj not in self.projs:
-            return None
-        t = expert_linear(x, getattr(self, f"{proj}_lora_A"), offsets, out_dtype=torch.float32, gather=gather)
-        return LoraUp(t, getattr(self, f"{proj}_lora_B"), self.scale)
+        factors = self.factors(proj)
+        return None if factors is None else factors.up(x, offsets, gather)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
-from zmrl.kernels_batch_invariant.moe_gemm import RowGather, expert_linear
+from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, RowGather, expert_gate_up, expert_linear
 from zmrl.kernels_batch_invariant.pointwise import add_cast
 from zmrl.kernels_batch_invariant.moe_router import ExpertOrder, moe_combine_rows, moe_route, moe_sort
 
@@ -177,12 +177,17 @@ class MoE(nn.Module):
             outs = [self.experts[e](hs[a:b], lora, e) for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]
             return torch.cat(outs) if outs else hs.new_zeros(0, hs.shape[-1])
 
-        def proj(name: str, x: torch.Tensor, rows: RowGather | None = None) -> torch.Tensor:
-            weights = [getattr(m, name).weight for m in self.experts]
-            # with LoRA: fp32 base + the experts' fp32 delta, one rounding to x's dtype (the GEMM computes the
-            # delta from its factors in its epilogue: the value of ``lora.grouped_delta``)
-            up = None if lora is None else lora.grouped_factors(name, x, offsets, gather=rows)
-            return expert_linear(x, weights, offsets, lora=up, gather=rows)
+        def weights(name: str) -> list[torch.Tensor]:
+            return [getattr(m, name).weight for m in self.experts]
 
-        act = self.experts[0].glu(proj("gate_proj", hs, gather), proj("up_proj", hs, gather))
-        return proj("down_proj", act)
+        def factors(name: str) -> ExpertLoraFactors | None:
+            return None if lora is None else lora.factors(name)
+
+        # with LoRA: fp32 base + the experts' fp32 delta, one rounding to x's dtype (the GEMMs compute the deltas
+        # from their factors in their epilogues: the value of ``lora.grouped_delta``); gate and up in one op, so
+        # that the rows get one gradient (expert_gate_up)
+        gate, up = expert_gate_up(hs, weights("gate_proj"), weights("up_proj"), offsets, factors("gate_proj"),
+                                  factors("up_proj"), gather=gather)
+        down = factors("down_proj")
+        act = self.experts[0].glu(gate, up)
+        return expert_linear(act, weights("down_proj"), offsets, lora=None if down is None else down.up(act, offsets))

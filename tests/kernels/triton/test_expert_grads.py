@@ -260,13 +260,18 @@ for name, g, x, w, k_out, n_red, rows, prec in [
         ("base_decode", torch.bfloat16, torch.bfloat16, torch.bfloat16, D, I, 4, "tf32"),
         ("lora_A", torch.float32, torch.bfloat16, torch.float32, D, R, 2048, "tf32"),
         ("lora_A", torch.float32, torch.bfloat16, torch.float32, D, R, 2048, "ieee"),
-        ("lora_B_down", torch.float32, torch.float32, torch.float32, R, D, 2048, "tf32")]:
+        ("lora_B_down", torch.float32, torch.float32, torch.float32, R, D, 2048, "tf32"),
+        ("gate_up", torch.bfloat16, torch.bfloat16, torch.bfloat16, D, 2 * I, 2048, "tf32")]:
     cdt = eg.compute_dtype(x, w)
     c = eg.dx_config(k_out, n_red, cdt, rows, prec)
     consts = {"W_TABLE": w != torch.float32, "W_ALIGN": 8, "CDT": TL[cdt], "HALF": cdt != torch.float32,
               "PRECISION": prec, "INTERPRET": False, "BLOCK_M": c.block_m, "BLOCK_K": c.block_n,
-              "BLOCK_N": c.block_k, "BLOCK_E": 64}
+              "BLOCK_N": c.block_k, "BLOCK_E": 64, "STAGES": c.num_stages, "TERM2": False, "CDT2": tl.float32,
+              "HALF2": False, "BLOCK_N2": 16}
     types = {"gy_ptr": PTR[g], "w_ptr": PTR[w], "dx_ptr": PTR[x], "offs_ptr": "*i32", "woff_ptr": "*i64"}
+    if name == "gate_up":  # expert_input_grad: gate|up (bf16) then the LoRA A's (fp32, 2R), one accumulator
+        consts.update(TERM2=True, BLOCK_N2=eg.dx_config(k_out, 2 * R, torch.float32, rows, prec).block_k)
+        types.update(g2_ptr="*fp32", w2_ptr="*fp32")
     r = build(triton.runtime.jit.JITFunction(eg._expert_dx_kernel.fn), types, consts, c.num_warps, c.num_stages)
     results.append({"kernel": "dx", "case": name, "precision": prec, **r})
 # (name, gy, x, w, n, k, precision)
@@ -300,7 +305,7 @@ def test_kernels_compile_for_hopper():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout)
-    assert len(results) == 11
+    assert len(results) == 12
     for r in results:
         assert r["shared"] <= 227 * 1024, r  # the H100/H200 per-block limit
         # tensor cores for 16-bit and TF32 products, fp32 FMA at "ieee"

@@ -124,10 +124,17 @@ def test_expert_backward_builds_for_sm90(precision):
     import triton.language as tl
 
     common = dict(CDT=tl.float32, HALF=False, PRECISION=precision, INTERPRET=False)
-    dx_consts = dict(common, W_TABLE=True, W_ALIGN=4, BLOCK_M=32, BLOCK_K=64, BLOCK_N=32, BLOCK_E=64)
-    ptrs = {"gy_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*fp32", "offs_ptr": "*i32", "woff_ptr": "*i64"}
-    _build_ir(_expert_dx_kernel, {n: "constexpr" if n in dx_consts else ptrs.get(n, "i32")
-                                  for n in _expert_dx_kernel.arg_names}, dx_consts)
+    ptrs = {"gy_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*fp32", "offs_ptr": "*i32", "woff_ptr": "*i64",
+            "g2_ptr": "*fp32", "w2_ptr": "*fp32"}
+    term2 = dict(CDT=tl.bfloat16, HALF=True, TERM2=True, CDT2=tl.float32, HALF2=False, BLOCK_N2=32)
+    # fp32 alone, and the MoE's gate/up form (a bf16 first term, an fp32 second one: expert_input_grad)
+    for extra in (dict(TERM2=False, CDT2=tl.float32, HALF2=False, BLOCK_N2=16), term2):
+        dx_consts = dict(common, W_TABLE=True, W_ALIGN=4, BLOCK_M=32, BLOCK_K=64, BLOCK_N=32, BLOCK_E=64, STAGES=3,
+                         **extra)
+        ptrs["gy_ptr"] = "*bf16" if extra["TERM2"] else "*fp32"
+        ptrs["w_ptr"] = ptrs["gy_ptr"]
+        _build_ir(_expert_dx_kernel, {n: "constexpr" if n in dx_consts else ptrs.get(n, "i32")
+                                      for n in _expert_dx_kernel.arg_names}, dx_consts)
     dw_consts = dict(common, BLOCK_N=32, BLOCK_K=64, BLOCK_R=32)
     ptrs = {"gy_ptr": "*fp32", "x_ptr": "*fp32", "dw_ptr": "*fp32", "offs_ptr": "*i32"}
     _build_ir(_expert_dw_kernel, {n: "constexpr" if n in dw_consts else ptrs.get(n, "i32")

@@ -238,3 +238,56 @@ def test_kernels_vs_torch_path_bench_shapes(which, precision):
         for e in range(E):
             if not counts[e]:
                 assert (not dws[0][e].any()) if stacked else dws[e] is None
+
+
+def test_gate_up_one_gradient_bench_shapes():
+    """``expert_gate_up`` at one bench MoE layer (16K tokens x top-8, frozen bf16 experts, fp32 LoRA r = 32 on gate
+    and up): the rows' gradient from one kernel (triton/expert_gate_up.py) against float64 on the experts with the
+    fewest, the median and the most rows (the bound of tests/kernels/triton/test_expert_gate_up.py), bitwise
+    deterministic, timed (-s) against the unfused products under autograd (four [M, 2048] gradients, three adds)."""
+    from zmrl.kernels_batch_invariant.matmul import LoraUp
+    from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, expert_gate_up
+
+    gen = torch.Generator().manual_seed(3)
+    m = 16384 * 8
+    counts = _counts(m, gen)
+    off = _offsets(counts)
+    dev_off = torch.tensor(off, dtype=torch.int32, device="cuda")
+    x0 = torch.randn(m, D, generator=gen).to("cuda", torch.bfloat16)
+    ws = [[(torch.randn(INTER, D, generator=gen) * 0.02).to("cuda", torch.bfloat16) for _ in range(E)] for _ in range(2)]
+    fs = [ExpertLoraFactors((torch.randn(E, R, D, generator=gen) * 0.02).to("cuda").requires_grad_(),
+                            (torch.randn(E, INTER, R, generator=gen) * 0.02).to("cuda").requires_grad_(), 2.0)
+          for _ in range(2)]
+    gys = [torch.randn(m, INTER, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
+
+    def fused():
+        x = x0.clone().requires_grad_(True)
+        outs = expert_gate_up(x, ws[0], ws[1], dev_off, fs[0], fs[1])
+        return torch.autograd.grad(outs, [x, fs[0].a, fs[0].b, fs[1].a, fs[1].b], gys)
+
+    def unfused():
+        x = x0.clone().requires_grad_(True)
+        outs = [expert_linear(x, w, dev_off, lora=LoraUp(expert_linear(x, f.a, dev_off, out_dtype=torch.float32),
+                                                          f.b, f.scale)) for w, f in zip(ws, fs)]
+        return torch.autograd.grad(outs, [x, fs[0].a, fs[0].b, fs[1].a, fs[1].b], gys)
+
+    got, again = fused(), fused()
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "not deterministic"
+    ref_unfused = unfused()
+    t_fused, t_unfused = _timed(fused), _timed(unfused)
+    print(f"gate+up with LoRA, forward + backward: one rows gradient {t_fused:.1f} ms, unfused {t_unfused:.1f} ms")
+    order = sorted((e for e in range(E) if counts[e]), key=lambda e: counts[e])
+    rel = 2 * 2.0 ** -8 + 2 * (2 * INTER + 2 * R) * 2.0 ** -24
+    for e in (order[0], order[len(order) // 2], order[-1]):
+        a, b = off[e], off[e + 1]
+        ref = torch.zeros(b - a, D, dtype=torch.float64, device="cuda")
+        s = torch.zeros_like(ref)
+        for w, f, gy in zip(ws, fs, gys):
+            g = gy[a:b].double()
+            dt = f.scale * g @ f.b[e].detach().double()
+            ref += g @ w[e].double() + dt @ f.a[e].detach().double()
+            s += g.abs() @ w[e].double().abs() + dt.abs() @ f.a[e].detach().double().abs()
+        assert bool(((got[0][a:b].double() - ref).abs() <= rel * s).all()), e
+        assert bool(((ref_unfused[0][a:b].double() - ref).abs() <= 2 * rel * s).all()), e
+    for g, r in zip(got[1:], ref_unfused[1:]):  # the factors' gradients: the unfused products' kernels, same bits
+        assert torch.equal(g, r)

@@ -116,6 +116,26 @@ def _to_class(v, CDT: tl.constexpr):
     return out
 
 
+@triton.jit
+def _dx_term(acc, g_ptr, w_ptr, woff, offs_m, m_mask, offs_k, k_mask, N,
+             stride_gm, stride_gn, stride_wn, stride_wk,
+             CDT: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+             BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    """acc + gy[rows, :N] @ W[:N, k tile] for one expert's weight (``woff`` elements after ``w_ptr``), the
+    reduction in ascending BLOCK_N steps."""
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ptrs = g_ptr + offs_m.to(tl.int64)[:, None] * stride_gm + offs_n[None, :] * stride_gn
+    w_ptrs = w_ptr + woff + offs_n[:, None] * stride_wn + offs_k.to(tl.int64)[None, :] * stride_wk
+    for n0 in tl.range(0, N, BLOCK_N, num_stages=STAGES):  # ascending, fixed steps
+        n_mask = offs_n < N - n0
+        g = tl.load(g_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = dot_acc(acc, _to_class(g, CDT), _to_class(w, CDT), HALF, PRECISION, INTERPRET)
+        g_ptrs += BLOCK_N * stride_gn
+        w_ptrs += BLOCK_N * stride_wn
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _expert_dx_kernel(
     gy_ptr, w_ptr, dx_ptr, offs_ptr, woff_ptr,
@@ -123,17 +143,27 @@ def _expert_dx_kernel(
     stride_gm, stride_gn,
     stride_wg, stride_wn, stride_wk,
     stride_xm, stride_xk,
+    g2_ptr, w2_ptr, N2,
+    stride_g2m, stride_g2n,
+    stride_w2g, stride_w2n, stride_w2k,
     W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr, CDT: tl.constexpr, HALF: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr,
+    TERM2: tl.constexpr = False, CDT2: tl.constexpr = tl.float32, HALF2: tl.constexpr = False,
+    BLOCK_N2: tl.constexpr = 16,
 ):
-    """dx[rows, k tile] = sum_n gy[rows, n] * W_e[n, k tile] for one BLOCK_M tile of expert e's rows.
+    """dx[rows, k tile] = sum_n gy[rows, n] * W_e[n, k tile] (+ sum_n g2[rows, n] * W2_e[n, k tile] with TERM2)
+    for one BLOCK_M tile of expert e's rows, one fp32 accumulator, one rounding.
 
     Program pid: row tile pid // TILES_K, column tile pid % TILES_K (the column tiles of a row tile are
     neighbours, so its gy rows are read from HBM once and from L2 by the rest). Row tiles are numbered
     expert after expert (each expert's rows cut into BLOCK_M tiles from its first row: a tile never holds
-    two experts' rows) and found from the E+1 int32 row offsets; the grid holds exactly the tiles. Expert e's weight starts ``woff_ptr[e]`` elements
-    after ``w_ptr`` (W_TABLE, per-expert weights) or ``e * stride_wg`` elements on (stacked)."""
+    two experts' rows) and found from the E+1 int32 row offsets; the grid holds exactly the tiles. Expert e's
+    weight starts ``woff_ptr[e]`` elements after ``w_ptr`` (W_TABLE, per-expert weights) or ``e * stride_wg``
+    elements on (stacked). The second term (TERM2: stacked weights W2 [E, N2, K], its own compute class
+    CDT2) is the gradient of another product of the same rows, added in the same accumulator after the
+    first: the MoE's gate/up products and their LoRA A products (``expert_input_grad``)."""
     pid = tl.program_id(0)
     pid_m = pid // TILES_K
     pid_k = pid % TILES_K
@@ -143,19 +173,15 @@ def _expert_dx_kernel(
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tl.arange(0, BLOCK_N)
     m_mask = offs_m < row_end
     k_mask = offs_k < K
-    g_ptrs = gy_ptr + offs_m.to(tl.int64)[:, None] * stride_gm + offs_n[None, :] * stride_gn
-    w_ptrs = w_ptr + woff + offs_n[:, None] * stride_wn + offs_k.to(tl.int64)[None, :] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):  # ascending, fixed steps
-        n_mask = offs_n < N - n0
-        g = tl.load(g_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = dot_acc(acc, _to_class(g, CDT), _to_class(w, CDT), HALF, PRECISION, INTERPRET)
-        g_ptrs += BLOCK_N * stride_gn
-        w_ptrs += BLOCK_N * stride_wn
+    acc = _dx_term(acc, gy_ptr, w_ptr, woff, offs_m, m_mask, offs_k, k_mask, N, stride_gm, stride_gn,
+                   stride_wn, stride_wk, CDT, HALF, PRECISION, INTERPRET, BLOCK_N, STAGES)
+    if TERM2:
+        # a short reduction (LoRA ranks): not pipelined, so the first term keeps its shared memory
+        acc = _dx_term(acc, g2_ptr, w2_ptr, expert.to(tl.int64) * stride_w2g, offs_m, m_mask, offs_k, k_mask, N2,
+                       stride_g2m, stride_g2n, stride_w2n, stride_w2k, CDT2, HALF2, PRECISION, INTERPRET, BLOCK_N2, 1)
     dx_ptrs = dx_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
     tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=m_mask[:, None] & k_mask[None, :])
 
@@ -220,28 +246,75 @@ def _operand(t: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _launch_dx(gy: torch.Tensor, weights: _grads.Weights, offs: torch.Tensor, n_experts: int,
-               offsets: Sequence[int], dx: torch.Tensor, cdt: torch.dtype, precision: str,
-               config: GemmConfig | None) -> None:
+@dataclass(frozen=True)
+class DxTerm:
+    """One product of the rows x whose input gradient ``expert_input_grad`` adds: the output gradient gy [M, N]
+    and the product's weights (E x [N, K] or [E, N, K]), whose compute class with x is ``cdt``."""
+
+    gy: torch.Tensor
+    weights: _grads.Weights
+    cdt: torch.dtype
+
+
+def _launch_dx(term: DxTerm, offs: torch.Tensor, n_experts: int, offsets: Sequence[int], dx: torch.Tensor,
+               precision: str, config: GemmConfig | None, term2: DxTerm | None = None) -> None:
+    gy, cdt = term.gy, term.cdt
     m, n = gy.shape
     k = dx.shape[1]
     cfg = config or dx_config(k, n, cdt, cdiv(m, n_experts), precision)
-    w3, woff, align = _expert_weight_table(weights, gy.device)
+    w3, woff, align = _expert_weight_table(term.weights, gy.device)
     n_tiles = sum(cdiv(b - a, cfg.block_m) for a, b in zip(offsets, offsets[1:]))
     if n_tiles == 0:
         return
     tiles_k = cdiv(k, cfg.block_n)
+    if term2 is None:
+        g2, w2, n2, step2, cdt2 = gy, w3, 0, 16, torch.float32  # (unread)
+    else:
+        g2, w2, cdt2 = _operand(term2.gy, term2.cdt), term2.weights, term2.cdt
+        if not isinstance(w2, torch.Tensor) or w2.dim() != 3 or w2.shape[2] != k or g2.shape != (m, w2.shape[1]):
+            raise ValueError(f"expert_input_grad: the second term needs stacked weights [E, N2, {k}] and gy [{m}, N2], "
+                             f"got {tuple(g2.shape)} and {getattr(w2, 'shape', type(w2))}")
+        n2 = w2.shape[1]
+        step2 = dx_config(k, n2, cdt2, cdiv(m, n_experts), precision).block_k
     _expert_dx_kernel[(n_tiles * tiles_k,)](
         _operand(gy, cdt), w3, dx, offs, woff if woff is not None else offs,
         m, n, k, n_experts, tiles_k,
         gy.stride(0), gy.stride(1),
         w3.stride(0), w3.stride(1), w3.stride(2),
         dx.stride(0), dx.stride(1),
+        g2, w2, n2,
+        g2.stride(0), g2.stride(1),
+        w2.stride(0), w2.stride(1), w2.stride(2),
         W_TABLE=woff is not None, W_ALIGN=align, CDT=_TL_DTYPE[cdt], HALF=cdt in _HALF,
         PRECISION=precision, INTERPRET=INTERPRET,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_n, BLOCK_N=cfg.block_k, BLOCK_E=max(16, next_pow2(n_experts)),
+        STAGES=cfg.num_stages, TERM2=term2 is not None, CDT2=_TL_DTYPE[cdt2], HALF2=cdt2 in _HALF, BLOCK_N2=step2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def expert_input_grad(term: DxTerm, offsets: Sequence[int], x_dtype: torch.dtype, term2: DxTerm | None = None,
+                      *, dx_tiles: GemmConfig | None = None) -> torch.Tensor:
+    """dx [M, K] of rows x that fed one or two expert products: ``term.gy @ W_e`` (+ ``term2.gy @ W2_e``) over
+    each expert's rows, summed in one fp32 accumulator and rounded once to ``x_dtype``.
+
+    What autograd would compute as one [M, K] gradient per product and an add per extra product: the MoE's
+    gate and up products (their weights side by side, as one term) and their LoRA A products (the second
+    term, fp32 class) leave four [M, K] results and three adds behind; this writes dx once. ``term2`` must
+    have stacked weights; the tiles are the first term's (``dx_tiles`` replaces them), the second term's
+    reduction runs in its own class's step after the first term's, unpipelined (LoRA ranks are short)."""
+    n_experts = term.weights.shape[0] if isinstance(term.weights, torch.Tensor) else len(term.weights)
+    if len(offsets) != n_experts + 1:
+        raise ValueError(f"expert_input_grad: {n_experts} experts need {n_experts + 1} offsets, got {len(offsets)}")
+    m = term.gy.shape[0]
+    k = term.weights.shape[2] if isinstance(term.weights, torch.Tensor) else term.weights[0].shape[1]
+    dev = term.gy.device
+    if m == 0 or k == 0:
+        return torch.zeros(m, k, dtype=x_dtype, device=dev)
+    out = torch.empty(m, k, dtype=_store_dtype(x_dtype), device=dev)  # every row is written
+    offs = to_device_async(torch.tensor(offsets, dtype=torch.int32), dev)
+    _launch_dx(term, offs, n_experts, offsets, out, current_numerics().backward_matmul_precision, dx_tiles, term2)
+    return out.to(x_dtype)
 
 
 def _launch_dw(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor, cdt: torch.dtype,
@@ -292,7 +365,7 @@ def expert_linear_grads_triton(gy: torch.Tensor, x: torch.Tensor | None, weights
             dx = torch.zeros(m, k, dtype=x_dtype, device=dev)
         else:
             out = torch.empty(m, k, dtype=_store_dtype(x_dtype), device=dev)  # every row is written
-            _launch_dx(gy, weights, offs, n_experts, offsets, out, compute_dtype(x_dtype, w_dtype), precision,
+            _launch_dx(DxTerm(gy, weights, compute_dtype(x_dtype, w_dtype)), offs, n_experts, offsets, out, precision,
                        dx_tiles)
             dx = out.to(x_dtype)
 
