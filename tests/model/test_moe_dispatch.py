@@ -142,18 +142,18 @@ def test_moe_backward_cuda_device_offsets_equal_host(monkeypatch):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_dispatch_backward_sums_each_tokens_slot_gradients(device):
-    """The dispatch gather's backward (``moe_combine_rows`` with unit weights over the expert-sorted rows) is
-    autograd's gather backward: with integer-valued gradients every sum is exact in any order, so torch.equal;
-    bf16 rows get the fp32 sum rounded once."""
+    """The dispatch gather's backward (``RowGather.rows`` with the pairs' slots: ``moe_combine_rows`` with unit
+    weights over the expert-sorted rows) is autograd's gather backward: with integer-valued gradients every sum is
+    exact in any order, so torch.equal; bf16 rows get the fp32 sum rounded once."""
     from zmrl.kernels_batch_invariant.moe_router import moe_sort
-    from zmrl.model.moe import _dispatch_rows
+    from zmrl.kernels_batch_invariant.moe_gemm import RowGather
     g = torch.Generator().manual_seed(11)
     t, k, e, d = 37, 3, 8, 24
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
     pairs = moe_sort(ids, e)
     for dtype in (torch.float32, torch.bfloat16):
         h = torch.randn(t, d, generator=g).to(device, dtype).requires_grad_()
-        rows = _dispatch_rows(h, pairs, k)
+        rows = RowGather(pairs.order, k, pairs.slot_rows.view(t, k)).rows(h)
         assert torch.equal(rows, h[pairs.order // k])
         gy = torch.randint(-8, 9, rows.shape, generator=g).to(device, dtype)
         (got,) = torch.autograd.grad(rows, h, gy)

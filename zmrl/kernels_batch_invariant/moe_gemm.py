@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ._dispatch import invariant_op
 from .matmul import LoraUp, check_delta, linear, lora_up_product, resolve_delta
 from .moe_gemm_grads import ExpertLinearFn
+from .moe_router import moe_combine_rows
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
 
@@ -47,9 +48,43 @@ class RowGather:
 
     index: torch.Tensor  # [M] integer
     div: int = 1
+    # [T, div] integer, optional: where source row t's copies lie (copy j of row t is row slots[t, j]; index // div
+    # is then onto, each source row taken div times). A backward that sums the copies' gradients into the source
+    # rows needs it (``moe_combine_rows``): the MoE's ``ExpertOrder.slot_rows``.
+    slots: torch.Tensor | None = None
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The gathered rows [M, K]; under autograd with ``slots`` their backward sums each source row's copies'
+        gradients where they lie (``_GatheredRows``)."""
+        if self.slots is not None and torch.is_grad_enabled() and x.requires_grad:
+            return _GatheredRows.apply(x, self.index, self.slots, self.div)
         return x[self.index // self.div] if self.div != 1 else x[self.index]
+
+
+class _GatheredRows(torch.autograd.Function):
+    """``x[index // div]`` whose backward adds each source row's ``div`` copy gradients, read where they lie
+    (``slots[t, j]``): ``moe_combine_rows`` with unit weights, one pass (fp32 sums in copy order, one rounding).
+    Autograd's gather backward is an accumulating ``index_put_`` (a zero fill, a sort of the M indices, a
+    scatter-add); a permuting copy back to source order and a sum would write and read the [M, K] gradient once
+    more. Deterministic run to run."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, slots: torch.Tensor,  # type: ignore[override]
+                div: int) -> torch.Tensor:
+        ctx.save_for_backward(slots)
+        return x[index // div] if div != 1 else x[index]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (slots,) = ctx.saved_tensors
+        return sum_copies(g, slots, g.dtype), None, None, None
+
+
+def sum_copies(g: torch.Tensor, slots: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """[T, K]: row t is the sum of the rows ``g[slots[t, j]]`` over j in fp32, rounded once to ``out_dtype``: the
+    gradient of a gather whose copies of source row t lie at ``slots[t]`` (``RowGather``)."""
+    ones = torch.ones(slots.shape, dtype=torch.float32, device=g.device)
+    return moe_combine_rows(g, slots, ones, out_dtype=out_dtype)
 
 
 def check_gather(x: torch.Tensor, gather: RowGather) -> None:

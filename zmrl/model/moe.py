@@ -11,7 +11,7 @@ from torch import nn
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
 from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, RowGather, expert_gate_up, expert_linear
 from zmrl.kernels_batch_invariant.pointwise import add_cast
-from zmrl.kernels_batch_invariant.moe_router import ExpertOrder, moe_combine_rows, moe_route, moe_sort
+from zmrl.kernels_batch_invariant.moe_router import moe_combine_rows, moe_route, moe_sort
 
 from .config import ModelConfig
 from .layers import Linear, RMSNorm, Weight, project
@@ -42,35 +42,6 @@ class MLP(nn.Module):
         h = self.glu(self.gate_proj(x, extra=lora.delta("gate_proj", expert, x)),
                      self.up_proj(x, extra=lora.delta("up_proj", expert, x)))
         return self.down_proj(h, extra=lora.delta("down_proj", expert, h))
-
-
-class _DispatchRows(torch.autograd.Function):
-    """``h[order // top_k]``: each token's row once per routed slot, in expert-sorted order.
-
-    The forward is that gather (the same values). The backward adds each token's ``top_k`` slot gradients,
-    read where they lie in the expert-sorted rows (``slot_rows[t, j]``): ``moe_combine_rows`` with unit
-    weights, one pass (fp32 sums in slot order, one rounding). Autograd's gather backward is an accumulating
-    ``index_put_`` (a zero fill, a sort of the T * top_k indices, a scatter-add); a permuting copy back to
-    slot order followed by a sum would write and read the [T * top_k, D] gradient once more. Deterministic
-    run to run."""
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, order: torch.Tensor, slot_rows: torch.Tensor,  # type: ignore[override]
-                top_k: int) -> torch.Tensor:
-        ctx.save_for_backward(slot_rows)
-        return h[order // top_k]
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        (slot_rows,) = ctx.saved_tensors
-        ones = torch.ones(slot_rows.shape, dtype=torch.float32, device=g.device)
-        return moe_combine_rows(g, slot_rows, ones, out_dtype=g.dtype), None, None, None
-
-
-def _dispatch_rows(h: torch.Tensor, pairs: ExpertOrder, top_k: int) -> torch.Tensor:
-    if torch.is_grad_enabled() and h.requires_grad:
-        return _DispatchRows.apply(h, pairs.order, pairs.slot_rows.view(-1, top_k), top_k)
-    return h[pairs.order // top_k]
 
 
 class Router(Weight):
@@ -115,17 +86,18 @@ class MoE(nn.Module):
         # not depend on how many other tokens chose the same expert.
         # grouped over every routed expert (the router's rows): an expert-parallel rank holds only its slice
         pairs = moe_sort(route.expert_ids, self.gate.weight.shape[0])
-        if self._own_routed_experts() and not (torch.is_grad_enabled() and h.requires_grad):
-            # Without autograd the expert products read each pair's token row where it is (expert_linear's
-            # gather) instead of a dispatched copy: the same values, two launches and a [T * top_k, D] copy fewer.
-            gather = RowGather(pairs.order, self.top_k)
+        training = torch.is_grad_enabled() and h.requires_grad
+        if self._own_routed_experts() and (not training or self._device_dispatch(x)):
+            # The gate and up products read each pair's token row where it is (a gather) instead of a dispatched
+            # [T * top_k, D] copy: the same values, a copy and launches fewer, and under autograd the products keep
+            # h, not the copy, for their backward, which sums each token's slot gradients where they lie (the
+            # gather's slots). CUDA: the expert offsets stay on the device (no host sync, CUDA-graph capturable).
+            gather = RowGather(pairs.order, self.top_k, pairs.slot_rows.view(T, self.top_k))  # slots: its backward
             offsets = pairs.offsets if x.is_cuda else pairs.offsets.tolist()  # CUDA: never read on the host
             y_sorted = self._grouped_experts(h, offsets, gather)
-        elif self._device_dispatch(x):
-            # CUDA: no host sync (CUDA-graph capturable): the expert offsets stay on the device.
-            y_sorted = self._grouped_experts(_dispatch_rows(h, pairs, self.top_k), pairs.offsets)
         else:
-            y_sorted = self._routed_experts(_dispatch_rows(h, pairs, self.top_k),
+            dispatch = RowGather(pairs.order, self.top_k, pairs.slot_rows.view(T, self.top_k))
+            y_sorted = self._routed_experts(dispatch.rows(h),
                                             pairs.offsets.diff().tolist())
         # slot (t, j) is row t * top_k + j of the unsorted pairs, held at sorted row slot_rows[t, j]: the
         # combine reads the expert-sorted rows where they are (bitwise moe_combine of the un-sorted rows)

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, expert_gate_up  # noqa: E402
+from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, RowGather, expert_gate_up  # noqa: E402
 from zmrl.kernels_batch_invariant.triton import triton_impl  # noqa: E402
 from zmrl.kernels_batch_invariant.moe_gemm import expert_linear  # noqa: E402
 from zmrl.kernels_batch_invariant.matmul import LoraUp  # noqa: E402
@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
 U = 2.0 ** -24
 K, N, R = 40, 24, 8  # hidden, expert intermediate, LoRA rank: no multiple of a tile
-COUNTS = [3, 0, 21, 5, 1]
+COUNTS = [3, 0, 21, 5, 1]  # 30 rows: 15 tokens x TOP_K with a gather
+TOP_K = 2
 SCALE = 2.0
 
 
@@ -41,11 +42,18 @@ def _offsets(counts):
     return [0, *itertools.accumulate(counts)]
 
 
-def _case(device, stacked, lora, seed=0):
-    """x, gate/up weights (bf16, frozen under LoRA), LoRA factors (fp32, trainable) on ``lora``'s projections."""
+def _case(device, stacked, lora, seed=0, gather=False):
+    """x, gate/up weights (bf16, frozen under LoRA), LoRA factors (fp32, trainable) on ``lora``'s projections, the
+    rows' gather (None, or the MoE's kind: M rows = T tokens x TOP_K, in a random order, with their slots)."""
     g = torch.Generator().manual_seed(seed)
     e, m = len(COUNTS), sum(COUNTS)
-    x = torch.randn(m, K, generator=g).to(device, torch.bfloat16).requires_grad_()
+    rows = None
+    if gather:
+        order = torch.randperm(m, generator=g)
+        slots = torch.empty_like(order)
+        slots[order] = torch.arange(m)
+        rows = RowGather(order.to(device), TOP_K, slots.view(m // TOP_K, TOP_K).to(device))
+    x = torch.randn(m // TOP_K if gather else m, K, generator=g).to(device, torch.bfloat16).requires_grad_()
     train_w = not lora
     ws = []
     for _ in range(2):
@@ -58,7 +66,7 @@ def _case(device, stacked, lora, seed=0):
         b = (torch.randn(e, N, R, generator=g) / R ** 0.5).to(device).requires_grad_()
         factors[proj] = ExpertLoraFactors(a, b, SCALE) if proj in lora else None
     grads = [torch.randn(m, N, generator=g).to(device, torch.bfloat16) for _ in range(2)]
-    return x, ws, factors, grads
+    return x, ws, factors, grads, rows
 
 
 def _leaves(x, ws, factors):
@@ -71,9 +79,11 @@ def _leaves(x, ws, factors):
     return [t for t in out if t.requires_grad]
 
 
-def _composition(x, ws, factors, off):
-    """The unfused calls the op is defined as, through Triton ``expert_linear``."""
+def _composition(x, ws, factors, off, rows=None):
+    """The unfused calls the op is defined as, through Triton ``expert_linear`` (on the gathered rows)."""
     lin = triton_impl(expert_linear)
+    if rows is not None:
+        x = x[rows.index // rows.div]
 
     def product(w, f):
         up = None if f is None else LoraUp(lin(x, f.a, off, out_dtype=torch.float32), f.b, f.scale)
@@ -81,22 +91,24 @@ def _composition(x, ws, factors, off):
     return product(ws[0], factors["gate"]), product(ws[1], factors["up"])
 
 
-def _run(x, ws, factors, grads, off):
-    outs = triton_impl(expert_gate_up)(x, ws[0], ws[1], off, factors["gate"], factors["up"])
+def _run(x, ws, factors, grads, off, rows=None):
+    outs = triton_impl(expert_gate_up)(x, ws[0], ws[1], off, factors["gate"], factors["up"], gather=rows)
     leaves = _leaves(x, ws, factors)
     return outs, torch.autograd.grad(outs, leaves, grads, allow_unused=True)  # (experts without rows: None)
 
 
-def _float64_grads(x, ws, factors, grads, off):
-    """Gradients and the S = sum |gy| @ |W| of x's elements, from the torch backend in float64."""
+def _float64_grads(x, ws, factors, grads, off, rows=None):
+    """Gradients and the S = sum |gy| @ |W| of x's elements, from the torch backend in float64 (a gather by plain
+    indexing: autograd's own backward)."""
     d = lambda t: t.detach().double().requires_grad_(t.requires_grad)  # noqa: E731
     x64 = d(x)
     ws64 = [d(w) if isinstance(w, torch.Tensor) else [d(v) for v in w] for w in ws]
     f64 = {p: None if f is None else ExpertLoraFactors(d(f.a), d(f.b), f.scale) for p, f in factors.items()}
-    outs = expert_gate_up.impls["torch"](x64, ws64[0], ws64[1], off, f64["gate"], f64["up"])
+    plain = None if rows is None else RowGather(rows.index, rows.div)
+    outs = expert_gate_up.impls["torch"](x64, ws64[0], ws64[1], off, f64["gate"], f64["up"], gather=plain)
     g64 = [g.double() for g in grads]
     ref = torch.autograd.grad(outs, _leaves(x64, ws64, f64), g64, allow_unused=True)
-    s = torch.zeros_like(x64, requires_grad=False)
+    s = torch.zeros(off[-1], x.shape[1], dtype=torch.float64, device=x.device)
     for e, (a, b) in enumerate(zip(off, off[1:])):
         for g, w, f in zip(g64, ws64, (f64["gate"], f64["up"])):
             we = (w[e] if isinstance(w, torch.Tensor) else w[e]).detach()
@@ -104,21 +116,24 @@ def _float64_grads(x, ws, factors, grads, off):
             if f is not None:
                 dt = f.scale * g[a:b] @ f.b[e].detach()
                 s[a:b] += dt.abs() @ f.a[e].detach().abs()
+    if rows is not None:  # a source row's S: that of its copies
+        s = torch.zeros_like(x64, requires_grad=False).index_add_(0, rows.index // rows.div, s)
     return ref, s
 
 
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("lora", [("gate", "up"), ("up",), ()])
 @pytest.mark.parametrize("tensor_offsets", [False, True])
-def test_forward_bitwise_and_gradients(device, stacked, lora, tensor_offsets):
-    x, ws, factors, grads = _case(device, stacked, lora)
+@pytest.mark.parametrize("gather", [False, True])
+def test_forward_bitwise_and_gradients(device, stacked, lora, tensor_offsets, gather):
+    x, ws, factors, grads, rows = _case(device, stacked, lora, gather=gather)
     off = _offsets(COUNTS)
     off_arg = torch.tensor(off, device=device) if tensor_offsets else off
-    (gate, up), got = _run(x, ws, factors, grads, off_arg)
-    ref_gate, ref_up = _composition(x, ws, factors, off)
+    (gate, up), got = _run(x, ws, factors, grads, off_arg, rows)
+    ref_gate, ref_up = _composition(x, ws, factors, off, rows)
     assert torch.equal(gate, ref_gate) and torch.equal(up, ref_up), "the forward is not the composition's bits"
     with torch.no_grad():
-        ng, nu = triton_impl(expert_gate_up)(x, ws[0], ws[1], off_arg, factors["gate"], factors["up"])
+        ng, nu = triton_impl(expert_gate_up)(x, ws[0], ws[1], off_arg, factors["gate"], factors["up"], gather=rows)
     assert torch.equal(ng, gate) and torch.equal(nu, up)
 
     # the factors' and weights' gradients are the unfused products' (same kernels, same operands): same bits
@@ -126,9 +141,10 @@ def test_forward_bitwise_and_gradients(device, stacked, lora, tensor_offsets):
     for g, u in zip(got[1:], unfused[1:]):
         assert (g is None and u is None) or torch.equal(g, u)
 
-    ref, s = _float64_grads(x, ws, factors, grads, off)
+    ref, s = _float64_grads(x, ws, factors, grads, off, rows)
     assert len(got) == len(ref)
-    rel = 2 * 2.0 ** -8 + 2 * (2 * N + 2 * R) * U
+    # (a gather: each copy's gradient rounded to bf16, then their fp32 sum rounded once more: 2^-8 more)
+    rel = (3 if gather else 2) * 2.0 ** -8 + 2 * (2 * N + 2 * R) * U
     err = (got[0].double() - ref[0]).abs()
     assert got[0].dtype == torch.bfloat16 and bool((err <= rel * s + 1e-30).all()), float((err - rel * s).max())
     assert float((ref[0].abs() > rel * s).float().mean()) > 0.8, "the dx bound is vacuous"
@@ -142,10 +158,10 @@ def test_forward_bitwise_and_gradients(device, stacked, lora, tensor_offsets):
 
 
 def test_deterministic(device):
-    x, ws, factors, grads = _case(device, False, ("gate", "up"), seed=3)
+    x, ws, factors, grads, rows = _case(device, False, ("gate", "up"), seed=3, gather=True)
     off = _offsets(COUNTS)
-    a = _run(x, ws, factors, grads, off)[1]
-    b = _run(x, ws, factors, grads, off)[1]
+    a = _run(x, ws, factors, grads, off, rows)[1]
+    b = _run(x, ws, factors, grads, off, rows)[1]
     assert all(torch.equal(p, q) for p, q in zip(a, b))
 
 

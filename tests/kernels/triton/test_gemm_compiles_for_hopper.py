@@ -135,10 +135,11 @@ def test_expert_backward_builds_for_sm90(precision):
         ptrs["w_ptr"] = ptrs["gy_ptr"]
         _build_ir(_expert_dx_kernel, {n: "constexpr" if n in dx_consts else ptrs.get(n, "i32")
                                       for n in _expert_dx_kernel.arg_names}, dx_consts)
-    dw_consts = dict(common, BLOCK_N=32, BLOCK_K=64, BLOCK_R=32)
-    ptrs = {"gy_ptr": "*fp32", "x_ptr": "*fp32", "dw_ptr": "*fp32", "offs_ptr": "*i32"}
-    _build_ir(_expert_dw_kernel, {n: "constexpr" if n in dw_consts else ptrs.get(n, "i32")
-                                  for n in _expert_dw_kernel.arg_names}, dw_consts)
+    ptrs = {"gy_ptr": "*fp32", "x_ptr": "*fp32", "dw_ptr": "*fp32", "offs_ptr": "*i32", "gidx_ptr": "*i64"}
+    for div in (0, 8):  # rows in place, or gathered from the tokens (RowGather)
+        dw_consts = dict(common, BLOCK_N=32, BLOCK_K=64, BLOCK_R=32, GATHER_DIV=div)
+        _build_ir(_expert_dw_kernel, {n: "constexpr" if n in dw_consts else ptrs.get(n, "i32")
+                                      for n in _expert_dw_kernel.arg_names}, dw_consts)
 
 
 @compiled_only

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .. import moe_gemm_grads as _grads
+from ..moe_gemm import RowGather
 from ..host import to_device_async
 from ..numerics import current_numerics
 from ._common import INTERPRET, cdiv, next_pow2
@@ -195,12 +196,14 @@ def _expert_dw_kernel(
     stride_de, stride_dn, stride_dk,
     CDT: tl.constexpr, HALF: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    gidx_ptr=None, GATHER_DIV: tl.constexpr = 0,
 ):
     """dW[e, n tile, k tile] = sum over expert e's rows r of gy[r, n tile]^T x[r, k tile].
 
     Program pid: expert pid // (TILES_N * TILES_K) (an expert's tiles are neighbours, so they share its
     rows in L2), then its N tile and K tile. The rows offs[e]:offs[e+1] are walked in ascending BLOCK_R
-    steps into one fp32 accumulator; an expert without rows stores zeros."""
+    steps into one fp32 accumulator; an expert without rows stores zeros. GATHER_DIV > 0: row r of x is
+    ``x[gidx[r] // GATHER_DIV]`` (the forward's gathered rows, read where they lie: ``RowGather``)."""
     pid = tl.program_id(0)
     per_expert = TILES_N * TILES_K
     expert = pid // per_expert
@@ -223,7 +226,12 @@ def _expert_dw_kernel(
     for r0 in range(lo, hi, BLOCK_R):  # ascending, fixed steps
         r_mask = offs_r < hi - r0
         g = tl.load(g_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        xs = tl.load(x_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        if GATHER_DIV > 0:
+            src = (tl.load(gidx_ptr + r0 + offs_r, mask=r_mask, other=0) // GATHER_DIV).to(tl.int64)
+            xs = tl.load(x_ptr + src[:, None] * stride_xm + offs_k.to(tl.int64)[None, :] * stride_xk,
+                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        else:
+            xs = tl.load(x_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc = dot_acc(acc, _to_class(g, CDT), _to_class(xs, CDT), HALF, PRECISION, INTERPRET)
         g_ptrs += BLOCK_R * stride_gm
         x_ptrs += BLOCK_R * stride_xm
@@ -318,11 +326,12 @@ def expert_input_grad(term: DxTerm, offsets: Sequence[int], x_dtype: torch.dtype
 
 
 def _launch_dw(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, dw: torch.Tensor, cdt: torch.dtype,
-               precision: str, config: WeightGradConfig | None) -> None:
+               precision: str, config: WeightGradConfig | None, gather: RowGather | None = None) -> None:
     n_experts, n, k = dw.shape
     cfg = config or dw_config(n, k, n_experts, cdt, precision)
     tiles_n, tiles_k = cdiv(n, cfg.block_n), cdiv(k, cfg.block_k)
     gy, x = _operand(gy, cdt), _operand(x, cdt)
+    gidx = None if gather is None else gather.index.to(device=gy.device, dtype=torch.int64).contiguous()
     _expert_dw_kernel[(n_experts * tiles_n * tiles_k,)](
         gy, x, dw, offs,
         n, k, tiles_n, tiles_k,
@@ -331,17 +340,20 @@ def _launch_dw(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, dw: torch.
         dw.stride(0), dw.stride(1), dw.stride(2),
         CDT=_TL_DTYPE[cdt], HALF=cdt in _HALF, PRECISION=precision, INTERPRET=INTERPRET,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
+        gidx_ptr=gidx, GATHER_DIV=0 if gather is None else gather.div,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def expert_linear_grads_triton(gy: torch.Tensor, x: torch.Tensor | None, weights: _grads.Weights,
                                offsets: Sequence[int], need_x: bool, need_w: Sequence[bool], x_dtype: torch.dtype,
-                               *, dx_tiles: GemmConfig | None = None, dw_tiles: WeightGradConfig | None = None
-                               ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+                               *, dx_tiles: GemmConfig | None = None, dw_tiles: WeightGradConfig | None = None,
+                               x_gather: RowGather | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """``moe_gemm_grads.expert_linear_grads`` with the kernels above (same arguments and results).
 
     ``dx_tiles`` / ``dw_tiles`` replace the shape-derived tiles (tests sweep them; benchmarks try others).
+    ``x_gather``: the product's rows were ``x_gather.rows(x)`` (x is their source); the weight gradient reads them
+    there.
     Per-expert weights get views of one [E, N, K] buffer as their gradients (None for an expert without
     rows or whose gradient is not needed)."""
     stacked = isinstance(weights, torch.Tensor)
@@ -377,7 +389,7 @@ def expert_linear_grads_triton(gy: torch.Tensor, x: torch.Tensor | None, weights
             buf = torch.zeros(n_experts, n, k, dtype=w_dtype, device=dev)
         else:
             out = torch.empty(n_experts, n, k, dtype=_store_dtype(w_dtype), device=dev)  # every expert is written
-            _launch_dw(gy, x, offs, out, compute_dtype(x.dtype, w_dtype), precision, dw_tiles)
+            _launch_dw(gy, x, offs, out, compute_dtype(x.dtype, w_dtype), precision, dw_tiles, x_gather)
             buf = out.to(w_dtype)
         if stacked:
             dws[0] = buf
