@@ -196,8 +196,7 @@ def saved_bytes_per_token(cfg: ModelConfig, layer: int, lora_r: int, context: in
     if cfg.is_moe_layer(layer):
         k, i = cfg.num_experts_per_tok, cfg.moe_intermediate_size
         shared = cfg.n_shared_experts * i
-        mlp = (2 * BF16 * d  # post-attention norm input and the normed input
-               + BF16 * k * d  # rows gathered per expert (LoRA A input)
+        mlp = (2 * BF16 * d  # post-attention norm input and the normed input (the experts read their rows there)
                + 3 * BF16 * k * i  # gate, up (GLU inputs), the GLU output (down input)
                + 3 * FP32 * k * r  # expert-LoRA intermediates
                + BF16 * k * d  # expert outputs (combine input)
