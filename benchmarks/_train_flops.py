@@ -199,7 +199,7 @@ def saved_bytes_per_token(cfg: ModelConfig, layer: int, lora_r: int, context: in
         mlp = (2 * BF16 * d  # post-attention norm input and the normed input (the experts read their rows there)
                + 3 * BF16 * k * i  # gate, up (GLU inputs), the GLU output (down input)
                + 3 * FP32 * k * r  # expert-LoRA intermediates
-               + BF16 * k * d  # expert outputs (combine input)
+               # (the expert outputs, the combine's input, are recomputed in the backward: MoE.forward)
                + 3 * BF16 * shared)  # shared expert
     else:
         mlp = 2 * BF16 * d + 3 * BF16 * cfg.intermediate_size

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from zmrl.kernels_batch_invariant.glu import situ_glu, swiglu
 from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, RowGather, expert_gate_up, expert_linear
@@ -87,22 +89,36 @@ class MoE(nn.Module):
         # grouped over every routed expert (the router's rows): an expert-parallel rank holds only its slice
         pairs = moe_sort(route.expert_ids, self.gate.weight.shape[0])
         training = torch.is_grad_enabled() and h.requires_grad
-        if self._own_routed_experts() and (not training or self._device_dispatch(x)):
-            # The gate and up products read each pair's token row where it is (a gather) instead of a dispatched
-            # [T * top_k, D] copy: the same values, a copy and launches fewer, and under autograd the products keep
-            # h, not the copy, for their backward, which sums each token's slot gradients where they lie (the
-            # gather's slots). CUDA: the expert offsets stay on the device (no host sync, CUDA-graph capturable).
-            gather = RowGather(pairs.order, self.top_k, pairs.slot_rows.view(T, self.top_k))  # slots: its backward
-            offsets = pairs.offsets if x.is_cuda else pairs.offsets.tolist()  # CUDA: never read on the host
-            y_sorted = self._grouped_experts(h, offsets, gather)
-        else:
-            dispatch = RowGather(pairs.order, self.top_k, pairs.slot_rows.view(T, self.top_k))
-            y_sorted = self._routed_experts(dispatch.rows(h),
-                                            pairs.offsets.diff().tolist())
         # slot (t, j) is row t * top_k + j of the unsorted pairs, held at sorted row slot_rows[t, j]: the
         # combine reads the expert-sorted rows where they are (bitwise moe_combine of the un-sorted rows)
         slot_rows = pairs.slot_rows.view(T, self.top_k)
-        routed = moe_combine_rows(y_sorted, slot_rows, route.weights, out_dtype=torch.float32)
+        dispatch = RowGather(pairs.order, self.top_k, slot_rows)  # sorted row r = token order[r] // top_k
+        parts = None
+        if self._own_routed_experts() and (not training or self._device_dispatch(x)):
+            # The gate and up products read each pair's token row where it is (the dispatch gather) instead of a
+            # [T * top_k, D] copy: the same values, a copy and launches fewer, and under autograd the products keep
+            # h, not the copy, for their backward, which sums each token's slot gradients where they lie (the
+            # gather's slots). CUDA: the expert offsets stay on the device (no host sync, CUDA-graph capturable).
+            offsets = pairs.offsets if x.is_cuda else pairs.offsets.tolist()  # CUDA: never read on the host
+            parts = self._expert_products(h, offsets, dispatch)
+            if parts is None:  # an adapter or bias on an expert's Linear: per expert
+                y_sorted = self._grouped_experts(h, offsets, dispatch)
+        else:
+            y_sorted = self._routed_experts(dispatch.rows(h), pairs.offsets.diff().tolist())
+
+        def down_and_combine(act: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            return moe_combine_rows(parts.down(act), slot_rows, weights, out_dtype=torch.float32)
+
+        if parts is None:
+            routed = moe_combine_rows(y_sorted, slot_rows, route.weights, out_dtype=torch.float32)
+        elif training:
+            # The combine's weight gradient needs the down products' [T * top_k, D] output (512 MiB per layer at 16K
+            # tokens, top-8): the backward recomputes it from the kept activations (one down GEMM, the same bits)
+            # instead of keeping it.
+            routed = checkpoint(down_and_combine, parts.act, route.weights, use_reentrant=False,
+                                preserve_rng_state=False)
+        else:
+            routed = down_and_combine(parts.act, route.weights)
         if self.latent:
             # fp32 combine -> (norm ->) one rounding to the model dtype -> up-projection
             h = routed.to(x.dtype) if self.latent_norm is None else self.latent_norm(routed, out_dtype=x.dtype)
@@ -140,14 +156,24 @@ class MoE(nn.Module):
         CUDA graph. The per-expert fallback below (an adapter or bias on an expert's Linear) reads
         the offsets back (a host sync): it is not capture-safe.
         """
+        parts = self._expert_products(hs, offsets, gather)
+        if parts is not None:
+            return parts.down(parts.act)
+        # Outside the model's own layout (an adapter or bias on an expert's Linear): per expert.
+        offs = [int(o) for o in offsets.tolist()] if isinstance(offsets, torch.Tensor) else offsets
+        hs = hs if gather is None else gather.rows(hs)
+        outs = [self.experts[e](hs[a:b], self.experts_lora, e) for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]
+        return torch.cat(outs) if outs else hs.new_zeros(0, hs.shape[-1])
+
+    def _expert_products(self, hs: torch.Tensor, offsets: list[int] | torch.Tensor,
+                         gather: RowGather | None = None) -> "_ExpertProducts | None":
+        """The grouped gate/up products and GLU of ``_grouped_experts`` (its arguments), and its down product as a
+        function of the activations; None outside the model's own layout (an adapter or bias on an expert's
+        Linear), which ``_grouped_experts`` runs per expert."""
         lora = self.experts_lora
         if any(getattr(m, p).adapter is not None or getattr(m, p).bias is not None
                for m in self.experts for p in ("gate_proj", "up_proj", "down_proj")):
-            # Outside the model's own layout (an adapter or bias on an expert's Linear): per expert.
-            offs = [int(o) for o in offsets.tolist()] if isinstance(offsets, torch.Tensor) else offsets
-            hs = hs if gather is None else gather.rows(hs)
-            outs = [self.experts[e](hs[a:b], lora, e) for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]
-            return torch.cat(outs) if outs else hs.new_zeros(0, hs.shape[-1])
+            return None
 
         def weights(name: str) -> list[torch.Tensor]:
             return [getattr(m, name).weight for m in self.experts]
@@ -160,6 +186,18 @@ class MoE(nn.Module):
         # that the rows get one gradient (expert_gate_up)
         gate, up = expert_gate_up(hs, weights("gate_proj"), weights("up_proj"), offsets, factors("gate_proj"),
                                   factors("up_proj"), gather=gather)
-        down = factors("down_proj")
-        act = self.experts[0].glu(gate, up)
-        return expert_linear(act, weights("down_proj"), offsets, lora=None if down is None else down.up(act, offsets))
+        down_lora = factors("down_proj")
+        down_weights = weights("down_proj")
+
+        def down(act: torch.Tensor) -> torch.Tensor:
+            return expert_linear(act, down_weights, offsets, lora=None if down_lora is None else down_lora.up(act, offsets))
+
+        return _ExpertProducts(self.experts[0].glu(gate, up), down)
+
+
+@dataclass(frozen=True)
+class _ExpertProducts:
+    """The routed experts' GLU activations [T * top_k, inter] (expert-sorted rows) and their down product."""
+
+    act: torch.Tensor
+    down: Callable[[torch.Tensor], torch.Tensor]
