@@ -57,6 +57,15 @@ def _old_loop(gy, x, ws, off, stacked):
     return dx, dw
 
 
+def _routed_rows(m: int, seed: int):
+    """(generator, m, skewed expert counts, their host and device offsets, bf16 rows [m, D] on the GPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = _counts(m, gen)
+    off = _offsets(counts)
+    dev_off = torch.tensor(off, dtype=torch.int32, device="cuda")
+    return gen, m, counts, off, dev_off, torch.randn(m, D, generator=gen).to("cuda", torch.bfloat16)
+
+
 def _timed(fn, reps=3):
     fn()
     torch.cuda.synchronize()
@@ -133,12 +142,7 @@ def test_device_offsets_backward_equals_host_offsets():
     """Device offsets (the MoE's CUDA path) reach the backward through the forward's non-blocking copy to
     pinned memory, shared by the calls of one offsets tensor: the gradients equal those with host offsets
     bitwise (same grouped backward once the offsets are known), for base and LoRA-style weights."""
-    gen = torch.Generator().manual_seed(1)
-    m = 4096 * 8
-    counts = _counts(m, gen)
-    off = _offsets(counts)
-    dev_off = torch.tensor(off, dtype=torch.int32, device="cuda")
-    x = torch.randn(m, D, generator=gen).to("cuda", torch.bfloat16)
+    gen, m, counts, off, dev_off, x = _routed_rows(4096 * 8, seed=1)
     base = [(torch.randn(INTER, D, generator=gen) * 0.02).to("cuda", torch.bfloat16) for _ in range(E)]
     lora = (torch.randn(E, 32, D, generator=gen) * 0.02).to("cuda")
     gb = torch.randn(m, INTER, generator=gen).to("cuda")
@@ -248,12 +252,7 @@ def test_gate_up_one_gradient_bench_shapes():
     from zmrl.kernels_batch_invariant.matmul import LoraUp
     from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, expert_gate_up
 
-    gen = torch.Generator().manual_seed(3)
-    m = 16384 * 8
-    counts = _counts(m, gen)
-    off = _offsets(counts)
-    dev_off = torch.tensor(off, dtype=torch.int32, device="cuda")
-    x0 = torch.randn(m, D, generator=gen).to("cuda", torch.bfloat16)
+    gen, m, counts, off, dev_off, x0 = _routed_rows(16384 * 8, seed=3)
     ws = [[(torch.randn(INTER, D, generator=gen) * 0.02).to("cuda", torch.bfloat16) for _ in range(E)] for _ in range(2)]
     fs = [ExpertLoraFactors((torch.randn(E, R, D, generator=gen) * 0.02).to("cuda").requires_grad_(),
                             (torch.randn(E, INTER, R, generator=gen) * 0.02).to("cuda").requires_grad_(), 2.0)
