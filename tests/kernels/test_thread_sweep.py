@@ -17,7 +17,7 @@ from zmrl.kernels_batch_invariant.hadamard import hadamard_rotate
 from zmrl.kernels_batch_invariant.kda_gate import kda_gate
 from zmrl.kernels_batch_invariant.l2norm import l2_norm
 from zmrl.kernels_batch_invariant.logprob import log_softmax, token_logprobs
-from zmrl.kernels_batch_invariant.moe_gemm import expert_linear
+from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, RowGather, expert_gate_up, expert_linear
 from zmrl.kernels_batch_invariant.moe_router import moe_combine, moe_combine_rows, moe_route, moe_sort
 from zmrl.kernels_batch_invariant.norms import add_rms_norm, layer_norm, rms_norm, rms_norm_gated
 from zmrl.kernels_batch_invariant.pointwise import add_cast, relu, sigmoid, sigmoid_op, silu, softplus
@@ -48,6 +48,10 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
     "grouped_linear": (grouped_linear, (_r(2, 3, 4096), _r(2, 256, 4096))),
     "bmm_fixed": (bmm_fixed, (_r(2, 16, 4096), _r(2, 4096, 64))),
     "expert_linear": (expert_linear, (_r(5, 4096), _r(2, 256, 4096), [0, 2, 5])),
+    # 3 tokens x 2 slots gathered into 2 experts' rows, LoRA on gate
+    "expert_gate_up": (expert_gate_up, (_r(3, 4096), _r(2, 256, 4096), _r(2, 256, 4096), [0, 2, 6],
+                                        ExpertLoraFactors(_r(2, 8, 4096), _r(2, 256, 8), 2.0), None,
+                                        RowGather(torch.tensor([5, 0, 3, 1, 4, 2]), 2))),
     "token_logprobs": (token_logprobs, (_r(2, 65536), torch.tensor([3, 60000]), 0.7)),
     "log_softmax": (log_softmax, (_r(1, 65536),)),
     "sample_scaled": (sample_scaled, (_r(2, 65536), torch.tensor([11, -5]), torch.tensor([65536, 40]),
