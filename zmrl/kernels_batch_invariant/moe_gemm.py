@@ -191,11 +191,13 @@ class ExpertLoraFactors:
     b: torch.Tensor
     scale: float = 1.0
 
-    def up(self, x: torch.Tensor, offsets: Sequence[int] | torch.Tensor, gather: RowGather | None = None) -> LoraUp:
+    def up(self, x: torch.Tensor, offsets: Sequence[int] | torch.Tensor, gather: RowGather | None = None,
+           expert_linear_fn=None) -> LoraUp:
         """The up half for the rows x (the A products in fp32; fp64 for fp64 operands: gradchecks), what
-        ``expert_linear`` adds in its epilogue."""
+        ``expert_linear`` adds in its epilogue; ``expert_linear_fn``: a backend's own ``expert_linear`` (default the op)."""
         acc = torch.float64 if torch.float64 in (x.dtype, self.a.dtype) else torch.float32
-        return LoraUp(expert_linear(x, self.a, offsets, out_dtype=acc, gather=gather), self.b, self.scale)
+        t = (expert_linear_fn or expert_linear)(x, self.a, offsets, out_dtype=acc, gather=gather)
+        return LoraUp(t, self.b, self.scale)
 
 
 @invariant_op
@@ -211,9 +213,20 @@ def expert_gate_up(x: torch.Tensor, gate_weights: Weights, up_weights: Weights, 
     that a backend can give x a single gradient: four products read x, and autograd would leave four
     [M, K] gradients and three adds (at 16K tokens x top-8 each is 512 MiB); the Triton backend sums them in
     one kernel (triton/expert_gate_up.py)."""
+    return gate_up_composition(x, gate_weights, up_weights, offsets, gate_lora, up_lora, gather)
+
+
+def gate_up_composition(x: torch.Tensor, gate_weights: Weights, up_weights: Weights,
+                        offsets: Sequence[int] | torch.Tensor, gate_lora: ExpertLoraFactors | None,
+                        up_lora: ExpertLoraFactors | None, gather: RowGather | None,
+                        expert_linear_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused calls that define ``expert_gate_up``, through ``expert_linear_fn`` (a backend's own
+    ``expert_linear``; default the op)."""
+    fn = expert_linear_fn or expert_linear
+
     def product(weights: Weights, lora: ExpertLoraFactors | None) -> torch.Tensor:
-        up = None if lora is None else lora.up(x, offsets, gather)
-        return expert_linear(x, weights, offsets, lora=up, gather=gather)
+        up = None if lora is None else lora.up(x, offsets, gather, fn)
+        return fn(x, weights, offsets, lora=up, gather=gather)
 
     return product(gate_weights, gate_lora), product(up_weights, up_lora)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from zmrl.kernels_batch_invariant import linear
 from zmrl.kernels_batch_invariant.matmul import LoraUp, LoraUpConcat, lora_delta
-from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, RowGather, expert_lora_delta
+from zmrl.kernels_batch_invariant.moe_gemm import ExpertLoraFactors, expert_lora_delta
 
 
 class LoraAdapter(nn.Module):
@@ -77,8 +77,8 @@ class ExpertLoRA(nn.Module):
 
         ``offsets``: a host list, or an int tensor [E+1] on x's device, which is passed through
         unread (no host sync on CUDA: the batched expert LoRA is CUDA-graph capturable)."""
-        up = self.grouped_factors(proj, x, offsets)
-        return None if up is None else expert_lora_delta(up, offsets)
+        factors = self.factors(proj)
+        return None if factors is None else expert_lora_delta(factors.up(x, offsets), offsets)
 
     def factors(self, proj: str) -> ExpertLoraFactors | None:
         """``proj``'s factors of every expert (None where ``proj`` has no adapter): what the MoE hands to
@@ -86,11 +86,3 @@ class ExpertLoRA(nn.Module):
         if proj not in self.projs:
             return None
         return ExpertLoraFactors(getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B"), self.scale)
-
-    def grouped_factors(self, proj: str, x: torch.Tensor, offsets: list[int] | torch.Tensor,
-                        gather: RowGather | None = None) -> LoraUp | None:
-        """``grouped_delta`` as its up factors (t = the experts' A products in fp32, the stacked B factors,
-        the scale): what the MoE hands to ``expert_linear``, which adds the delta in its epilogue. ``gather``:
-        x's rows by index (``expert_linear``'s)."""
-        factors = self.factors(proj)
-        return None if factors is None else factors.up(x, offsets, gather)

@@ -11,7 +11,7 @@ as one grouped kernel (``expert_input_grad``: the base weights side by side as t
 LoRA A's as the second, fp32 class), one fp32 accumulator, one rounding. Autograd over separate products writes
 four [M, K] gradients and adds them with three more passes (at 16K tokens x top-8 x 2048: 512 MiB each). The
 LoRA factors' and (without LoRA) the expert weights' gradients are those of the unfused products
-(``expert_linear_grads``). Deterministic run to run; not batch-invariant (the backward need not be).
+(``expert_linear_grads_triton``, the kernels ``expert_linear_grads`` dispatches to here). Deterministic run to run; not batch-invariant (the backward need not be).
 
 With a ``gather`` (the MoE's rows: token ``order[r] // top_k`` for expert-sorted row r) the products read the
 token rows where they lie, in the forward and in the weight-gradient kernels, and the Function keeps the [T, K]
@@ -27,7 +27,6 @@ import torch
 
 from .. import moe_gemm as _moe
 from ..matmul import LoraUp
-from ..moe_gemm_grads import expert_linear_grads
 from ..numerics import with_backward_matmuls
 from ._common import compute_in_fp64
 from .expert_grads import DxTerm, compute_dtype, expert_input_grad, expert_linear_grads_triton
@@ -71,7 +70,7 @@ class _ExpertGateUpFn(torch.autograd.Function):
         need = ctx.needs_input_grad
         keep_x = need[FIRST_FACTOR] or need[FIRST_FACTOR + 2] or any(need[FIRST_FACTOR + 4:])
         ctx.save_for_backward(x if keep_x else None, *ts, gate_a, gate_b, up_a, up_b, *weights)
-        ctx.x_dtype, ctx.x_rows = x.dtype, x.shape[0]
+        ctx.x_dtype = x.dtype
         return outs[0], outs[1]
 
     @staticmethod
@@ -93,7 +92,7 @@ class _ExpertGateUpFn(torch.autograd.Function):
             da = db = None
             if t is not None and (need_x or need_a or need_b):
                 # the up product's backward (that of expert_linear(t, b), fp32 class), then scaled
-                dt, dbs = expert_linear_grads(gy, t, b, offsets, need_x or need_a, [need_b], t.dtype)
+                dt, dbs = expert_linear_grads_triton(gy, t, b, offsets, need_x or need_a, [need_b], t.dtype)
                 db = dbs[0]
                 if scale != 1.0:
                     dt, db = (None if dt is None else dt * scale), (None if db is None else db * scale)
@@ -146,24 +145,13 @@ def expert_gate_up_triton(x: torch.Tensor, gate_weights: _moe.Weights, up_weight
              and len(gate_list) == len(up_list)
              and not compute_in_fp64(x, gate_list[0], up_list[0], *factors))
     if not fused:
-        def product(weights: _moe.Weights, lora: _moe.ExpertLoraFactors | None) -> torch.Tensor:
-            up = None
-            if lora is not None:  # ExpertLoraFactors.up through this backend's expert_linear
-                acc = torch.float64 if torch.float64 in (x.dtype, lora.a.dtype) else torch.float32
-                up = LoraUp(expert_linear_triton(x, lora.a, offsets, out_dtype=acc, gather=gather), lora.b, lora.scale)
-            return expert_linear_triton(x, weights, offsets, lora=up, gather=gather)
-        return product(gate_weights, gate_lora), product(up_weights, up_lora)
-    dev = _moe.device_offsets(offsets, x)
-    offs: list[int] | torch.Tensor = dev if dev is not None else _moe.as_offsets(offsets)
-    rows = x
+        return _moe.gate_up_composition(x, gate_weights, up_weights, offsets, gate_lora, up_lora, gather,
+                                        expert_linear_triton)
     if gather is not None:
         _moe.check_gather(x, gather)
-        rows = torch.empty(gather.index.shape[0], x.shape[1], device="meta")  # shapes only
-    for weights in (gate_weights, up_weights):
-        if dev is None:
-            _moe.check_expert_args(rows, weights, offs, every_weight=False)
-        else:
-            _moe.check_expert_shapes(rows, weights, dev.shape[0], every_weight=False)
+    # (the shapes are checked by each product's _expert_forward, as expert_linear_triton's are)
+    dev = _moe.device_offsets(offsets, x)
+    offs: list[int] | torch.Tensor = dev if dev is not None else _moe.as_offsets(offsets)
 
     def parts(lora: _moe.ExpertLoraFactors | None) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
         return (1.0, None, None) if lora is None else (float(lora.scale), lora.a, lora.b)
