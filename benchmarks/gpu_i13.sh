@@ -54,6 +54,8 @@
 #   next2         train_sweep trainer decode_lora prefill parity (what the third 2026-12-06 session left unmeasured);
 #   gate_up       the GPU tests of expert_gate_up (one gradient for the MoE rows), with its bench-shape timing;
 #   next3 / next4 gate_up trainer parity / decode_lora prefill train_sweep (the fourth 2026-12-06 session's calls);
+#   bands         the GEMM's banded launch order against the plain one (train_gemms and train_gemms_plain, ZMRL_GEMM_GROUP_M=1),
+#                 then trainer, prefill, matmul and parity with bands (the first 12-07 session's call);
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.
@@ -131,6 +133,9 @@ STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
 # the training tile sweep
 [[ " $STEPS " == *" next3 "* ]] && STEPS="$STEPS gate_up trainer parity"
 [[ " $STEPS " == *" next4 "* ]] && STEPS="$STEPS decode_lora prefill train_sweep"
+# "bands": the GEMM's banded launch order (grouped_tile) against the plain order on one machine: the forward's GEMM launches
+# both ways, the trainer step and prefill with bands, the GEMM GPU tests (row invariance) and the bench-shape parity
+[[ " $STEPS " == *" bands "* ]] && STEPS="$STEPS train_gemms train_gemms_plain trainer prefill matmul parity"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # The recurrent KDA kernel's launch configurations (shared numerics: decode == packed checked per configuration),
@@ -212,6 +217,10 @@ has mla_stages && step mla_sweep_heads_stages "${T_MLA_FORMS:-100}" $PY benchmar
   --mma-rows heads --sweep-launches 32x8x2,32x8x3 --out "$OUT/mla_sweep_heads_stages.json"
 # train_gemms: every GEMM launch of one trainer forward at 4 x 4096 tokens, timed in place, against the matmul peak and cuBLAS
 has train_gemms && step train_gemms "${T_TRAIN_GEMMS:-200}" $PY benchmarks/train_gemms.py --out "$OUT/train_gemms.json"
+# train_gemms_plain: the same launches in the plain launch order (no row-tile bands, ZMRL_GEMM_GROUP_M=1): the baseline of
+# the banded order on the same machine
+has train_gemms_plain && step train_gemms_plain "${T_TRAIN_GEMMS:-200}" env ZMRL_GEMM_GROUP_M=1 $PY benchmarks/train_gemms.py \
+  --out "$OUT/train_gemms_plain.json"
 # train_sweep: the same, with the groups of the most time replayed under the training tile configs (bits checked)
 has train_sweep && step train_gemms_sweep "${T_TRAIN_SWEEP:-300}" $PY benchmarks/train_gemms.py --sweep "${TRAIN_SWEEP_TOP:-12}" \
   --sweep-budget-s "${TRAIN_SWEEP_BUDGET:-220}" --out "$OUT/train_gemms_sweep.json"

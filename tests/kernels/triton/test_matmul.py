@@ -11,11 +11,15 @@ import itertools
 import pytest
 import torch
 
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.matmul import (LoraUp, LoraUpConcat, bmm_fixed, grouped_linear, linear, linear_blockdiag,
                                                  linear_concat, lora_concat_delta, lora_delta)
 from zmrl.kernels_batch_invariant.moe_gemm import RowGather, expert_linear, expert_linear_ref, expert_lora_delta
 from zmrl.kernels_batch_invariant.triton import triton_impl
+from zmrl.kernels_batch_invariant.triton.matmul import grouped_tile
 from tests.kernels.triton.gemm_launches import count_gemm_launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
@@ -921,6 +925,60 @@ def test_lora_epilogue_at_training_rows(device, interpret, monkeypatch):
     unfused = triton_impl(linear_concat)(x, [ws[0], ws[2]],
                                          delta=lora_concat_delta(both, triton_impl(linear_blockdiag)))
     assert torch.isfinite(fused).all() and torch.equal(fused, unfused)
+
+
+@triton.jit
+def _banded_tiles(out_ptr, GROUP: tl.constexpr):
+    r, c = grouped_tile(tl.program_id(0), tl.program_id(1), GROUP)
+    tl.store(out_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), r * 1000 + c)
+
+
+def test_banded_order_visits_every_tile_once(device):
+    """``grouped_tile`` maps the grid onto itself one to one, for bands that divide the row tiles, a short last band,
+    one row or one column tile."""
+    for rows, cols, group in [(1, 7, 8), (7, 1, 8), (16, 5, 8), (19, 3, 8), (13, 4, 4), (5, 6, 1)]:
+        out = torch.full((cols, rows), -1, dtype=torch.int32, device=device)
+        _banded_tiles[(rows, cols)](out, GROUP=group)
+        got = sorted(out.flatten().tolist())
+        assert got == sorted(r * 1000 + c for r in range(rows) for c in range(cols)), (rows, cols, group)
+
+
+def test_banded_order_gives_the_plain_orders_bits(device, interpret, monkeypatch):
+    """Every mode of the GEMM (plain with bias, LoRA epilogue, segments, batched, experts, split K with the serial
+    sum) on grids of several row and column tiles gives the same bits in the banded launch order as in the plain
+    one: the order decides which program computes a tile, never what it computes."""
+    from zmrl.kernels_batch_invariant.triton import matmul as tmm
+    from zmrl.kernels_batch_invariant.triton.matmul import GemmConfig
+    # small tiles: many row and column tiles at interpreter-sized shapes (every config gives the same bits)
+    monkeypatch.setattr(tmm, "linear_config", lambda n, k, dtype, m=1, experts=False: GemmConfig(16, 16, 16, 4, 2))
+    g = torch.Generator().manual_seed(11)
+    m, k, n, r = 100, 40, 72, 8
+    bf = torch.bfloat16
+    x = torch.randn(m, k, generator=g).to(device, bf)
+    w, w2 = (torch.randn(n, k, generator=g).to(device, bf) for _ in range(2))
+    bias = torch.randn(n, generator=g).to(device, bf)
+    t = torch.randn(m, r, generator=g).to(device)
+    lb = torch.randn(n, r, generator=g).to(device)
+    w32 = torch.randn(n, 600, generator=g).to(device)  # an fp32 weight with K > SPLIT_K_CHUNK: split K
+    x600 = torch.randn(m, 600, generator=g).to(device, bf)
+    xg = torch.randn(3, m, k, generator=g).to(device, bf)
+    wg = torch.randn(3, n, k, generator=g).to(device, bf)
+    off = _offsets([37, 0, 63])
+    ws = torch.stack([w, w2, w])
+    calls = {
+        "plain": lambda: _lin(x, w, bias),
+        "lora": lambda: _lin(x, w, lora=LoraUp(t, lb, 0.5)),
+        "segments": lambda: triton_impl(linear_concat)(x, [w, w2[:40]]),
+        "batched": lambda: triton_impl(grouped_linear)(xg, wg),
+        "experts": lambda: triton_impl(expert_linear)(x, ws, off),
+        "split_k": lambda: _lin(x600, w32, out_dtype=torch.float32),
+    }
+    for name, call in calls.items():
+        monkeypatch.setattr(tmm, "GROUP_M", 1)
+        plain = call()
+        monkeypatch.setattr(tmm, "GROUP_M", 4)
+        banded = call()
+        assert torch.isfinite(plain).all() and torch.equal(plain, banded), name
 
 
 def test_split_k_fp32_weights(device, interpret):

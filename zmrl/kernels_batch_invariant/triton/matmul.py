@@ -345,6 +345,24 @@ def expert_weight_offset(woff_ptr, expert, stride_wg, W_TABLE: tl.constexpr, W_A
     return woff
 
 
+@triton.jit
+def grouped_tile(pid_0, pid_1, GROUP: tl.constexpr):
+    """(row tile, column tile) of program (pid_0, pid_1) when the programs, taken in launch order (dim 0
+    fastest), walk bands of GROUP row tiles column tile by column tile: the programs resident at one time
+    share a few row tiles of x and a run of the weight's column tiles, both read from HBM once and from L2
+    by the rest. In launch order (row tile fastest) a wave of programs covers one column of row tiles: at
+    16K rows it reads all of x (64 MB at K = 2048, more than the L2) once per column tile. A bijection on
+    the grid: which program computes a tile, never what it computes."""
+    rows = tl.num_programs(0)
+    cols = tl.num_programs(1)
+    lin = pid_1 * rows + pid_0
+    per_band = GROUP * cols
+    first = (lin // per_band) * GROUP
+    height = tl.minimum(rows - first, GROUP)
+    in_band = lin % per_band
+    return first + in_band % height, in_band // height
+
+
 @triton.jit(do_not_specialize=["M", "M_TILES"])
 def _gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, d_ptr,
@@ -363,6 +381,7 @@ def _gemm_kernel(
     GATHER_DIV: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr = 1,
 ):
     """y[g, m, n] = sum_k x[g, m, k] * w[g, n, k] (+ b[n]) (+ d[g, m, n]) for one [BLOCK_M, BLOCK_N] tile.
 
@@ -396,6 +415,8 @@ def _gemm_kernel(
     GATHER_DIV > 0 (expert mode, ``expert_linear``'s ``gather``): row r of the product reads x's row
     ``gidx[r] // GATHER_DIV`` (the MoE's dispatch of token rows to expert-sorted pairs, without materialising
     the gathered rows); everything else (t, delta, y) keeps the product's row r.
+    GROUP_M > 1: programs take their (row tile, column tile) from ``grouped_tile`` (bands of GROUP_M row tiles),
+    which programs run together, not what any computes.
     SERIAL_SUM (with K_CHUNK): the tile's last program to finish (an arrival counter per tile at ``cnt_ptr``,
     reset by that program) adds the fp32 partials in ascending split order from zero, then the bias
     (SUM_BIAS) and the delta (SUM_DELTA, laid out as the output), and stores the result into the output
@@ -404,6 +425,8 @@ def _gemm_kernel(
     """
     pid_0 = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if GROUP_M > 1:
+        pid_0, pid_n = grouped_tile(pid_0, pid_n, GROUP_M)
     if EXPERTS:
         pid_m = pid_0
         n_tiles, expert, row0, row_end = expert_tile(offs_ptr, pid_m, M, N_EXPERTS, BLOCK_M, BLOCK_E)
@@ -590,6 +613,11 @@ def _split_k_sum(
         acc += tl.load(d_ptr + tile, mask=mask, other=0.0)
     tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
+
+# Row tiles per band of the launch order (``grouped_tile``); 1 keeps the plain order (benchmarks compare). Used
+# where the grid has several row and column tiles (never at one-row-tile decode launches, whose order it
+# would not change).
+GROUP_M = int(os.environ.get("ZMRL_GEMM_GROUP_M", "8"))
 
 _SPLIT_PARTNERS = (torch.float32, torch.bfloat16)
 
@@ -846,6 +874,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         GATHER_DIV=experts.gather_div if experts is not None and experts.gather is not None else 0,
         INTERPRET=_interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
+        GROUP_M=GROUP_M if grid[0] > 1 and grid[1] > 1 else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if k_chunk and not serial:
