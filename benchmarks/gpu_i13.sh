@@ -55,7 +55,7 @@
 #   gate_up       the GPU tests of expert_gate_up (one gradient for the MoE rows), with its bench-shape timing;
 #   next3 / next4 gate_up trainer parity / decode_lora prefill train_sweep (the fourth 2026-12-06 session's calls);
 #   bands         the GEMM's banded launch order against the plain one (train_gemms and train_gemms_plain, ZMRL_GEMM_GROUP_M=1),
-#                 then trainer, prefill, matmul and parity with bands (the first 12-07 session's call);
+#                 then trainer, prefill, matmul and parity with bands (the fifth 12-06 session's call);
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
 #   final         the GPU tests of the last kernels (combine over sorted rows, epilogue delta, logit gradient, MLA bwd);
 #   mla_bwd       mla_bwd_gemms.py: the MLA backward's fp32-output GEMMs, aligned and not;  gemm_sweep  the GEMM config sweep.

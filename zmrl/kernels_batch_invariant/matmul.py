@@ -135,7 +135,9 @@ def lora_concat_delta(lora: LoraUpConcat, blockdiag_fn: Callable[..., torch.Tens
 
 def resolve_delta(delta: torch.Tensor | None, lora: LoraUp | LoraUpConcat | None, op: str,
                   delta_of: Callable[..., torch.Tensor] = lora_delta) -> torch.Tensor | None:
-    """The one delta of a call given ``delta`` or ``lora`` (not both); ``delta_of`` computes a LoraUp's."""
+    """The one delta of a call given ``delta`` or ``lora`` (not both); ``delta_of`` computes a LoraUp's. Each
+    backend passes its own product: a call on one backend never takes its delta from another (on CUDA the op
+    dispatches to Triton, so the torch reference called directly would otherwise mix the two)."""
     if lora is None:
         return delta
     if delta is not None:
@@ -155,12 +157,13 @@ def linear(
     """``y = x @ weight.T (+ bias) (+ delta)`` with each row computed independently of the others.
 
     x: [..., K]; weight: [N, K]; returns [..., N] in ``out_dtype`` (default x.dtype). ``delta``: an
-    fp32 [..., N] tensor (a LoRA delta) added to the fp32 result before the single rounding: bitwise
-    ``(linear(x, weight, bias, torch.float32) + delta).to(out_dtype)``, in one pass where a backend can
-    fuse it (the Triton GEMM adds it in its epilogue). ``lora`` (instead of ``delta``): the delta as its
-    factors, ``delta = lora_delta(lora)``, which the Triton GEMM computes in its epilogue.
+    fp32 [..., N] tensor (a LoRA delta) joined to the fp32 result before the single rounding. This (torch)
+    backend adds it after the sum: bitwise ``(linear(x, weight, bias, torch.float32) + delta).to(out_dtype)``;
+    the Triton GEMM starts its accumulator from it (the K products accumulate onto the delta, one pass; its
+    module doc). ``lora`` (instead of ``delta``): the delta as its factors, ``delta = lora_delta(lora)``, which
+    the Triton GEMM computes in the same launch; on every backend ``lora=`` gives ``delta=``'s bits.
     """
-    delta = resolve_delta(delta, lora, "linear")
+    delta = resolve_delta(delta, lora, "linear", lambda up: lora_delta(up, linear.impls["torch"]))
     out_dtype = out_dtype or x.dtype
     lead, k = x.shape[:-1], x.shape[-1]
     n = weight.shape[0]
@@ -208,7 +211,7 @@ def bmm_fixed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @linear.register("fast")
 def _linear_fast(x, weight, bias=None, out_dtype=None, delta=None, lora=None):
-    delta = resolve_delta(delta, lora, "linear")
+    delta = resolve_delta(delta, lora, "linear", lambda up: lora_delta(up, _linear_fast))
     y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     return y.to(out_dtype or x.dtype) if delta is None else (y.float() + delta).to(out_dtype or x.dtype)
 
@@ -241,7 +244,7 @@ def linear_concat(
     """
     if not weights:
         raise ValueError("linear_concat: no weights")
-    delta = resolve_delta(delta, lora, "linear_concat", lora_concat_delta)
+    delta = resolve_delta(delta, lora, "linear_concat", lambda up: lora_concat_delta(up, linear_blockdiag.impls["torch"]))
     widths = [w.shape[0] for w in weights]
     if delta is None:
         return torch.cat([linear(x, w, out_dtype=out_dtype) for w in weights], dim=-1)
@@ -284,14 +287,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
 
     Each group's rows are tiled exactly like ``linear`` (ROW_TILE rows, N and K padded to COL_TILE),
     so a row's result equals ``linear(row, weight[g])`` bitwise and is independent of M and G.
-    ``delta``: fp32 [G, M, N] (a LoRA term) added to the fp32 result before the one rounding, bitwise
-    ``(grouped_linear(x, weight, torch.float32) + delta).to(out_dtype)`` (the Triton GEMM adds it in its
-    epilogue). ``lora`` (instead of ``delta``): the delta as its factors, t [G, M, r] and b [G, N, r] fp32
+    ``delta``: fp32 [G, M, N] (a LoRA term) joined to the fp32 result before the one rounding as ``linear``
+    joins it (this backend: bitwise ``(grouped_linear(x, weight, torch.float32) + delta).to(out_dtype)``; the
+    Triton GEMM starts from it). ``lora`` (instead of ``delta``): the delta as its factors, t [G, M, r] and b [G, N, r] fp32
     (b may be an expanded view: one B for every group), ``delta = grouped_lora_delta(lora)``, which the Triton
     GEMM computes in its epilogue (no [G, M, N] fp32 delta written and read back). Used for per-head absorbed
     MLA projections (with their LoRA terms) and batched expert/LoRA weights.
     """
-    delta = resolve_delta(delta, lora, "grouped_linear", grouped_lora_delta)
+    delta = resolve_delta(delta, lora, "grouped_linear", lambda up: grouped_lora_delta(up, grouped_linear.impls["torch"]))
     out_dtype = out_dtype or x.dtype
     g, m, k = x.shape
     n = weight.shape[1]

@@ -164,7 +164,8 @@ def expert_linear(x: torch.Tensor, weights: Weights, offsets: Sequence[int] | to
     if gather is not None:
         check_gather(x, gather)
         x = gather.rows(x)
-    delta = resolve_delta(delta, lora, "expert_linear", lambda up: expert_lora_delta(up, offsets))
+    delta = resolve_delta(delta, lora, "expert_linear",
+                          lambda up: expert_lora_delta(up, offsets, expert_linear.impls["torch"]))
     offs = as_offsets(offsets)
     check_expert_args(x, weights, offs)
     out_dtype = out_dtype or x.dtype
@@ -269,7 +270,7 @@ def _expert_linear_fast(x: torch.Tensor, weights: Weights, offsets: Sequence[int
     if gather is not None:
         check_gather(x, gather)
         x = gather.rows(x)
-    delta = resolve_delta(delta, lora, "expert_linear", lambda up: expert_lora_delta(up, offsets))
+    delta = resolve_delta(delta, lora, "expert_linear", lambda up: expert_lora_delta(up, offsets, _expert_linear_fast))
     if delta is not None:
         return (_expert_linear_fast(x, weights, offsets, torch.float32) + delta).to(out_dtype or x.dtype)
     dev = device_offsets(offsets, x)

@@ -15,9 +15,9 @@ class Linear(nn.Module):
 
     ``adapter`` is the hook the LoRA package uses: when set, its fp32 output is added to the fp32
     base output before the single rounding (never merged into the weight), so the engine and the
-    trainer compute ``base(x) + adapter(x)`` identically; the ``linear`` op adds it in the GEMM's
-    epilogue (its ``delta``), bitwise the unfused sum. An adapter with ``factors(x)`` (a ``LoraUp``:
-    its delta as up factors) hands those instead, and the GEMM computes the delta in its epilogue (its
+    trainer compute ``base(x) + adapter(x)`` identically; the ``linear`` op joins it inside the GEMM
+    (its ``delta``: the Triton GEMM's accumulator starts from it). An adapter with ``factors(x)`` (a ``LoraUp``:
+    its delta as up factors) hands those instead, and the GEMM computes the delta in the same launch (its
     ``lora``: the same value, without writing and reading it). ``extra`` adds a per-call delta (the
     per-expert fallback of the MoE's batched expert LoRA).
     """

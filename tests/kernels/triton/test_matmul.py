@@ -69,6 +69,25 @@ def _bound(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ref: torch.Tenso
     return slack * gamma * s + ulp * ref.abs() + 1e-30
 
 
+def _assert_delta_start(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                        delta: torch.Tensor, k_split: bool) -> None:
+    """A Triton product with a delta: a split-K product adds it after its fp32 partial sums, bitwise
+    ``(fp32 result + delta).to(out)``; any other starts its accumulator from it (the K products accumulate onto
+    the delta): within ``_bound`` of float64, whose gamma_K term grows by |delta| (each accumulation step may
+    round at the delta's magnitude), and a zero delta gives the product without one bit for bit."""
+    lin = triton_impl(linear)
+    if k_split:
+        assert torch.equal(got, (lin(x, w, bias, out_dtype=torch.float32) + delta).to(got.dtype))
+        return
+    ref = x.double() @ w.double().t() + delta.double() + (0 if bias is None else bias.double())
+    k = x.shape[-1]
+    gamma = k * U32 / (1 - k * U32)
+    bound = _bound(x, w, got, ref) + 8.0 * gamma * delta.double().abs()
+    assert ((got.double() - ref).abs() <= bound).all(), float(((got.double() - ref).abs() - bound).max())
+    zero = torch.zeros_like(delta)
+    assert torch.equal(lin(x, w, bias, out_dtype=got.dtype, delta=zero), lin(x, w, bias, out_dtype=got.dtype))
+
+
 def _dtypes() -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16]
 
@@ -169,12 +188,12 @@ def test_linear_concat_errors_and_fallbacks(device):
     assert torch.equal(linear_concat.impls["torch"](xc, w2), torch.cat([linear.impls["torch"](xc, w) for w in w2], -1))
 
 
-def test_linear_concat_delta_equals_the_unfused_sum(device, interpret, monkeypatch):
-    """``linear_concat(..., delta=)`` (the LoRA deltas of project(), added in the one launch's epilogue)
-    equals ``(fp32 concat + delta).to(out)`` bitwise, hence column block s equals ``linear(x, w_s,
-    delta=delta_s)``, for 16-bit and fp32 operands and outputs, with a split K (fp32 weights, K >
-    SPLIT_K_CHUNK: the delta is added in the partial sum's pass) and through the fallbacks (one weight,
-    mixed dtypes); the delta's gradient is the output's, in fp32."""
+def test_linear_concat_delta_is_each_blocks_linear(device, interpret, monkeypatch):
+    """``linear_concat(..., delta=)`` (the LoRA deltas of project(), in the one launch) gives column block s the bits
+    of ``linear(x, w_s, delta=delta_s)`` and the delta's value (``_assert_delta_start``), for 16-bit and fp32
+    operands and outputs, with a split K (fp32 weights, K > SPLIT_K_CHUNK: the delta is added in the partial
+    sum's pass) and through the fallbacks (one weight, mixed dtypes); the delta's gradient is the output's, in
+    fp32."""
     from zmrl.kernels_batch_invariant.triton.matmul import SPLIT_K_CHUNK
     g = torch.Generator().manual_seed(21)
     cat = triton_impl(linear_concat)
@@ -187,17 +206,18 @@ def test_linear_concat_delta_equals_the_unfused_sum(device, interpret, monkeypat
         for out_dtype in (torch.bfloat16, torch.float32):
             launches = count_gemm_launches(monkeypatch)
             fused = cat(x, ws, out_dtype=out_dtype, delta=delta)
-            assert len(launches) == 1, "one launch for all weights, the delta in its epilogue"
+            assert len(launches) == 1, "one launch for all weights, the delta in it"
             monkeypatch.undo()
-            assert torch.equal(fused, (cat(x, ws, out_dtype=torch.float32) + delta).to(out_dtype)), (x_dtype, w_dtype, k)
             blocks = [_lin(x, w, out_dtype=out_dtype, delta=d) for w, d in zip(ws, delta.split([7, 16, 33], -1))]
-            assert torch.equal(fused, torch.cat(blocks, -1))
+            assert torch.equal(fused, torch.cat(blocks, -1)), (x_dtype, w_dtype, k)
+            for w, d, block in zip(ws, delta.split([7, 16, 33], -1), blocks):
+                _assert_delta_start(block, x, w, None, d, k > SPLIT_K_CHUNK and w_dtype == torch.float32)
     # fallbacks: one weight; weights of two dtypes (separate launches)
     x = torch.randn(5, 40, generator=g).to(device, torch.bfloat16)
     w1, w2 = torch.randn(8, 40, generator=g).to(device, torch.bfloat16), torch.randn(4, 40, generator=g).to(device)
     d = torch.randn(5, 12, generator=g).to(device)
-    assert torch.equal(cat(x, [w1], delta=d[:, :8]), (cat(x, [w1], out_dtype=torch.float32) + d[:, :8]).to(x.dtype))
-    assert torch.equal(cat(x, [w1, w2], delta=d), (cat(x, [w1, w2], out_dtype=torch.float32) + d).to(x.dtype))
+    assert torch.equal(cat(x, [w1], delta=d[:, :8]), _lin(x, w1, delta=d[:, :8]))
+    assert torch.equal(cat(x, [w1, w2], delta=d), torch.cat([_lin(x, w1, delta=d[:, :8]), _lin(x, w2, delta=d[:, 8:])], -1))
     with pytest.raises(ValueError, match="delta must be an fp32 tensor"):
         cat(x, [w1, w2], delta=d[:, :8])
     # gradients: fused vs unfused, bitwise (the same backward GEMMs; the delta's gradient is gy in fp32)
@@ -488,11 +508,12 @@ def test_grouped_linear_rows_equal_linear(device, interpret, dtype):
     assert torch.equal(triton_impl(grouped_linear)(xd, wd), grouped_linear.impls["torch"](xd, wd))
 
 
-def test_grouped_linear_delta_equals_the_sum(device, interpret):
-    """``grouped_linear`` with a ``delta`` (the absorbed MLA LoRA terms, fp32 [G, M, N]) equals the unfused
-    ``(fp32 result + delta).to(out)`` bitwise, for the fp32 x bf16 split path (o_lat through W_UV) and bf16
-    operands, fp32 and bf16 outputs, on the Triton and torch backends; its gradients equal the unfused
-    ones (the delta's is the output's, in fp32)."""
+def test_grouped_linear_delta_is_each_groups_linear(device, interpret):
+    """``grouped_linear`` with a ``delta`` (the absorbed MLA LoRA terms, fp32 [G, M, N]): on the Triton backend
+    group g has the bits of ``linear(x[g], w[g], delta=delta[g])`` (its accumulator starts from the delta), on
+    the torch backend the unfused ``(fp32 result + delta).to(out)``'s, for the fp32 x bf16 split path (o_lat
+    through W_UV) and bf16 operands, fp32 and bf16 outputs; its gradients equal the unfused ones (the delta's
+    is the output's, in fp32)."""
     g = torch.Generator().manual_seed(21)
     G, M, K, N = (3, 9, 40, 24) if interpret else (64, 70, 512, 128)
     for x_dtype, w_dtype in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)):
@@ -502,7 +523,10 @@ def test_grouped_linear_delta_equals_the_sum(device, interpret):
         for impl, out_dtype in itertools.product(("triton", "torch"), (torch.float32, torch.bfloat16)):
             op = triton_impl(grouped_linear) if impl == "triton" else grouped_linear.impls["torch"]
             fused = op(x, w, out_dtype=out_dtype, delta=delta)
-            plain = (op(x, w, out_dtype=torch.float32) + delta).to(out_dtype)
+            if impl == "torch":
+                plain = (op(x, w, out_dtype=torch.float32) + delta).to(out_dtype)
+            else:
+                plain = torch.stack([_lin(x[i], w[i], out_dtype=out_dtype, delta=delta[i]) for i in range(G)])
             assert torch.equal(fused, plain), (impl, x_dtype, out_dtype)
         with pytest.raises(ValueError, match="delta must be"):
             triton_impl(grouped_linear)(x, w, delta=delta[:, :1])
@@ -675,11 +699,13 @@ def test_expert_linear_lora_factors(device):
 
 
 @pytest.mark.parametrize("k", [40, 1100])  # one K step / split K (fp32 weights, K > SPLIT_K_CHUNK)
-def test_delta_in_the_epilogue_equals_the_sum(device, interpret, k):
-    """``linear`` / ``expert_linear`` with a ``delta`` (the LoRA delta, fp32) equal the unfused
-    ``(fp32 result + delta).to(out)`` bitwise — Linear.forward and the MoE layer fuse it, project()
-    does not, and both must give the same bits — with or without bias, in a 16-bit or fp32 output;
-    the gradients equal the unfused ones (the delta's is the output's, in fp32)."""
+def test_delta_starts_the_sum(device, interpret, k):
+    """``linear`` / ``expert_linear`` with a ``delta`` (the LoRA delta, fp32): the accumulator starts from it
+    (``_assert_delta_start``: float64 bound, a zero delta changes no bit; a split-K product adds it after its
+    partials, bitwise the unfused sum), with or without bias, in a 16-bit or fp32 output; an expert's rows have
+    the bits of ``linear(rows, w_e, delta=...)``; the gradients equal the unfused ones (the delta's is the
+    output's, in fp32)."""
+    from zmrl.kernels_batch_invariant.triton.matmul import SPLIT_K_CHUNK
     g = torch.Generator().manual_seed(13)
     x = torch.randn(19, k, generator=g).to(device, torch.bfloat16)
     for w_dtype in (torch.bfloat16, torch.float32):
@@ -688,11 +714,12 @@ def test_delta_in_the_epilogue_equals_the_sum(device, interpret, k):
         delta = torch.randn(19, 24, generator=g).to(device)
         for b, out_dtype in itertools.product((None, bias), (torch.bfloat16, torch.float32)):
             fused = _lin(x, w, b, out_dtype=out_dtype, delta=delta)
-            assert torch.equal(fused, (_lin(x, w, b, out_dtype=torch.float32) + delta).to(out_dtype)), (w_dtype, b, out_dtype)
+            _assert_delta_start(fused, x, w, b, delta, k > SPLIT_K_CHUNK and w_dtype == torch.float32)
         ws = torch.stack([w, w.flip(0), w * 0.5])
         off = _offsets([7, 0, 12])
         fused = triton_impl(expert_linear)(x, ws, off, delta=delta)
-        assert torch.equal(fused, (triton_impl(expert_linear)(x, ws, off, out_dtype=torch.float32) + delta).to(x.dtype))
+        rows = [_lin(x[off[e]:off[e + 1]], ws[e], delta=delta[off[e]:off[e + 1]]) for e in range(3)]
+        assert torch.equal(fused, torch.cat(rows))
     # gradients: fused vs unfused (fp32 LoRA-style weight, bf16 output)
     w = (torch.randn(24, k, generator=g) / k**0.5).to(device).requires_grad_()
     xs = x.float().requires_grad_()
@@ -892,13 +919,14 @@ def test_lora_gradients_of_a_16bit_output(device, interpret, concat, monkeypatch
 
 
 def test_lora_epilogue_at_training_rows(device, interpret, monkeypatch):
-    """At training sizes (>= LARGE_M rows per expert, or rows of a linear / linear_concat: the 256-row tiles the
-    LoRA epilogue narrows to 128 rows) every row is computed and equals the unfused delta path: a grid counted for the wider tile leaves rows
-    unwritten (found by the bench-shape GPU parity test: NaN in a 32K-token prefill). Under the interpreter
-    (whose dot holds a [BLOCK_M, BLOCK_K, BLOCK_N] product, at most 2^20 elements) the 16-bit products take a
-    256 x 128 tile with a 16-wide K step, so the narrowing happens there too."""
+    """At training sizes (>= LARGE_M rows per expert, or rows of a linear / linear_concat: the 256 x 128 tiles a LoRA
+    product turns into 128 x 256 ones, ``lora_config``) every row is computed and equals the unfused delta path: a
+    grid counted for the other tile leaves rows unwritten (found by the bench-shape GPU parity test: NaN in a
+    32K-token prefill). Under the interpreter (whose dot holds a [BLOCK_M, BLOCK_K, BLOCK_N] product, at most 2^20
+    elements) the 16-bit products take a 256 x 128 tile with a 16-wide K step, so the change happens there too."""
     from zmrl.kernels_batch_invariant.triton import matmul as tmm
     from zmrl.kernels_batch_invariant.triton.matmul import LARGE_M, GemmConfig
+    monkeypatch.setattr(tmm, "LORA_WIDE_N", 32)  # this 48-wide product takes the wide LoRA tile (128 x 256)
     if interpret:
         real = tmm.linear_config
         monkeypatch.setattr(tmm, "linear_config", lambda n, k, dtype, m=1, experts=False: (

@@ -47,12 +47,20 @@ where it still leaves >= 64 programs. Narrow outputs (N <= 2048, e.g. 2048 -> 20
 64x32 tiles: more programs at decode, at the cost of some prefill efficiency (A is re-read N/32
 times, from L2). ``benchmarks/gemm_invariant_vs_cublas.py --sweep`` measures alternatives.
 
-LoRA in the epilogue: ``linear`` / ``expert_linear`` take a LoRA delta as its up factors (``lora``: t = x @ A^T
-in fp32, B, the scale) and compute ``scale * t @ B^T`` after the K loop, with the six split MMAs of the
-standalone fp32 x fp32 product in its order and into its own zeroed accumulator, then add it as the
-``delta`` would be added: the same bits as computing the delta with ``linear(t, B)`` and passing it, without
-the launch and without writing and reading the fp32 [M, N] delta (at decode the B products were the
-slowest GEMMs per byte; at training the routed down projection's delta is [T * k, hidden] in fp32).
+A delta starts the sum: ``delta`` (fp32, laid out as the output) is the accumulator's initial value and the K
+products accumulate onto it; the bias follows, then the one rounding. (The torch backend adds the delta after
+the sum: the backends need not agree bitwise, each one's ``delta=`` and ``lora=`` calls must.) Starting from the
+delta keeps one accumulator in the tile: a delta added after the K loop needs a second one for the LoRA
+product, which capped the tile at 128 x 128 (a 256-wide tile spilled) and halved the programs per SM; the
+delta first allows 128 x 256 tiles, 21-29 % faster on the trainer's LoRA shapes
+(benchmarks/results/2026-12-06_lora_prologue_probe_h100.json).
+
+LoRA delta from its factors: ``linear`` / ``expert_linear`` / ``linear_concat`` / ``grouped_linear`` take a LoRA delta
+as its up factors (``lora``: t = x @ A^T in fp32, B, the scale) and compute ``scale * t @ B^T`` before the K loop,
+with the six split MMAs of the standalone fp32 x fp32 product in its order from zero, then the scale: the same
+bits as computing the delta with ``linear(t, B)`` and passing it, without the launch and without writing and
+reading the fp32 [M, N] delta (at decode the B products were the slowest GEMMs per byte; at training the routed
+down projection's delta is [T * k, hidden] in fp32).
 
 Autograd: hand-written backwards with stock torch matmuls (the backward need not be invariant, only
 correct): dX = dY @ W, dW = dY^T X, dbias = sum dY. 16-bit operands use 16-bit cuBLAS GEMMs (fp32
@@ -383,17 +391,18 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr = 1,
 ):
-    """y[g, m, n] = sum_k x[g, m, k] * w[g, n, k] (+ b[n]) (+ d[g, m, n]) for one [BLOCK_M, BLOCK_N] tile.
+    """y[g, m, n] = (d[g, m, n] + sum_k x[g, m, k] * w[g, n, k]) (+ b[n]) for one [BLOCK_M, BLOCK_N] tile.
 
-    ``d`` (HAS_DELTA): an fp32 tensor laid out as y (same strides), added in fp32 after the bias and
-    before the one rounding: the result equals storing the fp32 sum and adding d in torch.
+    ``d`` (HAS_DELTA): an fp32 tensor laid out as y (same strides), the accumulator's initial value: the K
+    products accumulate onto it, the bias follows, one rounding. (A split-K product adds it after its partials
+    instead: SUM_DELTA.)
     HAS_LORA (plain or batched mode, or expert mode): the delta from its factors instead,
     ``lora_scale * t @ lb^T`` with t [M, LORA_R] fp32 (rows as x's, ``stride_tm`` apart, unit column
     stride) and lb [N, LORA_R] fp32 (expert e's at ``e * stride_lbg``; ``stride_lbn`` between rows, unit
     stride over r; batched mode: element g's t rows g*M.. and its B at ``g * stride_lbg``, 0 for a shared B):
     the six split MMAs of the fp32 x fp32 product in the K loop's order, over the one K
     step the standalone product ``linear(t, lb)`` takes (r <= BLOCK_R; its zero-padded K columns add
-    exact zeros), so the added value is that product's, bit for bit. With SEGMENTS (``linear_concat`` with
+    exact zeros), times the scale, so the initial value is that product's, bit for bit. With SEGMENTS (``linear_concat`` with
     ``LoraUpConcat``): segment s's B starts ``lboff_ptr[s]`` elements after ``lb_ptr`` and its t columns are
     s * LORA_R.. of t's rows (every adapter of the group has rank LORA_R), so each segment adds the delta
     ``linear(x, w_s, lora=...)`` adds.
@@ -509,6 +518,21 @@ def _gemm_kernel(
     w_ptrs = w_base + (k_lo + offs_k)[:, None] * stride_wk + offs_n.to(tl.int64)[None, :] * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tile = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    # The delta is the accumulator's initial value (the K products accumulate onto it): the LoRA delta from its
+    # factors, computed here into the one accumulator (the standalone product's one K step, the same six split
+    # products from zero, then the scale: ``linear(t, lb)``'s bits times the scale, rounded), or a given fp32 delta.
+    # Both start the same sum, so lora= and delta= give the same bits.
+    if HAS_LORA:
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < LORA_R
+        t = tl.load(t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :],
+                    mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        lb = tl.load(lb_base + offs_r[:, None] + offs_n.to(tl.int64)[None, :] * stride_lbn,
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot_split_both(acc, t, lb, INTERPRET) * lora_scale
+    elif HAS_DELTA:
+        acc = tl.load(d_base + tile, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
     # Ascending K in fixed BLOCK_K steps: every output element sees the same accumulation order.
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_mask = offs_k < k_hi - k0
@@ -546,18 +570,6 @@ def _gemm_kernel(
 
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < LORA_R
-        t = tl.load(t_base + offs_m.to(tl.int64)[:, None] * stride_tm + offs_r[None, :],
-                    mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        lb = tl.load(lb_base + offs_r[:, None] + offs_n.to(tl.int64)[None, :] * stride_lbn,
-                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        # the standalone product's one K step: its own zeroed accumulator, the same six products
-        acc += _dot_split_both(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), t, lb, INTERPRET) * lora_scale
-    tile = offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    if HAS_DELTA:
-        acc += tl.load(d_base + tile, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
     tl.store(y_base + tile, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     if SERIAL_SUM:
         _serial_split_sum(y_base - tl.program_id(2).to(tl.int64) * stride_ys + tile, stride_ys, o_ptr + o_off,
@@ -730,15 +742,22 @@ class _SegmentLaunch:
     x_blocks: bool = False
 
 
-# Largest output tile (BLOCK_M * BLOCK_N) of a GEMM with the LoRA epilogue (which program computes an element,
-# never its bits: the module doc).
-LORA_MAX_TILE = 128 * 128
+# Largest output tile (BLOCK_M * BLOCK_N) of a GEMM with a LoRA delta from its factors (which program computes an
+# element, never its bits: the module doc).
+LORA_MAX_TILE = 128 * 256
+# Outputs at least this wide take the LoRA tile 128 x 256 at training / prefill rows instead of 256 x 128
+LORA_WIDE_N = 1024
 
 
-def lora_config(cfg: GemmConfig) -> GemmConfig:
-    """``cfg`` for a GEMM with the LoRA epilogue: tiles above LORA_MAX_TILE become 128 x 128 on 8 warps (the
-    epilogue's own fp32 accumulator doubles the tile's registers: a 256 x 128 tile would spill). Callers apply
-    it before they size the grid from the tile (expert mode counts its row tiles from BLOCK_M)."""
+def lora_config(cfg: GemmConfig, n: int) -> GemmConfig:
+    """``cfg`` for an n-wide GEMM with a LoRA delta from its factors. The LoRA product's pieces live next to the
+    accumulator before the K loop, so a 256 x 128 tile is at the register limit (32 bytes of spill per thread in
+    its sm_90 build) and 128 x 256 is not (246 registers): wide outputs take 128 x 256 (16384 rows, LoRA r = 32,
+    H100: N 6400 K 2048 0.99 -> 0.89 ms, N 2048 K 8192 1.23 -> 0.96 ms), narrow ones keep 256 x 128 (N 512:
+    0.31 vs 0.22 ms; benchmarks/results/2026-12-06_lora_prologue_probe_h100.json). Callers apply it before they
+    size the grid from the tile (expert mode counts its row tiles from BLOCK_M)."""
+    if cfg.block_m == 256 and cfg.block_n == 128 and n >= LORA_WIDE_N:
+        return GemmConfig(128, 256, cfg.block_k, 8, min(cfg.num_stages, 3))
     if cfg.block_m * cfg.block_n <= LORA_MAX_TILE:
         return cfg
     return GemmConfig(128, 128, cfg.block_k, 8, min(cfg.num_stages, 3))
@@ -876,6 +895,10 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=block_e,
         GROUP_M=GROUP_M if grid[0] > 1 and grid[1] > 1 else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # no multiply-add contraction: the LoRA delta's ``product * scale`` rounds as the unfused composition's
+        # (``scale * linear(t, b)``) does; contracted into an FMA with the sum it joins, the two differed at a
+        # scale that is not a power of two (found on the GPU by test_grouped_linear_lora_equals_its_delta)
+        enable_fp_fusion=False,
     )
     if k_chunk and not serial:
         rows, cols = out.shape[1], out.shape[2]
@@ -928,7 +951,7 @@ def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if m and n:
         cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
         if lora is not None:
-            cfg = lora_config(cfg)
+            cfg = lora_config(cfg, n)
         bias = None if bias is None else bias.contiguous()  # the kernel reads it with unit stride
         _launch(x2.unsqueeze(0), weight.unsqueeze(0), bias, y.unsqueeze(0), cfg, m, n, k,
                 delta=_delta_rows(delta, m, n), lora=_lora_launch(lora, m, n, stacked=False))
@@ -1057,7 +1080,7 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
         cfg = linear_config(n, k_cfg, _config_dtype(x.dtype, w0.dtype), m)
         launch_lora = None
         if lora is not None:
-            cfg = lora_config(cfg)  # before the column tiles are counted from BLOCK_N
+            cfg = lora_config(cfg, n)  # before the column tiles are counted from BLOCK_N
             b_table = _weight_table(list(lora.bs), x.device, "lora_B")
             launch_lora = _LoraLaunch(_lora_rows(lora.t, m), lora.bs[b_table.base_index], float(lora.scale),
                                       b_table.table)
@@ -1297,7 +1320,7 @@ def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
         cfg = linear_config(n, k, _config_dtype(x.dtype, weight.dtype), m)
         launch_lora = None
         if lora is not None:
-            cfg = lora_config(cfg)
+            cfg = lora_config(cfg, n)
             b = lora.b
             if b.stride(-1) != 1:  # the epilogue reads B rows with unit stride over r
                 # a shared B (an expanded view, e.g. MLA's A^T for every head): one [N, r] copy, still shared
@@ -1563,7 +1586,7 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
     # for linear: at batch 256 an expert sees ~32 of the 2048 routed rows, a decode-sized tile.
     cfg = linear_config(n, k, _config_dtype(x.dtype, w_dtype), cdiv(m, e), experts=True)
     if lora is not None:
-        cfg = lora_config(cfg)  # before the row tiles are counted from its BLOCK_M
+        cfg = lora_config(cfg, n)  # before the row tiles are counted from its BLOCK_M
     w3, woff, align = _expert_weight_table(weights, x.device)
     if dev is None:
         n_tiles = _expert_tiles(offsets, cfg.block_m)
