@@ -56,6 +56,22 @@ def test_matches_float64(problem, kind, chunk_elems, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_one_sync_for_many_chunks_changes_no_bit(problem, kind, monkeypatch):
+    """The chunks' key unions found together (``UNION_ENTRIES``: all chunks in one sort) or one chunk at a time give
+    the same gradients bit for bit, with several chunks (a small ``CHUNK_ELEMS``) and with the halving of chunks
+    whose keys spread wider than expected (the smallest ``CHUNK_ELEMS``)."""
+    cache, bt, sidx, _, q_lat, q_pe, kps, go = problem
+    for chunk_elems in (1, 3 * 64 * 2 * 5):
+        monkeypatch.setattr(M, "CHUNK_ELEMS", chunk_elems)
+        got = {}
+        for entries in (1, 1 << 24):
+            monkeypatch.setattr(M, "UNION_ENTRIES", entries)
+            got[entries] = M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC,
+                                                 (True, True, True))
+        assert all(torch.equal(a, b) for a, b in zip(got[1], got[1 << 24])), chunk_elems
+
+
 def test_only_requested_gradients(problem):
     cache, bt, sidx, _, q_lat, q_pe, kps, go = problem
     full = M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps["sparse"], SCALE, DC, (True, True, True))
@@ -96,3 +112,27 @@ def check_bf16_grads(problem, kind, device):
         err = (a.double().cpu() - b).abs().max().item()
         assert err <= 2.0 ** -5 * b.abs().max().item(), f"{kind} d{name}: {err:.2e}"
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.parametrize("rows,width,chunk", [(10, 7, 3), (8, 5, 8), (9, 4, 2), (5, 6, 10)])
+def test_chunk_unions_are_each_chunks_unique(rows, width, chunk):
+    """``chunk_unions`` (all chunks' key unions from one sort and one host sync) gives every chunk the
+    ``torch.unique(sorted=True, return_inverse=True)`` of its entries plus the sentinel, which the chunk-by-chunk
+    backward used: the same unions, so the same gradients bit for bit. Chunks with a row without keys, a chunk
+    without any key, a partial last chunk, one chunk for all rows."""
+    from zmrl.kernels_batch_invariant.mla_attention_grads import chunk_unions
+
+    sentinel = 40
+    g = torch.Generator().manual_seed(rows * 100 + chunk)
+    keyed = torch.randint(0, sentinel, (rows, width), generator=g)
+    keyed[torch.rand(rows, width, generator=g) < 0.3] = sentinel
+    keyed[1] = sentinel
+    keyed[-min(chunk, rows):] = sentinel if rows > chunk else keyed[-min(chunk, rows):]
+    out = chunk_unions(keyed, chunk, sentinel)
+    assert len(out) == -(-rows // chunk)
+    for i, (u, inv) in enumerate(out):
+        part = keyed[i * chunk:(i + 1) * chunk]
+        want_u, want_inv = torch.unique(torch.cat([part.reshape(-1), part.new_full((1,), sentinel)]), sorted=True,
+                                        return_inverse=True)
+        assert torch.equal(u, want_u), i
+        assert torch.equal(inv, want_inv[:-1].view(part.shape)), i

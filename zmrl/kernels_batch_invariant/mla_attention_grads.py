@@ -15,8 +15,12 @@ contract's ``backward_matmul_precision`` on CUDA (TF32 by default: bf16 operands
 ones, such as the absorbed queries, are rounded to 2^-11 relative; the bf16 weights the gradients flow to
 round to 2^-8).
 
-Everything is deterministic run to run: sorted ``unique``, constant-value ``scatter_``, fixed-shape
-GEMMs, ``index_add_`` onto distinct rows, chunks in ascending order.
+The chunks' unions are found together (``chunk_unions``: one sort of every entry keyed by its chunk, one host
+sync for up to ``UNION_ENTRIES`` entries) rather than by a ``torch.unique`` per chunk, whose host sync drained
+the GPU's queue once per 512 queries.
+
+Everything is deterministic run to run: a sort of distinct integer keys' runs, constant-value ``scatter_``,
+fixed-shape GEMMs, ``index_add_`` onto distinct rows, chunks in ascending order.
 """
 from __future__ import annotations
 
@@ -31,8 +35,13 @@ from .numerics import backward_matmuls, current_numerics
 
 # Elements of one [G, H, U] fp32 buffer per chunk. ``_chunk_grads`` holds at most three of them at a
 # time (scores/probabilities and their gradient, updated in place), so chunks are as large as memory
-# allows: each chunk costs a host sync (``unique``) and a fixed set of launches.
+# allows: each chunk costs a fixed set of launches.
 CHUNK_ELEMS = 1 << 27
+# Key-list entries whose unions one ``chunk_unions`` call finds (one sort, one host sync for all of their
+# chunks; ~40 bytes of transient buffers per entry). The union sizes must reach the host (they shape the
+# chunk's GEMMs): found chunk by chunk (``torch.unique``) that was a sync per 512 queries, 128 per bench
+# trainer step, each one draining the GPU's queue.
+UNION_ENTRIES = 1 << 24
 # A chunk's key count is padded to a multiple of this (16-byte-aligned bf16 and fp32 rows: _chunk_keys).
 KEY_PAD = 8
 
@@ -68,36 +77,78 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
     g_kv = torch.zeros((num_pages * page_size, d), dtype=cdt, device=dev) if need[2] else None
     # U is typically <= 2 L for trainer batches (a chunk's keys come from one or two sequences).
     chunk = max(1, CHUNK_ELEMS // (h * 2 * width))
+    # Invalid entries get a sentinel slot past every real one: a chunk's union then ends with it, and each
+    # entry's index into the union is its key column, U for "no key".
+    sentinel = num_pages * page_size
     with backward_matmuls(dev):
         c0 = 0
         while c0 < nq:
-            c1 = min(nq, c0 + chunk)
-            slots, valid = cache_slots(block_table, seq_idx[c0:c1], kp[c0:c1], page_size)
-            # Invalid entries get a sentinel slot past every real one (appended once more so it is always
-            # there, last): ``unique`` is then the chunk's only host sync (boolean-mask indexing would add
-            # two), and its inverse is each entry's key column with U for "no key".
-            sentinel = num_pages * page_size
-            keyed = torch.where(valid, slots, sentinel).reshape(-1)
-            u, inv = torch.unique(torch.cat([keyed, keyed.new_full((1,), sentinel)]), sorted=True,
-                                  return_inverse=True)
-            n_u = u.numel() - 1
-            if c1 - c0 > 1 and (c1 - c0) * h * n_u > 2 * CHUNK_ELEMS:
+            # the chunks of one union call: whole chunks, at least one
+            c_end = min(nq, c0 + max(chunk, (UNION_ENTRIES // width) // chunk * chunk))
+            slots, valid = cache_slots(block_table, seq_idx[c0:c_end], kp[c0:c_end], page_size)
+            unions = chunk_unions(torch.where(valid, slots, sentinel), chunk, sentinel)
+            if any(n > 1 and n * h * (u.numel() - 1) > 2 * CHUNK_ELEMS
+                   for n, (u, _) in zip(_chunk_sizes(c_end - c0, chunk), unions)):
                 chunk = max(1, chunk // 2)  # keys spread wider than expected: smaller chunks
                 continue
-            q_rows = [None if t is None else t[c0:c1] for t in (g_ql, g_qr, g_q)]
-            if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
-                _zero(*(q_rows[2:] if g_q is not None else q_rows[:2]))  # (g_ql, g_qr are views of g_q)
-            else:
-                args = (grad_out[c0:c1], q_lat[c0:c1], q_pe[c0:c1], flat, u[:n_u], inv[:-1].view(valid.shape),
-                        softmax_scale, dc)
+            for i, (u, inv) in enumerate(unions):
+                a, b = c0 + i * chunk, min(c_end, c0 + (i + 1) * chunk)
+                n_u = u.numel() - 1
+                q_rows = [None if t is None else t[a:b] for t in (g_ql, g_qr, g_q)]
+                if n_u == 0:  # no query of the chunk has a key: output 0, gradients 0
+                    _zero(*(q_rows[2:] if g_q is not None else q_rows[:2]))  # (g_ql, g_qr are views of g_q)
+                    continue
+                args = (grad_out[a:b], q_lat[a:b], q_pe[a:b], flat, u[:n_u], inv, softmax_scale, dc)
                 if bf16_stages is None:
                     _chunk_grads(*args, *q_rows[:2], g_kv, cdt)
                 else:
                     _chunk_grads_bf16(*args, q_rows[2], g_kv, bf16_stages)
-            c0 = c1
+            c0 = c_end
     return (None if g_ql is None else g_ql.to(q_lat.dtype),
             None if g_qr is None else g_qr.to(q_pe.dtype),
             None if g_kv is None else g_kv.view(num_pages, page_size, d).to(kv_cache.dtype))
+
+
+def _chunk_sizes(rows: int, chunk: int) -> list[int]:
+    return [min(chunk, rows - c) for c in range(0, rows, chunk)]
+
+
+def chunk_unions(keyed: torch.Tensor, chunk: int, sentinel: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For consecutive chunks of ``chunk`` rows of ``keyed`` [G, L] (cache slots in [0, sentinel), ``sentinel``
+    for "no key"): per chunk ``(u, inv)`` as ``torch.unique(cat([chunk's entries, [sentinel]]), sorted=True,
+    return_inverse=True)`` gives them, ``inv`` without the appended entry's and shaped [rows, L]: the chunk's
+    sorted distinct slots with ``sentinel`` last, and each entry's index into them.
+
+    One sort over all the chunks (each entry keyed by its chunk first), so the union sizes reach the host in one
+    sync for all of them instead of one per chunk."""
+    rows, width = keyed.shape
+    n_chunks = max(1, -(-rows // chunk))
+    dev = keyed.device
+    span = sentinel + 1
+    # 32-bit keys where they fit: half the bytes, and half the radix passes of the sort
+    kdt = torch.int32 if n_chunks * span < 2**31 else torch.int64
+    chunk_of_row = torch.arange(rows, device=dev, dtype=kdt) // chunk
+    ends = torch.arange(n_chunks, device=dev, dtype=kdt)
+    # every chunk's entries and one sentinel, keyed chunk-major: sorted, the chunks follow each other
+    keys = torch.cat([(chunk_of_row[:, None] * span + keyed.to(kdt)).reshape(-1), ends * span + sentinel])
+    ordered, order = torch.sort(keys)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    rank = torch.cumsum(first, 0) - 1  # each sorted entry's index among all chunks' distinct values
+    chunk_of = torch.div(ordered, span, rounding_mode="floor")
+    counts = torch.zeros(n_chunks, dtype=torch.int64, device=dev).index_add_(0, chunk_of, first.to(torch.int64))
+    starts = torch.cumsum(counts, 0) - counts
+    inv = torch.empty_like(rank)
+    inv[order] = rank - starts[chunk_of]
+    values = torch.empty_like(rank)
+    values[rank] = (ordered - chunk_of * span).to(torch.int64)  # duplicates write the same value
+    sizes = counts.tolist()  # the one host sync
+    out, begin = [], 0
+    for i, (n, n_rows) in enumerate(zip(sizes, _chunk_sizes(rows, chunk))):
+        entries = inv[i * chunk * width: i * chunk * width + n_rows * width]
+        out.append((values[begin:begin + n], entries.view(n_rows, width)))
+        begin += n
+    return out
 
 
 def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,

@@ -265,3 +265,47 @@ def test_decode_step_row_kernels_build_for_sm90():
                           SPLIT=mla_attention.SPLIT_KEYS, DENSE=dense, DIRECT=False, SPLIT_BF16=True,
                           N_HG=64 // cfg.block_h)
             _build_ir(fn, _sig(fn, ptrs, consts, {"scale": "fp32"}), consts)
+
+
+@compiled_only
+@pytest.mark.parametrize("mode", ["plain", "experts", "segments"])
+def test_lora_training_tile_fits_hopper(mode):
+    """The tile ``lora_config`` gives a wide LoRA product at training rows (128 x 256, 8 warps, 3 stages: the delta
+    starts the accumulator, so the tile holds one) compiles for sm_90 through ptxas within the 227 KiB of shared
+    memory per block and without spilling registers (cuobjdump's resource usage, where this Triton ships it)."""
+    import re
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from zmrl.kernels_batch_invariant.triton.matmul import (LARGE_M, LORA_WIDE_N, linear_config, lora_config)
+
+    cfg = lora_config(linear_config(2048, 2048, __import__("torch").bfloat16, LARGE_M), LORA_WIDE_N)
+    assert (cfg.block_m, cfg.block_n) == (128, 256)
+    consts = dict(SERIAL_SUM=False, SUM_BIAS=False, SUM_DELTA=False, GATHER_DIV=8 if mode == "experts" else 0,
+                  HAS_BIAS=False, HAS_DELTA=False, HAS_LORA=True, LORA_R=32, BLOCK_R=32, EXPERTS=mode == "experts",
+                  SEGMENTS=mode == "segments", X_SEGMENTS=False, W_TABLE=mode != "plain", W_ALIGN=8, F32_DOT=False,
+                  SPLIT_X=False, SPLIT_W=False, K_CHUNK=0, INTERPRET=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, BLOCK_E=64, GROUP_M=8, stride_xk=1, stride_wk=1, stride_yn=1, stride_on=1)
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*fp32", "d_ptr": "*fp32", "y_ptr": "*bf16", "offs_ptr": "*i32",
+            "woff_ptr": "*i64", "t_ptr": "*fp32", "lb_ptr": "*fp32", "lboff_ptr": "*i64", "lora_scale": "fp32",
+            "o_ptr": "*bf16", "cnt_ptr": "*i32", "gidx_ptr": "*i64"}
+    names = _gemm_kernel.arg_names
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    # what the launcher's arguments give the compiler: 16-byte aligned pointers and row strides
+    aligned = [n for n in names if n not in consts and (n.endswith("_ptr") or n in (
+        "N", "K", "stride_xg", "stride_xm", "stride_wg", "stride_wn", "stride_yg", "stride_ym", "stride_tm", "stride_lbn"))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    out = triton.compile(ASTSource(_gemm_kernel, sig, consts, attrs), target=TARGET,
+                         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False})
+    assert out.metadata.shared <= 227 * 1024, out.metadata.shared
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists() and shutil.which("cuobjdump") is None:
+        return
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(out.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(cuobjdump) if cuobjdump.exists() else "cuobjdump", "-res-usage", f.name],
+                               capture_output=True, text=True).stdout
+    stack = [int(v) for v in re.findall(r"STACK:(\d+)", usage)]
+    assert stack and max(stack) == 0, usage  # spilled registers live on the stack

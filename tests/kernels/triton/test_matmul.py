@@ -10,9 +10,8 @@ import itertools
 
 import pytest
 import torch
-
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
+import triton
+import triton.language as tl
 
 from zmrl.kernels_batch_invariant import current_numerics, numerics_scope
 from zmrl.kernels_batch_invariant.matmul import (LoraUp, LoraUpConcat, bmm_fixed, grouped_linear, linear, linear_blockdiag,
