@@ -54,6 +54,7 @@
 #   next2         train_sweep trainer decode_lora prefill parity (what the third 2026-12-06 session left unmeasured);
 #   gate_up       the GPU tests of expert_gate_up (one gradient for the MoE rows), with its bench-shape timing;
 #   next3 / next4 gate_up trainer parity / decode_lora prefill train_sweep (the fourth 2026-12-06 session's calls);
+#   next5         train_gemms trainer (with --sync-census) matmul prefill parity: what the fifth 12-06 session left unrun;
 #   bands         the GEMM's banded launch order against the plain one (train_gemms and train_gemms_plain, ZMRL_GEMM_GROUP_M=1),
 #                 then trainer, prefill, matmul and parity with bands (the fifth 12-06 session's call);
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
@@ -136,6 +137,11 @@ STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
 # "bands": the GEMM's banded launch order (grouped_tile) against the plain order on one machine: the forward's GEMM launches
 # both ways, the trainer step and prefill with bands, the GEMM GPU tests (row invariance) and the bench-shape parity
 [[ " $STEPS " == *" bands "* ]] && STEPS="$STEPS train_gemms train_gemms_plain trainer prefill matmul parity"
+# "next5": the first call after the fifth 12-06 session (its last changes never ran on a GPU: the delta as the GEMM
+# accumulator's start, the 128 x 256 LoRA tiles, the MLA backward's one sync per group of chunks): the forward's GEMM
+# launches, the trainer step with its host-sync census, the GEMM GPU tests, prefill, the bench-shape parity
+[[ " $STEPS " == *" next5 "* ]] && STEPS="$STEPS train_gemms trainer matmul prefill parity" && \
+  TRAINER_ARGS="${TRAINER_ARGS:-} --sync-census"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # The recurrent KDA kernel's launch configurations (shared numerics: decode == packed checked per configuration),

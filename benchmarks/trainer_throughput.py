@@ -161,6 +161,15 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
             extra.append({"profile_forward": prof_fwd, "profile": prof})
         except Exception as e:  # noqa: BLE001 (the profile is extra information)
             log.exception("profiling failed: %s", e)
+    if a.sync_census and dev.type == "cuda":
+        with kernel_mode("bitwise"), numerics_scope(current_numerics().replace(
+                backward_matmul_precision=a.backward_precision[-1])):
+            zero()
+            sites = sync_census(forward_backward)
+            zero()
+        print(f"\nHost syncs in one forward+backward (bitwise): {sum(r['syncs'] for r in sites)}")
+        print(table(sites, [("site", "call site", "s"), ("syncs", "syncs", "d")]))
+        extra.append({"sync_census": sites})
     print(f"\nTrainer forward+backward, {'tiny (smoke)' if a.smoke else 'bench'} preset "
           f"({cfg.num_hidden_layers} layers) bf16, LoRA r={a.lora_r}, packed micro-batch "
           f"{'+'.join(map(str, a.seq_lens))} = {tokens} tokens; {flops.total / 1e12:.1f} TFLOP per fwd+bwd "
@@ -171,6 +180,27 @@ def bench_model(a: argparse.Namespace, dev: torch.device, peak_tflops: float | N
                        ("tflop_s", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"), ("peak_gib", "peak GiB", ".1f"),
                        ("expected_peak_gib", "expected GiB", ".1f"), ("error", "error", "s")]))
     return rows + extra
+
+
+def sync_census(step: Callable[[], Any]) -> list[dict[str, Any]]:
+    """The host syncs of one ``step`` on CUDA, by the Python line that asked for them (torch's sync debug mode
+    warns at every synchronizing operation: ``.item()``, ``.tolist()``, ``unique``, a boolean-mask index...).
+    Each one drains the GPU's queue; the step's time between kernels (wall minus busy) is where they show."""
+    import warnings
+    from collections import Counter
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    sites = Counter(f"{w.filename.split('/zmrl/')[-1] if '/zmrl/' in w.filename else w.filename}:{w.lineno}"
+                    for w in caught if "synchroniz" in str(w.message))
+    return [{"site": site, "syncs": n} for site, n in sites.most_common()]
 
 
 # ----------------------------------------------------------------------------- the KDA layer
@@ -306,6 +336,8 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one forward+backward and list the N kernels with the most GPU time")
     ap.add_argument("--no-model", dest="model", action="store_false", help="only the KDA layer comparison")
+    ap.add_argument("--sync-census", action="store_true",
+                    help="CUDA: count the host syncs of one bitwise forward+backward by call site")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None,
                     help="JSON result (default benchmarks/results/<date>_trainer_throughput_<device>.json)")
