@@ -76,8 +76,8 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LoraUp:
-    """The up half of a LoRA delta, ``scale * t @ b^T``, handed to a GEMM so that it adds the delta in its
-    epilogue instead of reading it from memory: t [..., r] fp32 (``x @ lora_A^T``, rows as the GEMM's x
+    """The up half of a LoRA delta, ``scale * t @ b^T``, handed to a GEMM so that it computes the delta in
+    its own launch instead of reading it from memory: t [..., r] fp32 (``x @ lora_A^T``, rows as the GEMM's x
     rows), b [N, r] fp32 (``lora_B``; [E, N, r] for ``expert_linear``), scale (``alpha / r``).
 
     Its value is defined as ``linear(t, b, out_dtype=fp32)`` (per expert for ``expert_linear``), times
@@ -240,7 +240,7 @@ def linear_concat(
     ``delta``: fp32 [..., sum N_i] (the LoRA deltas side by side), added before the one rounding as in
     ``linear``: column block i is bitwise ``linear(x, weights[i], out_dtype=out_dtype, delta=delta_i)``.
     ``lora`` (instead of ``delta``): the deltas as their up factors, ``delta = lora_concat_delta(lora)``, which
-    the Triton GEMM computes in its epilogue (``project()``'s adapted projections of one input).
+    the Triton GEMM computes in the same launch (``project()``'s adapted projections of one input).
     """
     if not weights:
         raise ValueError("linear_concat: no weights")
@@ -291,7 +291,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     joins it (this backend: bitwise ``(grouped_linear(x, weight, torch.float32) + delta).to(out_dtype)``; the
     Triton GEMM starts from it). ``lora`` (instead of ``delta``): the delta as its factors, t [G, M, r] and b [G, N, r] fp32
     (b may be an expanded view: one B for every group), ``delta = grouped_lora_delta(lora)``, which the Triton
-    GEMM computes in its epilogue (no [G, M, N] fp32 delta written and read back). Used for per-head absorbed
+    GEMM computes in the same launch (no [G, M, N] fp32 delta written and read back). Used for per-head absorbed
     MLA projections (with their LoRA terms) and batched expert/LoRA weights.
     """
     delta = resolve_delta(delta, lora, "grouped_linear", lambda up: grouped_lora_delta(up, grouped_linear.impls["torch"]))

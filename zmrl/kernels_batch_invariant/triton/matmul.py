@@ -301,7 +301,7 @@ def dot_acc(acc, a, b, HALF: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: t
 def _dot_split_both(acc, a, b, INTERPRET: tl.constexpr):
     """acc + a @ b for fp32 tiles a and b, both split into three bf16 pieces (``_split_bf16``): the six
     products down to 2^-16 relative, in this order (the three dropped ones, mid*lo, lo*mid, lo*lo, are below
-    2^-24 of |a||b| together). The GEMM's K loop and its LoRA epilogue both call it: one order."""
+    2^-24 of |a||b| together). The GEMM's K loop and its in-launch LoRA delta both call it: one order."""
     a_hi, a_mid, a_lo = _split_bf16(a)
     b_hi, b_mid, b_lo = _split_bf16(b)
     acc = dot_acc(acc, a_hi, b_hi, True, "ieee", INTERPRET)
@@ -765,7 +765,7 @@ def lora_config(cfg: GemmConfig, n: int) -> GemmConfig:
 
 @dataclass(frozen=True)
 class _LoraLaunch:
-    """``_launch``'s LoRA epilogue: t [M, r] fp32 (unit column stride), b [N, r] fp32 or the stacked [E, N, r]
+    """``_launch``'s in-launch LoRA delta: t [M, r] fp32 (unit column stride), b [N, r] fp32 or the stacked [E, N, r]
     (expert mode; unit stride over r), the scale. Segment mode: t [M, S * r], b the lowest-address segment's B
     [N_s, r] and ``b_table`` int64 [S], every segment's B offset from it in elements."""
 
@@ -804,17 +804,17 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     [1, N, K] (per-expert weights) or the stacked [E, N, K] weights.
     ``segments``: segment mode, G=1, w3 the lowest-address weight as [1, N_s, K], y3 [1, M, sum N_s].
     ``lora``: the delta from its factors (the kernel's HAS_LORA; plain or batched (t [G * M, r] rows, b [G, N, r]),
-    expert or segment mode (with its ``b_table``), without ``delta``, x blocks or a split K, whose epilogue is the
-    partial sum's)."""
+    expert or segment mode (with its ``b_table``), without ``delta``, x blocks or a split K, whose delta joins the
+    partial sums)."""
     if lora is not None and (delta is not None or (x3.shape[0] != 1 and (experts or segments) is not None)
                              or _k_chunk(x3.dtype, w3.dtype, k)
                              or (segments is not None) != (lora.b_table is not None)
                              or (segments is not None and segments.x_blocks)):
-        raise ValueError("triton GEMM: the LoRA epilogue takes a plain, batched, expert or concatenated product "
+        raise ValueError("triton GEMM: the in-launch LoRA delta takes a plain, batched, expert or concatenated product "
                          "without a delta or a split K (the callers compute such a delta unfused)")
     if lora is not None and cfg.block_m * cfg.block_n > LORA_MAX_TILE:
         # the caller sized the grid (expert mode: its tile count) for cfg: it must pick the LoRA tile first
-        raise ValueError(f"triton GEMM: a {cfg} tile is larger than the LoRA epilogue's (lora_config)")
+        raise ValueError(f"triton GEMM: a {cfg} tile is larger than the in-launch LoRA delta's (lora_config)")
     _check_dtype(x3, "x")
     _check_dtype(w3, "weight")
     split_x, split_w = _split_x(x3.dtype, w3.dtype), _split_w(x3.dtype, w3.dtype)
@@ -1037,7 +1037,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
                   lora: _ops.LoraUp | None = None) -> torch.Tensor:
     """Triton ``linear``: x [..., K] @ weight[N, K]^T (+ bias) (+ delta, fp32, or the LoRA delta from its
-    factors, in the epilogue) -> [..., N] in out_dtype (default x.dtype)."""
+    factors, in the launch) -> [..., N] in out_dtype (default x.dtype)."""
     if lora is not None and (delta is not None or compute_in_fp64(x, weight, bias, lora.t, lora.b)):
         # (raises with both; fp64 factors: gradchecks)
         delta, lora = _ops.resolve_delta(delta, lora, "linear", lambda up: _ops.lora_delta(up, linear_triton)), None
@@ -1067,7 +1067,7 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
     ``x_blocks`` (``linear_blockdiag``): segment s reads x's s-th block of K_s columns instead of all
     of x; the config's BLOCK_K is a function of (dtypes, M bucket) only, as for every linear, so a
     block's K loop is the one Triton ``linear(x_block, w_s)`` runs. ``lora`` (checked by the caller:
-    ``_fusable_concat_lora``): every segment's LoRA delta in the epilogue."""
+    ``_fusable_concat_lora``): every segment's LoRA delta in the launch."""
     lead, k = x.shape[:-1], x.shape[-1]
     ns = [w.shape[0] for w in weights]
     n = sum(ns)
@@ -1097,9 +1097,9 @@ def _concat_forward(x: torch.Tensor, weights: list[torch.Tensor], out_dtype: tor
 
 
 def _fusable_concat_lora(x: torch.Tensor, ws: list[torch.Tensor], lora: _ops.LoraUpConcat) -> bool:
-    """Whether the segment-mode epilogue can add ``lora``'s deltas (shapes checked, ValueError otherwise): one
+    """Whether the segment-mode launch can add ``lora``'s deltas (shapes checked, ValueError otherwise): one
     fp32 B per weight, all of one rank r and one layout, t fp32 [..., S * r], and a K the GEMM does not split
-    (a split-K product's epilogue is its partial sums')."""
+    (a split-K product adds its delta after the partial sums)."""
     t, bs = lora.t, list(lora.bs)
     rs = [b.shape[-1] if b.dim() == 2 else -1 for b in bs]
     if (len(bs) != len(ws) or any(b.dim() != 2 or b.shape[0] != w.shape[0] for b, w in zip(bs, ws))
@@ -1217,8 +1217,8 @@ def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
                          out_dtype: torch.dtype | None = None, delta: torch.Tensor | None = None,
                          lora: _ops.LoraUpConcat | None = None) -> torch.Tensor:
     """Triton ``linear_concat``: one launch over every weight (segment mode of ``_gemm_kernel``);
-    bitwise the concatenation of Triton ``linear`` per weight. ``delta`` (fp32 [..., sum N]) is added in
-    the epilogue: column block s is bitwise Triton ``linear(x, w_s, delta=delta_s)``; ``lora`` (the deltas
+    bitwise the concatenation of Triton ``linear`` per weight. ``delta`` (fp32 [..., sum N]) starts the
+    accumulator: column block s is bitwise Triton ``linear(x, w_s, delta=delta_s)``; ``lora`` (the deltas
     as their up factors) is computed there: column block s is bitwise Triton ``linear(x, w_s, lora=...)``."""
     ws = list(weights)
     if not ws:
@@ -1233,7 +1233,7 @@ def linear_concat_triton(x: torch.Tensor, weights: Sequence[torch.Tensor],
         fp64 = compute_in_fp64(x, lora.t, *lora.bs, *ws)
         fusable = _fusable_concat_lora(x, ws, lora)
         if len(ws) == 1 and not fp64:
-            # one projection: linear's own epilogue (a one-block product is linear(t, B): the same delta)
+            # one projection: linear's own launch (a one-block product is linear(t, B): the same delta)
             return linear_triton(x, ws[0], None, out_dtype, lora=_ops.LoraUp(lora.t, lora.bs[0], lora.scale))
         if fp64 or not _one_segment_table(ws) or not fusable:
             delta, lora = _ops.lora_concat_delta(lora, None if fp64 else linear_blockdiag_triton), None
@@ -1322,7 +1322,7 @@ def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
         if lora is not None:
             cfg = lora_config(cfg, n)
             b = lora.b
-            if b.stride(-1) != 1:  # the epilogue reads B rows with unit stride over r
+            if b.stride(-1) != 1:  # the kernel reads B rows with unit stride over r
                 # a shared B (an expanded view, e.g. MLA's A^T for every head): one [N, r] copy, still shared
                 b = b[0].contiguous().expand(g, -1, -1) if b.stride(0) == 0 else b.contiguous()
             launch_lora = _LoraLaunch(lora.t.reshape(g * m, lora.t.shape[-1]).contiguous(), b, float(lora.scale))
@@ -1334,9 +1334,9 @@ def _grouped_forward(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
 
 
 def _fusable_grouped_lora(x: torch.Tensor, weight: torch.Tensor, lora: _ops.LoraUp) -> bool:
-    """Whether the batched epilogue can add ``lora``'s delta (shapes checked, ValueError otherwise): fp32 t [G, M, r]
-    and b [G, N, r] of x's and weight's groups and rows, r within one epilogue K step, and a K the GEMM does not
-    split (a split-K product's epilogue is its partial sums')."""
+    """Whether the batched launch can add ``lora``'s delta (shapes checked, ValueError otherwise): fp32 t [G, M, r]
+    and b [G, N, r] of x's and weight's groups and rows, r within one K step of the LoRA product, and a K the GEMM does not
+    split (a split-K product adds its delta after the partial sums)."""
     (g, m, k), n = x.shape, weight.shape[1]
     t, b = lora.t, lora.b
     r = t.shape[-1]
@@ -1382,7 +1382,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 def grouped_linear_triton(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
                           delta: torch.Tensor | None = None, lora: _ops.LoraUp | None = None) -> torch.Tensor:
     """Triton ``grouped_linear``: y[g] = x[g] @ weight[g]^T (+ delta[g], fp32, or the LoRA delta from its factors,
-    in the epilogue) for x [G, M, K], weight [G, N, K] (any strides, e.g. expanded or transposed views)."""
+    in the launch) for x [G, M, K], weight [G, N, K] (any strides, e.g. expanded or transposed views)."""
     g, m, k = x.shape
     if weight.shape[0] != g or weight.shape[2] != k:
         raise ValueError(f"grouped_linear: x {tuple(x.shape)} vs weight {tuple(weight.shape)}")
@@ -1567,7 +1567,7 @@ def _expert_forward(x: torch.Tensor, weights: _moe.Weights, offsets: list[int] |
                     lora: _ops.LoraUp | None = None, gather: _moe.RowGather | None = None) -> torch.Tensor:
     """``offsets``: a host list (validated here) or an integer tensor [E+1] on x's device (trusted:
     reading its values would sync; the kernel clamps them into [0, M]). ``lora``: t [M, r], stacked b
-    [E, N, r] (in the epilogue; unfused for a split-K product). ``gather``: the product's rows are x's rows
+    [E, N, r] (in the launch; unfused for a split-K product). ``gather``: the product's rows are x's rows
     by its index (the kernel reads them there)."""
     dev = offsets if isinstance(offsets, torch.Tensor) else None
     rows = x if gather is None else torch.empty(gather.index.shape[0], x.shape[1], device="meta")  # shapes only
@@ -1674,7 +1674,7 @@ def expert_linear_triton(x: torch.Tensor, weights: _moe.Weights, offsets: Sequen
     """Triton ``expert_linear``: all experts in one launch; a row's result equals Triton
     ``linear(row, weights[e])`` bitwise. Offsets as an integer tensor on x's device are never read
     on the host (capture-safe forward); host lists / other tensors take the same kernel. ``lora``: the
-    experts' LoRA delta from its factors, in the epilogue. ``gather``: read in the kernel without autograd (the
+    experts' LoRA delta from its factors, in the launch. ``gather``: read in the kernel without autograd (the
     engine), materialised first under autograd (the backward works on the gathered rows)."""
     if gather is not None:
         _moe.check_gather(x, gather)
