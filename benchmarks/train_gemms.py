@@ -47,7 +47,7 @@ log = logging.getLogger("benchmarks.train_gemms")
 _DT = {torch.bfloat16: "bf16", torch.float32: "f32", torch.float16: "f16"}
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): training-sized tiles; a split operand keeps its 64-wide K step
 TRAIN_SWEEP = [(64, 32, 64, 4, 4), (64, 64, 64, 4, 4), (128, 32, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 64, 8, 3),
-               (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3),
+               (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3),
                (64, 64, 128, 4, 3), (128, 64, 128, 8, 3)]
 
 
