@@ -198,8 +198,7 @@ def sync_census(step: Callable[[], Any]) -> list[dict[str, Any]]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    sites = Counter(f"{w.filename.split('/zmrl/')[-1] if '/zmrl/' in w.filename else w.filename}:{w.lineno}"
-                    for w in caught if "synchroniz" in str(w.message))
+    sites = Counter(f"{w.filename.split('/zmrl/')[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
     return [{"site": site, "syncs": n} for site, n in sites.most_common()]
 
 

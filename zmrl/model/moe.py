@@ -102,7 +102,7 @@ class MoE(nn.Module):
             offsets = pairs.offsets if x.is_cuda else pairs.offsets.tolist()  # CUDA: never read on the host
             parts = self._expert_products(h, offsets, dispatch)
             if parts is None:  # an adapter or bias on an expert's Linear: per expert
-                y_sorted = self._grouped_experts(h, offsets, dispatch)
+                y_sorted = self._per_expert(h, offsets, dispatch)
         else:
             y_sorted = self._routed_experts(dispatch.rows(h), pairs.offsets.diff().tolist())
 
@@ -157,9 +157,12 @@ class MoE(nn.Module):
         the offsets back (a host sync): it is not capture-safe.
         """
         parts = self._expert_products(hs, offsets, gather)
-        if parts is not None:
-            return parts.down(parts.act)
-        # Outside the model's own layout (an adapter or bias on an expert's Linear): per expert.
+        return parts.down(parts.act) if parts is not None else self._per_expert(hs, offsets, gather)
+
+    def _per_expert(self, hs: torch.Tensor, offsets: list[int] | torch.Tensor,
+                    gather: RowGather | None = None) -> torch.Tensor:
+        """``_grouped_experts`` outside the model's own layout (an adapter or bias on an expert's Linear): each
+        expert's module on its rows (reads device offsets back: a host sync)."""
         offs = [int(o) for o in offsets.tolist()] if isinstance(offsets, torch.Tensor) else offsets
         hs = hs if gather is None else gather.rows(hs)
         outs = [self.experts[e](hs[a:b], self.experts_lora, e) for e, (a, b) in enumerate(zip(offs, offs[1:])) if b > a]

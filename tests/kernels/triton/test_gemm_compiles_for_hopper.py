@@ -278,9 +278,11 @@ def test_lora_training_tile_fits_hopper(mode):
     import tempfile
     from pathlib import Path
 
-    from zmrl.kernels_batch_invariant.triton.matmul import (LARGE_M, LORA_WIDE_N, linear_config, lora_config)
+    import torch
 
-    cfg = lora_config(linear_config(2048, 2048, __import__("torch").bfloat16, LARGE_M), LORA_WIDE_N)
+    from zmrl.kernels_batch_invariant.triton.matmul import LARGE_M, LORA_WIDE_N, linear_config, lora_config
+
+    cfg = lora_config(linear_config(2048, 2048, torch.bfloat16, LARGE_M), LORA_WIDE_N)
     assert (cfg.block_m, cfg.block_n) == (128, 256)
     consts = dict(SERIAL_SUM=False, SUM_BIAS=False, SUM_DELTA=False, GATHER_DIV=8 if mode == "experts" else 0,
                   HAS_BIAS=False, HAS_DELTA=False, HAS_LORA=True, LORA_R=32, BLOCK_R=32, EXPERTS=mode == "experts",

@@ -74,9 +74,8 @@ def _assert_delta_start(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
     ``(fp32 result + delta).to(out)``; any other starts its accumulator from it (the K products accumulate onto
     the delta): within ``_bound`` of float64, whose gamma_K term grows by |delta| (each accumulation step may
     round at the delta's magnitude), and a zero delta gives the product without one bit for bit."""
-    lin = triton_impl(linear)
     if k_split:
-        assert torch.equal(got, (lin(x, w, bias, out_dtype=torch.float32) + delta).to(got.dtype))
+        assert torch.equal(got, (_lin(x, w, bias, out_dtype=torch.float32) + delta).to(got.dtype))
         return
     ref = x.double() @ w.double().t() + delta.double() + (0 if bias is None else bias.double())
     k = x.shape[-1]
@@ -84,7 +83,7 @@ def _assert_delta_start(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bia
     bound = _bound(x, w, got, ref) + 8.0 * gamma * delta.double().abs()
     assert ((got.double() - ref).abs() <= bound).all(), float(((got.double() - ref).abs() - bound).max())
     zero = torch.zeros_like(delta)
-    assert torch.equal(lin(x, w, bias, out_dtype=got.dtype, delta=zero), lin(x, w, bias, out_dtype=got.dtype))
+    assert torch.equal(_lin(x, w, bias, out_dtype=got.dtype, delta=zero), _lin(x, w, bias, out_dtype=got.dtype))
 
 
 def _dtypes() -> list[torch.dtype]:
