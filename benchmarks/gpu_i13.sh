@@ -55,6 +55,7 @@
 #   gate_up       the GPU tests of expert_gate_up (one gradient for the MoE rows), with its bench-shape timing;
 #   next3 / next4 gate_up trainer parity / decode_lora prefill train_sweep (the fourth 2026-12-06 session's calls);
 #   next5         train_gemms trainer (with --sync-census) matmul prefill parity: what the fifth 12-06 session left unrun;
+#   tma_probe     probes/gemm_tma_probe.py: the training-row GEMM with TMA tile loads / persistent programs, same bits?;
 #   bands         the GEMM's banded launch order against the plain one (train_gemms and train_gemms_plain, ZMRL_GEMM_GROUP_M=1),
 #                 then trainer, prefill, matmul and parity with bands (the fifth 12-06 session's call);
 #   dsa           mla_dsa_kernels.py --dsa-only: the indexer's scores and the radix top-k against torch;
@@ -320,6 +321,9 @@ has prefill_chunk && step prefill_chunk "${T_PREFILL:-150}" env ZMRL_KDA_FORM=ch
 
 has parity && step bench_parity "${T_PARITY:-240}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu \
   tests/bitwise/test_parity_gpu_bench.py
+
+# Would TMA tile loads and persistent programs speed up the training-row GEMMs at the same bits? (probe)
+has tma_probe && step gemm_tma_probe "${T_TMA_PROBE:-150}" $PY benchmarks/probes/gemm_tma_probe.py --out "$OUT/gemm_tma_probe.json"
 
 # -v: with xdist a test is named when it finishes, so a run cut by the limit shows which ones were still running
 has bitwise && step bitwise_cuda "${T_BITWISE:-420}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -v -rfEs --durations=25 \
