@@ -55,6 +55,7 @@
 #   gate_up       the GPU tests of expert_gate_up (one gradient for the MoE rows), with its bench-shape timing;
 #   next3 / next4 gate_up trainer parity / decode_lora prefill train_sweep (the fourth 2026-12-06 session's calls);
 #   next5         train_gemms trainer (with --sync-census) matmul prefill parity: what the fifth 12-06 session left unrun;
+#   pdl           decode (graph, LoRA, batch 1/64/256 at 8K) and prefill with ZMRL_PDL=0 then 1, the graph tests with it;
 #   tma_probe     probes/gemm_tma_probe.py: the training-row GEMM with TMA tile loads / persistent programs, same bits?;
 #   bands         the GEMM's banded launch order against the plain one (train_gemms and train_gemms_plain, ZMRL_GEMM_GROUP_M=1),
 #                 then trainer, prefill, matmul and parity with bands (the fifth 12-06 session's call);
@@ -301,6 +302,20 @@ has launch_cuts && step gpu_tests_launch_cuts "${T_LAUNCH_CUTS:-200}" $PY -m pyt
 
 has decode_lora && step decode_lora "${T_DECODE_LORA:-200}" $PY benchmarks/decode_throughput.py --batches 1,64,256 \
   --contexts 8192 --modes graph --lora 32 --profile-ctx 8192 --profile-batches 64,256 ${DECODE_ARGS:-} --out "$OUT/decode_lora.json"
+
+# pdl: programmatic dependent launch off (ZMRL_PDL=0) then on, same machine: the graph decode step with LoRA at batch
+# 1 / 64 / 256 and 8K (no profile), the prefill, then the GPU tests that replay graphs with it (bits equal to without)
+if has pdl; then
+  for v in 0 1; do
+    step "decode_pdl$v" "${T_DECODE_PDL:-100}" env ZMRL_PDL=$v $PY benchmarks/decode_throughput.py --batches 1,64,256 \
+      --contexts 8192 --modes graph --lora 32 --out "$OUT/decode_pdl$v.json"
+  done
+  for v in 0 1; do
+    step "prefill_pdl$v" "${T_PREFILL_PDL:-80}" env ZMRL_PDL=$v $PY benchmarks/prefill_throughput.py --out "$OUT/prefill_pdl$v.json"
+  done
+  step gpu_tests_pdl "${T_PDL_TESTS:-150}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -q -rfEs \
+    tests/kernels/triton/test_pdl.py tests/rollout/test_graph_runner.py tests/kernels/triton/test_model_static_decode.py
+fi
 
 # The KDA decode step vs fla's recurrent step, and its launch / column-block sweep (decode == chunk checked
 # per configuration, the chunk forward timed), with the GPU decode tests (every row vs kda_chunk).

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.target_info import cuda_capability_geq
 
 # Elementwise kernels: a fixed tile of the flattened tensor per program.
 ELEMENTWISE_BLOCK = 1024
@@ -25,6 +27,38 @@ MAX_ROW_BLOCK = 4096
 
 # Read once: the interpreter is chosen per process, and os.environ lookups cost microseconds per call.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Programmatic dependent launch (Hopper and later): every kernel here is launched with ``launch_pdl`` (``pdl()``),
+# which lets the GPU start launching it while the kernel before it in the stream is still running, and every
+# kernel begins with ``await_previous_kernel()``, which waits for that kernel to finish (its writes visible)
+# before it reads or writes anything. Between two short kernels, e.g. in a decode step's CUDA graph, this hides
+# the launch latency; what any kernel computes is unchanged (the wait comes before its first instruction of
+# work). ZMRL_PDL=0 launches without it (benchmarks compare).
+PDL: bool = os.environ.get("ZMRL_PDL", "1") != "0" and not INTERPRET
+_pdl_launch: dict[str, bool] | None = None
+
+
+@triton.jit
+def await_previous_kernel():
+    """The first statement of every kernel: wait until the previous kernel in the stream has finished and its
+    writes are visible, then let the next kernel launch (its programs wait here in turn). Only after this
+    program's own wait, so at most one kernel is launched ahead of the running one, and only once all of this
+    kernel's programs are resident, so its waiting programs never take an SM from this kernel. A no-op before
+    Hopper, on a launch without ``launch_pdl``, and under the interpreter."""
+    if cuda_capability_geq(9, 0):
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl() -> dict[str, bool]:
+    """Launch options of every kernel here: ``launch_pdl`` on Hopper and later (see ``PDL``). Read once per
+    process (every GPU of a machine is the same kind)."""
+    global _pdl_launch
+    if _pdl_launch is None:
+        _pdl_launch = ({"launch_pdl": True} if PDL and torch.cuda.is_available()
+                       and torch.cuda.get_device_capability() >= (9, 0) else {})
+    return _pdl_launch
 
 
 def cdiv(a: int, b: int) -> int:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .. import cache_write as _ops
-from ._common import next_pow2
+from ._common import await_previous_kernel, next_pow2, pdl
 
 write_cache_rows = _ops.write_cache_rows
 
@@ -19,6 +19,7 @@ write_cache_rows = _ops.write_cache_rows
 def _write_rows_kernel(slot_ptr, kv_ptr, a_ptr, b_ptr, k8_ptr, ik_ptr, ks_ptr, is_ptr, sa, sb, sk,
                        DA: tl.constexpr, DB: tl.constexpr, DK: tl.constexpr, BLOCK: tl.constexpr,
                        HAS_B: tl.constexpr, HAS_INDEX: tl.constexpr):
+    await_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     c = tl.arange(0, BLOCK)
@@ -62,5 +63,5 @@ def write_cache_rows_triton(slots: torch.Tensor, kv: torch.Tensor, latent_parts:
     _write_rows_kernel[(t,)](
         slots.to(torch.int64).contiguous(), kv, a, b, k8.view(torch.uint8) if k8 is not None else kv, ik,
         kscale if k8 is not None else kv, isc, a.stride(0), b.stride(0), ik.stride(0),
-        DA=a.shape[-1], DB=db, DK=dk, BLOCK=block, HAS_B=has_b, HAS_INDEX=k8 is not None, num_warps=4)
+        DA=a.shape[-1], DB=db, DK=dk, BLOCK=block, HAS_B=has_b, HAS_INDEX=k8 is not None, num_warps=4, **pdl())
     return None

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..dsa_indexer import dsa_index_scores, dsa_topk
 from ..mla_attention import KEY_BLOCK, key_width
-from ._common import INTERPRET, cdiv
+from ._common import INTERPRET, await_previous_kernel, cdiv, pdl
 from ._autograd import with_reference_backward
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ def _index_scores_kernel(
     HI: tl.constexpr, DI: tl.constexpr, HI_P: tl.constexpr, DI_P: tl.constexpr,
     BLOCK_N: tl.constexpr, PER_PROG: tl.constexpr, FP8_DOT: tl.constexpr,
 ):
+    await_previous_kernel()
     qi = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
     offs_h = tl.arange(0, HI_P)
@@ -117,6 +118,7 @@ def _order_key(x):
 
 @triton.jit(do_not_specialize=["width", "score_stride", "K"])
 def _topk_kernel(scores_ptr, qpos_ptr, out_ptr, width, score_stride, K, BLOCK: tl.constexpr):
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     qpos = tl.load(qpos_ptr + row)
     n = tl.minimum(qpos + 1, width)  # candidates are positions 0..n-1
@@ -201,13 +203,13 @@ def dsa_index_scores_triton(q8: torch.Tensor, q_scale: torch.Tensor, weights: to
     bt_stride = args[5].stride(0)
     if _fp8_dot_ok:
         try:
-            _index_scores_kernel[grid](*args, page_size, bt_stride, width, FP8_DOT=True, **consts)
+            _index_scores_kernel[grid](*args, page_size, bt_stride, width, FP8_DOT=True, **consts, **pdl())
             return out
         except Exception as e:  # noqa: BLE001 - a compile failure of the fp8 dot: use the tf32 path
             log.warning("dsa_index_scores: FP8 tl.dot unavailable (%s: %s); using exact tf32 dots",
                         type(e).__name__, e)
             _fp8_dot_ok = False
-    _index_scores_kernel[grid](*args, page_size, bt_stride, width, FP8_DOT=False, **consts)
+    _index_scores_kernel[grid](*args, page_size, bt_stride, width, FP8_DOT=False, **consts, **pdl())
     return out
 
 
@@ -236,5 +238,5 @@ def dsa_topk_kernel(scores: torch.Tensor, query_pos: torch.Tensor, topk: int) ->
     if s.stride(-1) != 1:
         s = s.contiguous()
     _topk_kernel[(nq,)](s, query_pos.to(torch.int64).contiguous(), out, width, s.stride(0), topk,
-                        BLOCK=TOPK_BLOCK, num_warps=4)
+                        BLOCK=TOPK_BLOCK, num_warps=4, **pdl())
     return out

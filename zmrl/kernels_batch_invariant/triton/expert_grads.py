@@ -46,7 +46,7 @@ from .. import moe_gemm_grads as _grads
 from ..moe_gemm import RowGather
 from ..host import to_device_async
 from ..numerics import current_numerics
-from ._common import INTERPRET, cdiv, next_pow2
+from ._common import INTERPRET, await_previous_kernel, cdiv, next_pow2, pdl
 from . import matmul as _matmul  # linear_config looked up at every call (benchmarks may replace it)
 from .matmul import _TL_DTYPE, GemmConfig, _expert_weight_table, dot_acc, expert_tile, expert_weight_offset
 
@@ -165,6 +165,7 @@ def _expert_dx_kernel(
     elements on (stacked). The second term (TERM2: stacked weights W2 [E, N2, K], its own compute class
     CDT2) is the gradient of another product of the same rows, added in the same accumulator after the
     first: the MoE's gate/up products and their LoRA A products (``expert_input_grad``)."""
+    await_previous_kernel()
     pid = tl.program_id(0)
     pid_m = pid // TILES_K
     pid_k = pid % TILES_K
@@ -204,6 +205,7 @@ def _expert_dw_kernel(
     rows in L2), then its N tile and K tile. The rows offs[e]:offs[e+1] are walked in ascending BLOCK_R
     steps into one fp32 accumulator; an expert without rows stores zeros. GATHER_DIV > 0: row r of x is
     ``x[gidx[r] // GATHER_DIV]`` (the forward's gathered rows, read where they lie: ``RowGather``)."""
+    await_previous_kernel()
     pid = tl.program_id(0)
     per_expert = TILES_N * TILES_K
     expert = pid // per_expert
@@ -298,6 +300,7 @@ def _launch_dx(term: DxTerm, offs: torch.Tensor, n_experts: int, offsets: Sequen
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_n, BLOCK_N=cfg.block_k, BLOCK_E=max(16, next_pow2(n_experts)),
         STAGES=cfg.num_stages, TERM2=term2 is not None, CDT2=_TL_DTYPE[cdt2], HALF2=cdt2 in _HALF, BLOCK_N2=step2,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl(),
     )
 
 
@@ -342,6 +345,7 @@ def _launch_dw(gy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, dw: torch.
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=cfg.block_r,
         gidx_ptr=gidx, GATHER_DIV=0 if gather is None else gather.div,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl(),
     )
 
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .. import fp8 as _ops
-from ._common import next_pow2
+from ._common import await_previous_kernel, next_pow2, pdl
 
 quantize_fp8 = _ops.quantize_fp8
 
@@ -45,6 +45,7 @@ def _e4m3_code(y):
 
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, D, QBLOCK: tl.constexpr, BLOCK_P2: tl.constexpr):
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     nb = D // QBLOCK
@@ -73,5 +74,5 @@ def quantize_fp8_triton(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor
     scale = torch.empty(*x.shape[:-1], nb, dtype=torch.float32, device=x.device)
     if r and nb:
         _quantize_fp8_kernel[(r, nb)](x2, x8.view(torch.uint8), scale, d, QBLOCK=block,
-                                      BLOCK_P2=next_pow2(block), num_warps=4 if block <= 512 else 8)
+                                      BLOCK_P2=next_pow2(block), num_warps=4 if block <= 512 else 8, **pdl())
     return x8, scale

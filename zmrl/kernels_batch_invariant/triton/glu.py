@@ -18,7 +18,9 @@ from .. import glu as _ops
 from .. import grads as _grads
 from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
-from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, cdiv, compute_in_fp64, sigmoid, tanh
+from ._common import (
+    ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, await_previous_kernel, cdiv, compute_in_fp64, pdl, sigmoid, tanh
+)
 
 swiglu = _ops.swiglu
 situ_glu = _ops.situ_glu
@@ -29,6 +31,7 @@ def _glu_kernel(g_ptr, u_ptr, y_ptr, n, width, g_stride, u_stride, beta, linear_
                 CAP_UP: tl.constexpr, BLOCK: tl.constexpr):
     """y [n / width, width] contiguous; gate and up rows ``g_stride`` / ``u_stride`` elements apart (the two
     column halves of a fused gate|up projection output are read where they lie)."""
+    await_previous_kernel()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     row = offs // width
@@ -53,7 +56,7 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, out_dtype: torch.dtype | None,
         width = gate.shape[-1]
         _glu_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](
             g, u, y, n, width, g.stride(0), u.stride(0), float(beta), float(linear_beta or 1.0), SITU=situ,
-            CAP_UP=linear_beta is not None, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS)
+            CAP_UP=linear_beta is not None, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS, **pdl())
     return y
 
 

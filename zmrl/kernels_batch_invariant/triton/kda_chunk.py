@@ -67,7 +67,7 @@ import triton.language as tl
 from ..kda.chunk import CHUNK_SIZE, _check_step_args, kda_chunk, kda_chunk_step, packed_lengths
 from ..kda.decode import KDADecodeCache, check_cache_form, check_decode_args, kda_decode_prime, kda_decode_step
 from ..numerics import kda_dot_precision, kda_form
-from ._common import cdiv, next_pow2
+from ._common import await_previous_kernel, cdiv, next_pow2, pdl
 from .kda_chunk_bwd import with_fla_backward
 from .kda_recurrent import (recurrent_chunk_step, recurrent_decode_prime, recurrent_decode_step, recurrent_forward,
                             rows_in_place, stage_new_row)
@@ -93,6 +93,7 @@ def _kda_intra_kernel(
 ):
     # DECODE: every chunk of the launch solves exactly one new row, its last (ROW0 == OUT0 == ROWS - 1, the
     # decode step's contract); the row's values are computed as in the general path, see the diagonal block.
+    await_previous_kernel()
     cid = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     info = info_ptr + cid * 6
@@ -289,6 +290,7 @@ def _kda_inter_kernel(
 ):
     # The state [dk, BV] is held as one or two [BK, BV] row blocks (TWO: dk > BK) so that no
     # [64, dk] fp32 tile has to sit in registers whole; products over dk run block 0 then block 1.
+    await_previous_kernel()
     s = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -533,6 +535,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         q, k, v, g, beta, tab.chunk_info, qg, kd, a_qk, w, u, dec, tt, scale, h,
         DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
         DOT_PREC=dot_prec, num_warps=cfg["intra_warps"], num_stages=1,
+        **pdl(),
     )
     _kda_inter_kernel[(n, h, cdiv(dv, cfg["BV"]))](
         qg, kd, a_qk, w, u, dec, ve,
@@ -541,6 +544,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["BV"], C=c, HAS_H0=h0 is not None,
         STORE_CS=chunk_states is not None, DOT_PREC=dot_prec,
         num_warps=cfg["inter_warps"], num_stages=1,
+        **pdl(),
     )
 
 
@@ -622,6 +626,7 @@ def _decode_prep_kernel(
     HK: tl.constexpr, HV: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr, C: tl.constexpr,
 ):
     """Per sequence: store the new row at its chunk row in the cache and write the kernels' tables."""
+    await_previous_kernel()
     i = tl.program_id(0)
     slot, r, _ = stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr, cbeta_ptr,
                                v_stride, HK, HV, H, BLOCK, C)
@@ -680,7 +685,9 @@ def kda_decode_step_triton(
     v = rows_in_place(v)
     block = max(next_pow2(h), 1024)
     _decode_prep_kernel[(n,)](positions, slots, cache.solved, k, v, g, beta, cache.k, cache.v, cache.g, cache.beta,
-                              info[0], info[1], v.stride(0), HK=h * dk, HV=h * dv, H=h, BLOCK=block, C=c, num_warps=4)
+                              info[0], info[1], v.stride(0), HK=h * dk, HV=h * dv, H=h, BLOCK=block, C=c, num_warps=4,
+                                 **pdl(),
+                             )
     qg = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
     kd = torch.empty(n, h, c, dk, dtype=torch.float32, device=dev)
     a_qk = torch.empty(n, h, c, c, dtype=torch.float32, device=dev)
@@ -692,12 +699,14 @@ def kda_decode_step_triton(
         DK=dk, DV=dv, DKP=cfg["DKP"], DVP=cfg["DVP"], BK=cfg["BK"], BVI=cfg["BVI"], C=c, BC=_SUB,
         DOT_PREC=kda_dot_precision(), DECODE=True, num_warps=cfg["intra_warps"], num_stages=1,
         **({} if cfg["decode_intra_maxnreg"] is None else {"maxnreg": cfg["decode_intra_maxnreg"]}),
+        **pdl(),
     )
     _kda_decode_inter_kernel[(n, h, cdiv(dv, cfg["decode_BV"]))](
         qg, kd, a_qk, w, u, dec, cache.v_e, cache.state, o, info[0], h,
         DK=dk, DV=dv, BK=cfg["BK_STATE"], TWO=cfg["TWO"], BV=cfg["decode_BV"], C=c, BC=_SUB, DOT_PREC=kda_dot_precision(),
         num_warps=cfg["decode_inter_warps"], num_stages=1,
         **({} if cfg["decode_inter_maxnreg"] is None else {"maxnreg": cfg["decode_inter_maxnreg"]}),
+        **pdl(),
     )
     return o
 
@@ -745,6 +754,7 @@ def _kda_decode_inter_kernel(
     16-row block holding r (the other rows of the left operand exact zeros): an MMA computes each
     output row from its own row of the left operand, so row r gets the bits the 64-row tile gives it.
     The state update of a completed chunk is the recurrence kernel's own 64-row product."""
+    await_previous_kernel()
     i = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)

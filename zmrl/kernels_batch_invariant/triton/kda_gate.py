@@ -15,7 +15,9 @@ import triton.language as tl
 from .. import kda_gate as _ops
 from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
-from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, cdiv, compute_in_fp64, sigmoid, softplus
+from ._common import (
+    ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, await_previous_kernel, cdiv, compute_in_fp64, pdl, sigmoid, softplus
+)
 
 kda_gate = _ops.kda_gate
 
@@ -23,6 +25,7 @@ kda_gate = _ops.kda_gate
 @triton.jit
 def _kda_gate_kernel(z_ptr, a_ptr, b_ptr, g_ptr, n, HD, DK, lower_bound,
                      LOWER: tl.constexpr, BLOCK: tl.constexpr):
+    await_previous_kernel()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     col = offs % HD
@@ -54,5 +57,5 @@ def kda_gate_triton(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     if n:
         _kda_gate_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](
             zc, a, b, g, n, hd, dk, float(lower_bound if lower_bound is not None else 0.0),
-            LOWER=lower_bound is not None, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS)
+            LOWER=lower_bound is not None, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS, **pdl())
     return g

@@ -42,7 +42,7 @@ import triton.language as tl
 from ..kda import CHUNK_SIZE, KDADecodeCache
 from ..kda.chunk import packed_lengths
 from ..numerics import kda_recurrent_launch
-from ._common import cdiv, next_pow2
+from ._common import await_previous_kernel, cdiv, next_pow2, pdl
 
 # The run table: one row of INFO_COLS int32 per run, the columns of ``run_table`` in its order (see
 # _kda_recurrent_kernel).
@@ -87,6 +87,7 @@ def _kda_recurrent_kernel(
     i >= OUT0 only. The row at absolute position POS0 + i ends a chunk when (POS0 + i + 1) % C == 0: the
     state is then stored at fin[FIN_ROW] (if >= 0) and at cs[CS_ROW0 + j] for the run's j-th chunk end (if
     CS_ROW0 >= 0). The state after the last row goes to run[RUN_ROW] (if >= 0)."""
+    await_previous_kernel()
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -153,7 +154,7 @@ def _launch(q, k, v, g, beta, o, h0, run, fin, cs, info: torch.Tensor, scale: fl
     _kda_recurrent_kernel[(info.shape[0], h, cdiv(dv, cfg["BV"]))](
         q, k, v, g, beta, o, h0, run, fin, cs, info, scale, h,
         DK=dk, DV=dv, DKP=cfg["DKP"], BV=cfg["BV"], C=CHUNK_SIZE, num_warps=cfg["num_warps"],
-        num_stages=1)
+        num_stages=1, **pdl())
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -244,6 +245,7 @@ def _decode_rows_kernel(
     """Per sequence: store the new row at its chunk row in the cache, count it as folded into the running
     state, and write its run: one row from run_state[slot] back to run_state[slot], the query and output at
     row i of the step, the chunk-end state (when the row completes the chunk) to the cache's state."""
+    await_previous_kernel()
     i = tl.program_id(0)
     slot, r, dst = stage_new_row(i, pos_ptr, slot_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ck_ptr, cv_ptr, cg_ptr,
                                  cbeta_ptr, v_stride, HK, HV, H, BLOCK, C)
@@ -305,7 +307,7 @@ def recurrent_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     info = torch.empty(n, INFO_COLS, dtype=torch.int32, device=dev)
     _decode_rows_kernel[(n,)](positions, slots, cache.solved, k, v, g, beta, cache.k, cache.v, cache.g, cache.beta,
                               info, v.stride(0), HK=h * dk, HV=h * dv, H=h, BLOCK=max(next_pow2(h), 1024), C=CHUNK_SIZE,
-                              num_warps=4)
+                              num_warps=4, **pdl())
     _launch(q, *cache.flat_rows(), o, cache.run_state, cache.run_state, cache.state, cache.state, info, scale, h, dk, dv)
     return o
 

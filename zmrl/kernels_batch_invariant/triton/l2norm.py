@@ -14,13 +14,14 @@ import triton.language as tl
 from .. import l2norm as _ops
 from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
-from ._common import compute_in_fp64, row_block, row_offset, row_view, row_warps
+from ._common import await_previous_kernel, compute_in_fp64, pdl, row_block, row_offset, row_view, row_warps
 
 l2_norm = _ops.l2_norm
 
 
 @triton.jit
 def _l2_norm_kernel(x_ptr, y_ptr, D, eps, group, group_stride, row_stride, BLOCK: tl.constexpr):
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row_offset(row, group, group_stride, row_stride)
     cols = tl.arange(0, BLOCK)
@@ -48,5 +49,5 @@ def l2_norm_triton(x: torch.Tensor, eps: float = 1e-6, out_dtype: torch.dtype | 
     if xv.rows and d:
         block = row_block(d)
         _l2_norm_kernel[(xv.rows,)](xv.base, y, d, float(eps), xv.group, xv.group_stride, xv.row_stride,
-                                    BLOCK=block, num_warps=row_warps(block))
+                                    BLOCK=block, num_warps=row_warps(block), **pdl())
     return y

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .. import logprob as _ops
 from ..logprob import _check_token_ids, _scales
-from ._common import row_block, row_warps
+from ._common import await_previous_kernel, pdl, row_block, row_warps
 
 token_logprobs = _ops.token_logprobs
 log_softmax = _ops.log_softmax
@@ -35,6 +35,7 @@ log_softmax = _ops.log_softmax
 @triton.jit
 def _logprob_kernel(x_ptr, tok_ptr, lp_ptr, ls_ptr, lse_ptr, bad_ptr, V, stride_row, temperature,
                     SCALE: tl.constexpr, PICK: tl.constexpr, WRITE_ALL: tl.constexpr, BLOCK: tl.constexpr):
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_row
     cols = tl.arange(0, BLOCK)
@@ -109,7 +110,7 @@ def _launch(logits: torch.Tensor, token_ids: torch.Tensor | None, temperature: f
         block = row_block(v)
         _logprob_kernel[(r,)](x, tok, lp, ls, lse, bad, v, x.stride(0), float(temperature),
                               SCALE=_scales(temperature), PICK=token_ids is not None, WRITE_ALL=write_all,
-                              BLOCK=block, num_warps=row_warps(block))
+                              BLOCK=block, num_warps=row_warps(block), **pdl())
     if check:
         _raise_if_nonfinite(bad, logits.shape[:-1], temperature)
     return lp, ls, lse

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .. import lm_head_logprobs as _lm_head
-from ._common import INTERPRET, row_block, row_warps
+from ._common import INTERPRET, await_previous_kernel, pdl, row_block, row_warps
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -41,6 +41,7 @@ def _softmax_grad_kernel(z_ptr, tok_ptr, g_ptr, inv_t_ptr, dz_ptr, V, stride_z, 
                          BLOCK: tl.constexpr):
     """One program per row: the online max / sum of the (scaled) logits per lane of a column block, merged
     across lanes at the end, then dz, ascending column blocks. dz's dtype is the one of ``dz_ptr``."""
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     cols = tl.arange(0, BLOCK)
@@ -99,7 +100,7 @@ def softmax_grad(z: torch.Tensor, token_ids: torch.Tensor, g: torch.Tensor, inv_
         g = g.contiguous()  # an output gradient may come expanded (stride 0), e.g. from .sum().backward()
         scale = inv_t is not None
         _softmax_grad_kernel[(rows,)](z, token_ids.contiguous(), g, inv_t.contiguous() if scale else g, dz, vocab,
-                                      z.stride(0), SCALE=scale, BLOCK=block, num_warps=row_warps(block))
+                                      z.stride(0), SCALE=scale, BLOCK=block, num_warps=row_warps(block), **pdl())
     return dz
 
 

@@ -101,7 +101,7 @@ from .. import moe_gemm as _moe
 from ..backward_gemms import HALF, fp32_out_gemms, mm_fp32_factor
 from ..moe_gemm_grads import expert_linear_grads
 from ..numerics import with_backward_matmuls
-from ._common import INTERPRET, cdiv, compute_in_fp64, next_pow2
+from ._common import INTERPRET, await_previous_kernel, cdiv, compute_in_fp64, next_pow2, pdl
 
 log = logging.getLogger(__name__)
 
@@ -432,6 +432,7 @@ def _gemm_kernel(
     ``o_ptr`` (strides ``stride_o*``): ``_split_k_sum``'s arithmetic in the same launch. Which program sums
     depends on timing; what it computes does not.
     """
+    await_previous_kernel()
     pid_0 = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GROUP_M > 1:
@@ -610,6 +611,7 @@ def _split_k_sum(
 ):
     """y[g] = sum over s ascending of the fp32 partials p[s, g] (+ b) (+ d[g], laid out as y), rounded
     once to y's dtype."""
+    await_previous_kernel()
     pid_g = (tl.program_id(0) // M_TILES).to(tl.int64)
     offs_m = (tl.program_id(0) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -899,6 +901,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
         # (``scale * linear(t, b)``) does; contracted into an FMA with the sum it joins, the two differed at a
         # scale that is not a power of two (found on the GPU by test_grouped_linear_lora_equals_its_delta)
         enable_fp_fusion=False,
+        **pdl(),
     )
     if k_chunk and not serial:
         rows, cols = out.shape[1], out.shape[2]
@@ -908,6 +911,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
             y3.shape[0], y3.stride(0), y3.stride(1), y3.stride(2), out.stride(0), out.stride(1), out.stride(2),
             HAS_BIAS=bias is not None, HAS_DELTA=delta is not None, BLOCK_M=_SUM_BLOCK_M, BLOCK_N=_SUM_BLOCK_N,
             num_warps=4,
+            **pdl(),
         )
 
 

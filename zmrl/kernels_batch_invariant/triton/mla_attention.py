@@ -73,7 +73,7 @@ import triton.language as tl
 from ..mla_attention import KEY_BLOCK, _check_shapes, key_width, mla_attention, mla_attention_dense
 from ..mla_attention_grads import mla_attention_grads
 from ..numerics import mla_mma_rows
-from ._common import INTERPRET, cdiv
+from ._common import INTERPRET, await_previous_kernel, cdiv, pdl
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +306,7 @@ def _mla_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
 ):
+    await_previous_kernel()
     qi, hg, sp = _program_coords(N_HG)
     D: tl.constexpr = DC + DR
 
@@ -414,6 +415,7 @@ def _mla_split_kernel_keys_rows(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
 ):
+    await_previous_kernel()
     qi, hg, sp = _program_coords(N_HG)
     D: tl.constexpr = DC + DR
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -474,6 +476,7 @@ def _mla_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, H, num_splits,
     DC: tl.constexpr, DC_P: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    await_previous_kernel()
     qi = tl.program_id(0).to(tl.int64)
     hg = tl.program_id(1)
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -509,6 +512,7 @@ def _split_query_kernel(ql_ptr, qr_ptr, hi_ptr, lo_ptr, n_rows, H, sl_t, sl_h, s
     """Rows (t, h) of ``q = [q_lat | q_pe] * scale`` (any strides over t and h, unit stride over columns) as the
     bf16 pair hi = bf16(q), lo = bf16(q - hi) (``LO``; else hi alone), q in fp32: the same roundings as torch's
     ``to`` (round to nearest even; q - hi is exact in fp32). ``scale`` 1.0 leaves q as it is."""
+    await_previous_kernel()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm = rows < n_rows
     t = (rows // H).to(tl.int64)
@@ -552,7 +556,9 @@ def split_query(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float = 1.0,
         rows = max(1, 4096 // bc)
         _split_query_kernel[(cdiv(n, rows),)](
             q_lat, q_pe, hi, lo_t if lo_t is not None else hi, n, h, q_lat.stride(0), q_lat.stride(1),
-            q_pe.stride(0), q_pe.stride(1), float(scale), DC=dc, DR=dr, BC=bc, BR=br, ROWS=rows, LO=lo, num_warps=4)
+            q_pe.stride(0), q_pe.stride(1), float(scale), DC=dc, DR=dr, BC=bc, BR=br, ROWS=rows, LO=lo, num_warps=4,
+               **pdl(),
+           )
     return hi, lo_t
 
 
@@ -610,7 +616,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         # The one split is the whole list: write o directly (bitwise what the combine would give).
         split_kernel[(nq * n_hg, 1)](
             q, q_hi, q_lo, kv, bt, sidx, kp, qpos, out, out, out, out,
-            scale, h, page_size, bt.stride(0), kp_stride, width, 1, DIRECT=True, **consts)
+            scale, h, page_size, bt.stride(0), kp_stride, width, 1, DIRECT=True, **consts, **pdl())
         return out
     # Chunk the queries so the fp32 partials stay below PARTIAL_BYTES (never changes a query's bits).
     per_query = num_splits * h * dc * 4
@@ -625,11 +631,11 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         kp_c = kp[c0:c1] if not dense else kp
         split_kernel[(n * n_hg, num_splits)](
             q[c0:c1], q_hi[c0:c1], q_lo[c0:c1], kv, bt, sidx[c0:c1], kp_c, qpos_c, out, m_buf, l_buf, acc_buf,
-            scale, h, page_size, bt.stride(0), kp_stride, width, num_splits, DIRECT=False, **consts)
+            scale, h, page_size, bt.stride(0), kp_stride, width, num_splits, DIRECT=False, **consts, **pdl())
         _mla_combine_kernel[(n, n_hg)](
             m_buf, l_buf, acc_buf, out[c0:c1], h, num_splits,
             DC=dc, DC_P=cfg.chunk * cfg.n_chunks, BLOCK_H=cfg.block_h,
-            num_warps=8 if cfg.chunk * cfg.n_chunks >= 512 else 4)
+            num_warps=8 if cfg.chunk * cfg.n_chunks >= 512 else 4, **pdl())
     return out
 
 

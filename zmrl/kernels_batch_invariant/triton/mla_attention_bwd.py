@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import mla_attention_grads as _grads
-from ._common import INTERPRET
+from ._common import INTERPRET, await_previous_kernel, pdl
 from .mla_attention import split_query
 
 SOFTMAX_BLOCK = 1024  # keys per step of the row loops (the rows are up to the chunk's union of keys)
@@ -36,6 +36,7 @@ DS_BLOCK = 1024  # keys per step of the dS kernel's row loops
 def _masked_softmax_kernel(s_ptr, keep_ptr, p_ptr, H, U, BLOCK: tl.constexpr):
     """One program per row (query g, head h): an online max / sum pass over the listed keys, then the
     normalised probabilities, ascending key blocks."""
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     g = row // H
     s_row = s_ptr + row * U
@@ -70,6 +71,7 @@ def _masked_softmax_kernel(s_ptr, keep_ptr, p_ptr, H, U, BLOCK: tl.constexpr):
 def _ds_kernel(dp_ptr, p_ptr, ds_ptr, U, BLOCK: tl.constexpr):
     """One program per row: delta = sum(P dP) over the row (ascending key blocks, fp32), then
     dS = P (dP - delta) rounded to bf16."""
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     dp_row = dp_ptr + row * U
     p_row = p_ptr + row * U
@@ -97,7 +99,7 @@ def masked_softmax_bf16(s: torch.Tensor, keep: torch.Tensor, heads: int) -> torc
     p = torch.empty(rows, u, dtype=torch.bfloat16, device=s.device)
     if rows and u:
         _masked_softmax_kernel[(rows,)](s, keep.contiguous().view(torch.uint8), p, heads, u,
-                                        BLOCK=SOFTMAX_BLOCK, num_warps=4)
+                                        BLOCK=SOFTMAX_BLOCK, num_warps=4, **pdl())
     return p
 
 
@@ -110,7 +112,7 @@ def ds_bf16(dp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"ds_bf16: P {tuple(p.shape)} does not match dP {tuple(dp.shape)}")
     ds = torch.empty(rows, u, dtype=torch.bfloat16, device=dp.device)
     if rows and u:
-        _ds_kernel[(rows,)](dp, p, ds, u, BLOCK=DS_BLOCK, num_warps=4)
+        _ds_kernel[(rows,)](dp, p, ds, u, BLOCK=DS_BLOCK, num_warps=4, **pdl())
     return ds
 
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .. import moe_router as _ops
 from ..matmul import linear
-from ._common import cdiv, next_pow2, sigmoid
+from ._common import await_previous_kernel, cdiv, next_pow2, pdl, sigmoid
 
 moe_route = _ops.moe_route
 moe_combine = _ops.moe_combine
@@ -51,6 +51,7 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, scaling,
                   TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RENORM_EPS: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_G: tl.constexpr):
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < E
@@ -108,7 +109,7 @@ def _route_launch(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n
             TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group if n_group > 1 else 1,
             GROUP_SIZE=n_experts // n_group, HAS_BIAS=bias is not None, NORM=_ops.renormalises(norm, top_k),
             RENORM_EPS=_ops.RENORM_EPS, BLOCK_E=block_e,
-            BLOCK_G=next_pow2(n_group), num_warps=4 if block_e <= 1024 else 8)
+            BLOCK_G=next_pow2(n_group), num_warps=4 if block_e <= 1024 else 8, **pdl())
     return ids, w
 
 
@@ -167,6 +168,7 @@ def _combine_kernel(eo_ptr, rows_ptr, w_ptr, y_ptr, D, K: tl.constexpr, BLOCK_D:
                     GATHER: tl.constexpr):
     """y[t] = sum_j w[t, j] * eo[slot (t, j)]: row t*K + j of eo, or row rows[t, j] (GATHER: moe_combine_rows).
     Both read the same values in the same order: the same bits."""
+    await_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = c < D
@@ -189,7 +191,7 @@ def _combine_launch(eo: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     if t and d:
         block_d = min(next_pow2(d), 1024)
         _combine_kernel[(t, cdiv(d, block_d))](eo_c, rows, w_c, y, d, K=k, BLOCK_D=block_d,
-                                                GATHER=slot_rows is not None, num_warps=4)
+                                                GATHER=slot_rows is not None, num_warps=4, **pdl())
     elif t:
         y.zero_()
     return y
@@ -202,6 +204,7 @@ def _combine_rows_bwd_kernel(g_ptr, rows_ptr, w_ptr, eo_ptr, geo_ptr, gw_ptr, D,
     """One program per token t, its k slots as the rows of a [K_P, BLOCK_D] tile walking D in ascending
     blocks: d eo[rows[t, j]] = w[t, j] * g[t] (each row written once: rows is a permutation) and
     d w[t, j] = sum_d g[t, d] * eo[rows[t, j], d] in fp32."""
+    await_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, K_P)
     jm = j < K
@@ -245,7 +248,7 @@ class _CombineRows(torch.autograd.Function):
                 g.contiguous(), slot_rows.contiguous(), w.contiguous(), rows_c,
                 rows_c if g_rows is None else g_rows, w if g_w is None else g_w, d,
                 K=k, K_P=next_pow2(k), BLOCK_D=min(next_pow2(d), 512), NEED_GEO=need_geo, NEED_GW=need_gw,
-                num_warps=4)
+                num_warps=4, **pdl())
         elif need_gw:
             g_w.zero_()
         return g_rows, None, g_w, None
@@ -281,6 +284,7 @@ SORT_CHUNK = 256  # pairs per program
 @triton.jit(do_not_specialize=["P"])
 def _moe_sort_count_kernel(ids_ptr, counts_ptr, P, E_P: tl.constexpr, CHUNK: tl.constexpr):
     """Program c: how many of pairs [c * CHUNK, (c + 1) * CHUNK) each expert has ([CHUNK, E_P] one-hot summed)."""
+    await_previous_kernel()
     c = tl.program_id(0)
     lanes = tl.arange(0, E_P)
     i = c * CHUNK + tl.arange(0, CHUNK)
@@ -294,6 +298,7 @@ def _moe_sort_place_kernel(ids_ptr, counts_ptr, order_ptr, offsets_ptr, slot_ptr
     """Program c places its chunk's pairs: pair i goes to row ``first[id] + (pairs of that expert in earlier
     chunks) + (earlier pairs of that expert in this chunk)``, a stable counting sort; program 0 also writes the
     offsets."""
+    await_previous_kernel()
     c = tl.program_id(0)
     lanes = tl.arange(0, E_P)
     chunks = tl.arange(0, C_P)
@@ -331,9 +336,11 @@ def moe_sort_triton(expert_ids: torch.Tensor, num_experts: int) -> _ops.ExpertOr
     order = torch.empty(p, dtype=torch.int64, device=dev)
     slot_rows = torch.empty_like(order)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
-    _moe_sort_count_kernel[(n_chunks,)](flat, counts, p, E_P=e_p, CHUNK=SORT_CHUNK, num_warps=4)
+    _moe_sort_count_kernel[(n_chunks,)](flat, counts, p, E_P=e_p, CHUNK=SORT_CHUNK, num_warps=4, **pdl())
     _moe_sort_place_kernel[(n_chunks,)](flat, counts, order, offsets, slot_rows, p, n_chunks, E=num_experts,
-                                        E_P=e_p, C_P=max(2, next_pow2(n_chunks)), CHUNK=SORT_CHUNK, num_warps=4)
+                                        E_P=e_p, C_P=max(2, next_pow2(n_chunks)), CHUNK=SORT_CHUNK, num_warps=4,
+                                           **pdl(),
+                                       )
     return _ops.ExpertOrder(order, offsets, slot_rows)
 
 

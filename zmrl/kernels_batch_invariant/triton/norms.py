@@ -20,7 +20,9 @@ from .. import norms as _ops
 from .. import grads as _grads
 from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
-from ._common import as_rows, compute_in_fp64, row_block, row_offset, row_view, row_warps, sigmoid
+from ._common import (
+    as_rows, await_previous_kernel, compute_in_fp64, pdl, row_block, row_offset, row_view, row_warps, sigmoid
+)
 
 rms_norm = _ops.rms_norm
 layer_norm = _ops.layer_norm
@@ -47,6 +49,7 @@ def _rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, r_ptr, h_ptr, D, eps, group, x_
     """x and the gate are ``RowView`` s of one row grouping (``group``), each with its own strides. RESIDUAL
     (``add_rms_norm``; contiguous rows): the row normalised is h = x + residual, written to h_ptr in the first
     pass and recomputed (the same rounding) in the second."""
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row_offset(row, group, x_gs, x_rs)
     y_row = y_ptr + row * D
@@ -74,6 +77,7 @@ def _rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, r_ptr, h_ptr, D, eps, group, x_
 @triton.jit
 def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, D, eps,
                        HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+    await_previous_kernel()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * D
     y_row = y_ptr + row * D
@@ -128,7 +132,9 @@ def _rms_launch(x: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(xv.rows,)](
             xv.base, gv.base, w if w is not None else xv.base, y, xv.base, xv.base, d, float(eps),
             xv.group, xv.group_stride, xv.row_stride, gv.group_stride, gv.row_stride,
-            HAS_W=w is not None, GATED=gate is not None, RESIDUAL=False, BLOCK=block, num_warps=row_warps(block))
+            HAS_W=w is not None, GATED=gate is not None, RESIDUAL=False, BLOCK=block, num_warps=row_warps(block),
+               **pdl(),
+           )
     return y
 
 
@@ -168,7 +174,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         block = row_block(d)
         _rms_norm_kernel[(xc.shape[0],)](
             xc, xc, w if w is not None else xc, y, rc, h, d, float(eps), 1, d, d, d, d,
-            HAS_W=w is not None, GATED=False, RESIDUAL=True, BLOCK=block, num_warps=row_warps(block))
+            HAS_W=w is not None, GATED=False, RESIDUAL=True, BLOCK=block, num_warps=row_warps(block), **pdl())
     return h.view(x.shape), y.view(x.shape)
 
 
@@ -187,5 +193,5 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
         block = row_block(d)
         _layer_norm_kernel[(x2.shape[0],)](
             x2, w if w is not None else x2, b if b is not None else x2, y, d, float(eps),
-            HAS_W=w is not None, HAS_B=b is not None, BLOCK=block, num_warps=row_warps(block))
+            HAS_W=w is not None, HAS_B=b is not None, BLOCK=block, num_warps=row_warps(block), **pdl())
     return y.reshape(x.shape)

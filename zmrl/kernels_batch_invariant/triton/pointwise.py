@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .. import pointwise as _ops
 from ._autograd import with_reference_backward
-from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, cdiv, compute_in_fp64, sigmoid
+from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, await_previous_kernel, cdiv, compute_in_fp64, pdl, sigmoid
 
 sigmoid_op = _ops.sigmoid_op
 add_cast = _ops.add_cast
@@ -22,6 +22,7 @@ add_cast = _ops.add_cast
 
 @triton.jit
 def _sigmoid_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    await_previous_kernel()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -30,6 +31,7 @@ def _sigmoid_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _add_cast_kernel(a_ptr, b_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    await_previous_kernel()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     a = tl.load(a_ptr + offs, mask=m, other=0.0)
@@ -46,7 +48,9 @@ def sigmoid_op_triton(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(xc)
     n = xc.numel()
     if n:
-        _sigmoid_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](xc, y, n, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS)
+        _sigmoid_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](xc, y, n, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS,
+                                                           **pdl(),
+                                                       )
     return y
 
 
@@ -61,5 +65,5 @@ def add_cast_triton(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) ->
     n = ac.numel()
     if n:
         _add_cast_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](ac, bc, y, n, BLOCK=ELEMENTWISE_BLOCK,
-                                                         num_warps=ELEMENTWISE_WARPS)
+                                                         num_warps=ELEMENTWISE_WARPS, **pdl())
     return y

@@ -25,7 +25,10 @@ import triton
 import triton.language as tl
 
 from .. import grads as _grads
-from ._common import ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, MAX_ROW_BLOCK, as_rows, cdiv, next_pow2, sigmoid
+from ._common import (
+    ELEMENTWISE_BLOCK, ELEMENTWISE_WARPS, MAX_ROW_BLOCK, as_rows, await_previous_kernel, cdiv, next_pow2, pdl,
+    sigmoid
+)
 
 # Row kernels work on [ROWS, BLOCK_D] tiles of this many elements (rows of width <= BLOCK_D in one tile).
 TILE_ELEMS = 4096
@@ -66,6 +69,7 @@ def _rms_bwd_kernel(x_ptr, gy_ptr, w_ptr, gate_ptr, dx_ptr, dgate_ptr, dw_ptr, n
                     NEED_DGATE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """y = x r w [* sigmoid(gate)], r = rsqrt(mean(x^2) + eps). With gy' = gy [* s] (s = sigmoid(gate)):
     dx = r (gy' w - xhat mean(gy' w xhat)), dw = sum_rows gy' xhat, dgate = gy (xhat w) s (1 - s)."""
+    await_previous_kernel()
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cm = cols < D
@@ -119,7 +123,7 @@ def _rms_grads(gy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, wei
             dx if dx is not None else x2, dgate if dgate is not None else x2, dw if dw is not None else x2,
             n, d, float(eps), per_prog, HAS_W=w is not None, GATED=gt2 is not None, NEED_DX=dx is not None,
             NEED_DW=dw is not None, NEED_DGATE=dgate is not None, ROWS=rows, BLOCK_D=block_d,
-            num_warps=TILE_WARPS)
+            num_warps=TILE_WARPS, **pdl())
     elif dw is not None:
         dw.zero_()
     return (None if dx is None else dx.view(x.shape), None if dgate is None else dgate.view(gate.shape),
@@ -155,6 +159,7 @@ def rms_norm_gated_grads(grads: _grads.Grads, needs: _grads.Needs, args: _grads.
 @triton.jit
 def _l2_bwd_kernel(x_ptr, gy_ptr, dx_ptr, n_rows, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """y = x / n, n = sqrt(sum x^2 + eps): dx = (gy - y <gy, y>) / n."""
+    await_previous_kernel()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     m = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -180,7 +185,7 @@ def l2_norm_grads(grads: _grads.Grads, needs: _grads.Needs, args: _grads.Args) -
     block_d, rows, _, progs = _tiling(n, d, partials=False)
     if n and d:
         _l2_bwd_kernel[(progs,)](x2, g2, dx, n, d, float(args["eps"]), ROWS=rows, BLOCK_D=block_d,
-                                 num_warps=TILE_WARPS)
+                                 num_warps=TILE_WARPS, **pdl())
     return {"x": dx.view(x.shape)}
 
 
@@ -191,6 +196,7 @@ def l2_norm_grads(grads: _grads.Grads, needs: _grads.Needs, args: _grads.Args) -
 def _swiglu_bwd_kernel(g_ptr, u_ptr, gy_ptr, dg_ptr, du_ptr, n, NEED_DG: tl.constexpr, NEED_DU: tl.constexpr,
                        BLOCK: tl.constexpr):
     """y = g sigmoid(g) u: dg = gy u s (1 + g (1 - s)), du = gy g s."""
+    await_previous_kernel()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
@@ -215,7 +221,7 @@ def swiglu_grads(grads: _grads.Grads, needs: _grads.Needs, args: _grads.Args) ->
     if n:
         _swiglu_bwd_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](
             g, u, gyc, dg if dg is not None else g, du if du is not None else u, n, NEED_DG=dg is not None,
-            NEED_DU=du is not None, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS)
+            NEED_DU=du is not None, BLOCK=ELEMENTWISE_BLOCK, num_warps=ELEMENTWISE_WARPS, **pdl())
     return {"gate": dg, "up": du}
 
 
@@ -227,6 +233,7 @@ def _kda_gate_bwd_kernel(z_ptr, a_ptr, b_ptr, gy_ptr, dz_ptr, n, HD, DK, lower_b
                          HAS_LB: tl.constexpr, BLOCK: tl.constexpr):
     """x = z + dt_bias, a = exp(A_log[head]): g = -a softplus(x) (dx = -a sigmoid(x) gy) or, with a lower
     bound, g = lb sigmoid(a x) (dx = gy lb s (1 - s) a, s = sigmoid(a x))."""
+    await_previous_kernel()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     col = offs % HD
@@ -255,7 +262,7 @@ def kda_gate_grads(grads: _grads.Grads, needs: _grads.Needs, args: _grads.Args) 
         _kda_gate_bwd_kernel[(cdiv(n, ELEMENTWISE_BLOCK),)](
             zc, a_log.reshape(h).contiguous(), dt_bias.reshape(hd).contiguous(), gyc, dz, n, hd, hd // h,
             float(lb) if lb is not None else 0.0, HAS_LB=lb is not None, BLOCK=ELEMENTWISE_BLOCK,
-            num_warps=ELEMENTWISE_WARPS)
+            num_warps=ELEMENTWISE_WARPS, **pdl())
     return {"z": dz, "A_log": None, "dt_bias": None}
 
 
@@ -284,6 +291,7 @@ def _short_conv_bwd_kernel(x_ptr, w_ptr, st_ptr, gy_ptr, seq_ptr, cu_ptr, dx_ptr
     gpre_t = gy_t act'(pre_t); dx_t = sum_i w_i gpre_{t + W - 1 - i} over tokens of t's own sequence;
     dw_i (partial over the block) = sum_t gpre_t src(t - W + 1 + i). The W future tokens' pre-activations
     are recomputed from the (L1-resident) inputs instead of being stored by the forward."""
+    await_previous_kernel()
     pid_t = tl.program_id(0)
     tok = pid_t * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -340,7 +348,7 @@ def causal_short_conv_grads(grads: _grads.Grads, needs: _grads.Needs, args: _gra
         _short_conv_bwd_kernel[(n_tb, cdiv(c, CONV_CHANNELS))](
             xc, wt, st, gyc, seq, cu64, dx if dx is not None else xc, dw if dw is not None else xc, t, c,
             W=w, HAS_STATE=state is not None, SILU=act == "silu", NEED_DX=dx is not None, NEED_DW=dw is not None,
-            BT=CONV_TOKENS, BC=CONV_CHANNELS, num_warps=4)
+            BT=CONV_TOKENS, BC=CONV_CHANNELS, num_warps=4, **pdl())
     elif dw is not None:
         dw.zero_()
     return {"x": dx,

@@ -20,7 +20,7 @@ import triton.language as tl
 from .. import short_conv as _ops
 from . import rowwise_grads as _rowgrads
 from ._autograd import with_analytic_backward
-from ._common import cdiv, next_pow2, silu
+from ._common import await_previous_kernel, cdiv, next_pow2, pdl, silu
 
 causal_short_conv = _ops.causal_short_conv
 causal_short_conv_pooled = _ops.causal_short_conv_pooled
@@ -51,6 +51,7 @@ def _short_conv_kernel(x_ptr, w_ptr, w1_ptr, w2_ptr, st_ptr, idx_ptr, seq_ptr, c
                        W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_IDX: tl.constexpr, W_BLOCKS: tl.constexpr,
                        SILU: tl.constexpr, BLOCK_C: tl.constexpr):
     """HAS_IDX: sequence s's state is row idx[s] of the state tensor (a pool) instead of row s."""
+    await_previous_kernel()
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = c < C
@@ -82,6 +83,7 @@ def _conv_state_kernel(x_ptr, st_ptr, idx_ptr, cu_ptr, out_ptr, C, SX,
     """HAS_IDX: the old and new states are both row idx[s] of one pool (st_ptr == out_ptr), replaced in place:
     new row j reads old row j + n (n >= 1 new tokens; n = 0 rewrites each row with itself) before row j + n is
     written, so the ascending j loop never reads a row it has already replaced."""
+    await_previous_kernel()
     s = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = c < C
@@ -125,11 +127,11 @@ def _launch(x: torch.Tensor, weights: list[torch.Tensor], cu_seqlens: torch.Tens
         _short_conv_kernel[(t, cdiv(c, block))](
             xc, ws[0], ws[min(1, len(ws) - 1)], ws[-1], st, idx, seq, cu, y, c, xc.stride(0), c0, c01, W=w,
             HAS_STATE=state is not None, HAS_IDX=state_idx is not None, W_BLOCKS=len(ws), SILU=activation == "silu",
-            BLOCK_C=block, num_warps=4)
+            BLOCK_C=block, num_warps=4, **pdl())
     if n and c and w > 1:
         _conv_state_kernel[(n, cdiv(c, block))](
             xc, st, idx, cu, new_state, c, xc.stride(0), W=w, HAS_STATE=state is not None,
-            HAS_IDX=state_idx is not None, BLOCK_C=block, num_warps=4)
+            HAS_IDX=state_idx is not None, BLOCK_C=block, num_warps=4, **pdl())
     return y
 
 
