@@ -55,7 +55,10 @@
 #   gate_up       the GPU tests of expert_gate_up (one gradient for the MoE rows), with its bench-shape timing;
 #   next3 / next4 gate_up trainer parity / decode_lora prefill train_sweep (the fourth 2026-12-06 session's calls);
 #   next5         train_gemms trainer (with --sync-census) matmul prefill parity: what the fifth 12-06 session left unrun;
-#   pdl           decode (graph, LoRA, batch 1/64/256 at 8K) and prefill with ZMRL_PDL=0 then 1, the graph tests with it;
+#   pdl           decode (graph, LoRA, batch 1/64/256 at 8K) and prefill (PREFILL_PDL_ARGS) with ZMRL_PDL=0 then 1, the
+#                 graph tests with it;   first7  trainer matmul pdl parity tma_probe (the 12-07 session's first call);
+#   final7        the GPU tests of PDL, the MLA fused combine and the GEMM, bench parity, decode / prefill with PDL and
+#                 the fused combine off and on, the trainer (the 12-07 session's one call);
 #   tma_probe     probes/gemm_tma_probe.py: the training-row GEMM with TMA tile loads / persistent programs, same bits?;
 #   bands         the GEMM's banded launch order against the plain one (train_gemms and train_gemms_plain, ZMRL_GEMM_GROUP_M=1),
 #                 then trainer, prefill, matmul and parity with bands (the fifth 12-06 session's call);
@@ -144,6 +147,11 @@ STEPS=${STEPS:-"kda_bwd kimi trainer rl_step more"}
 # launches, the trainer step with its host-sync census, the GEMM GPU tests, prefill, the bench-shape parity
 [[ " $STEPS " == *" next5 "* ]] && STEPS="$STEPS train_gemms trainer matmul prefill parity" && \
   TRAINER_ARGS="${TRAINER_ARGS:-} --sync-census"
+# "first7": the first call of the 12-07 session (the cut-off try's programmatic dependent launch and TMA probe, and the
+# fifth 12-06 session's delta-first GEMM numerics, never ran on a GPU): the GEMM GPU tests, PDL off / on for decode and
+# prefill with the graph tests under it, the trainer step with its host-sync census, the bench-shape parity, the probe
+[[ " $STEPS " == *" first7 "* ]] && STEPS="$STEPS trainer matmul pdl parity tma_probe" && \
+  TRAINER_ARGS="${TRAINER_ARGS:-} --sync-census" && PREFILL_PDL_ARGS="${PREFILL_PDL_ARGS:---shapes 4x8192 --modes bitwise --iters 2}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # The recurrent KDA kernel's launch configurations (shared numerics: decode == packed checked per configuration),
@@ -311,10 +319,35 @@ if has pdl; then
       --contexts 8192 --modes graph --lora 32 --out "$OUT/decode_pdl$v.json"
   done
   for v in 0 1; do
-    step "prefill_pdl$v" "${T_PREFILL_PDL:-80}" env ZMRL_PDL=$v $PY benchmarks/prefill_throughput.py --out "$OUT/prefill_pdl$v.json"
+    step "prefill_pdl$v" "${T_PREFILL_PDL:-80}" env ZMRL_PDL=$v $PY benchmarks/prefill_throughput.py ${PREFILL_PDL_ARGS:-} \
+      --out "$OUT/prefill_pdl$v.json"
   done
   step gpu_tests_pdl "${T_PDL_TESTS:-150}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -q -rfEs \
     tests/kernels/triton/test_pdl.py tests/rollout/test_graph_runner.py tests/kernels/triton/test_model_static_decode.py
+fi
+
+# final7: the 12-07 session's one call (device time for one): the GPU tests of what changed since the last GPU run
+# (programmatic dependent launch, the MLA splits' fused combine under both MLA forms, the delta-first GEMM, graph
+# replays), the bench-shape parity, then decode and prefill with both off (the last measured tree's launches) and on,
+# and the trainer step
+if has final7; then
+  step gpu_tests_final7 "${T_FINAL7_TESTS:-200}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -q -rfEs \
+    tests/kernels/triton/test_pdl.py tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_matmul.py \
+    tests/rollout/test_graph_runner.py tests/kernels/triton/test_model_static_decode.py \
+    tests/kernels/triton/test_gemm_compiles_for_hopper.py
+  step bench_parity "${T_PARITY:-90}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/bitwise/test_parity_gpu_bench.py
+  for v in "0 0" "1 0" "1 1"; do
+    set -- $v
+    step "decode_pdl$1_fused$2" "${T_DECODE_PDL:-60}" env ZMRL_PDL=$1 ZMRL_MLA_FUSED_COMBINE=$2 $PY benchmarks/decode_throughput.py \
+      --batches 1,64,256 --contexts 8192 --modes graph --lora 32 --profile-ctx 0 --out "$OUT/decode_pdl$1_fused$2.json"
+  done
+  for v in 0 1; do
+    step "prefill_fused$v" "${T_PREFILL_PDL:-45}" env ZMRL_MLA_FUSED_COMBINE=$v $PY benchmarks/prefill_throughput.py \
+      --shapes 4x8192 --modes bitwise --iters 2 --out "$OUT/prefill_fused$v.json"
+  done
+  step trainer_throughput "${T_TRAINER:-100}" $PY benchmarks/trainer_throughput.py --layers 16 --seq-lens 4096,4096,4096,4096 \
+    --modes bitwise --recompute none --warmup 1 --iters 1 --profile 30 --kda-tokens 8192 --backward-precision bf16 \
+    --no-kda-old-backward --sync-census --out "$OUT/trainer_throughput.json"
 fi
 
 # The KDA decode step vs fla's recurrent step, and its launch / column-block sweep (decode == chunk checked

@@ -212,12 +212,12 @@ def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | 
     bh = cfg.block_h if block_h is None else block_h
     ptrs = {"q_ptr": "*fp32", "qh_ptr": "*bf16", "ql_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i64",
             "seq_ptr": "*i64", "kp_ptr": "*i64", "qpos_ptr": "*i64", "out_ptr": "*fp32", "m_ptr": "*fp32",
-            "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+            "l_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": "*i32"}
     scalars = {"scale": "fp32", "H": "i32", "page_size": "i32", "bt_stride": "i32", "kp_stride": "i32", "L": "i32",
                "num_splits": "i32"}
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, 1 << (dr - 1).bit_length()),
                   BLOCK_H=bh, BLOCK_N=KEY_BLOCK, SPLIT=M.SPLIT_KEYS, DENSE=False, DIRECT=False, SPLIT_BF16=True,
-                  N_HG=-(-num_heads // bh))
+                  N_HG=-(-num_heads // bh), FUSED_COMBINE=M.FUSED_COMBINE)
     kernel = M.split_kernel_for(mma_rows)
     return build(f"mla_split (H={num_heads}, BLOCK_H={bh}, {mma_rows} on the MMA rows)", kernel, ptrs, scalars, consts,
                  cfg.num_warps if num_warps is None else num_warps, num_stages=cfg.num_stages)

@@ -67,14 +67,15 @@ def _k_tile(row, valid, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr):
 @triton.jit(do_not_specialize=["H", "page_size", "bt_stride", "kp_stride", "L", "num_splits"])
 def _stacked_split_kernel(
     q_ptr, qh_ptr, ql_ptr, kv_ptr, bt_ptr, seq_ptr, kp_ptr, qpos_ptr,
-    out_ptr, m_ptr, l_ptr, acc_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
     scale, H, page_size, bt_stride, kp_stride, L, num_splits,
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
 ):
     tl.static_assert(SPLIT_BF16 and NCH == 4 and DR > 0, "the probe covers the bench preset's bf16 cache")
-    qi, hg, sp = M._program_coords(N_HG)
+    qi, hg, sp = M._program_coords(num_splits, N_HG)
     D: tl.constexpr = DC + DR
     H2: tl.constexpr = 2 * BLOCK_H
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -125,6 +126,9 @@ def _stacked_split_kernel(
     M._store_result(out_ptr, m_ptr, l_ptr, acc_ptr, q_rows, qi, sp, num_splits, H, offs_h, hmask, m_i, l_i,
                     _halves_sum(acc0, KC, BLOCK_H), _halves_sum(acc1, KC, BLOCK_H), _halves_sum(acc2, KC, BLOCK_H),
                     _halves_sum(acc3, KC, BLOCK_H), KC, NCH, DC, DIRECT, True)
+    if FUSED_COMBINE:
+        M._combine_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, qi, hg, num_splits, H, offs_h, hmask,
+                           DC, KC, NCH, BLOCK_H, N_HG)
 
 
 def main() -> None:

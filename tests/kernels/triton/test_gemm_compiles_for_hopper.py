@@ -256,14 +256,14 @@ def test_decode_step_row_kernels_build_for_sm90():
     _build_ir(kda_recurrent._decode_rows_kernel, _sig(kda_recurrent._decode_rows_kernel, ptrs, consts), consts)
     ptrs = {"q_ptr": "*fp32", "qh_ptr": "*bf16", "ql_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i64",
             "seq_ptr": "*i64", "kp_ptr": "*i64", "qpos_ptr": "*i64", "out_ptr": "*fp32", "m_ptr": "*fp32",
-            "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+            "l_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": "*i32"}
     for form in ("heads", "keys"):
         cfg = mla_attention.kernel_config(64, 512, 64, form)
         fn = mla_attention.split_kernel_for(form)
         for dense in (False, True):
             consts = dict(DC=512, DR=64, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=64, BLOCK_H=cfg.block_h, BLOCK_N=64,
                           SPLIT=mla_attention.SPLIT_KEYS, DENSE=dense, DIRECT=False, SPLIT_BF16=True,
-                          N_HG=64 // cfg.block_h)
+                          N_HG=64 // cfg.block_h, FUSED_COMBINE=True)
             _build_ir(fn, _sig(fn, ptrs, consts, {"scale": "fp32"}), consts)
 
 

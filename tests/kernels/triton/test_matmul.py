@@ -18,6 +18,7 @@ from zmrl.kernels_batch_invariant.matmul import (LoraUp, LoraUpConcat, bmm_fixed
                                                  linear_concat, lora_concat_delta, lora_delta)
 from zmrl.kernels_batch_invariant.moe_gemm import RowGather, expert_linear, expert_linear_ref, expert_lora_delta
 from zmrl.kernels_batch_invariant.triton import triton_impl
+from zmrl.kernels_batch_invariant.triton import _common
 from zmrl.kernels_batch_invariant.triton.matmul import grouped_tile
 from tests.kernels.triton.gemm_launches import count_gemm_launches
 
@@ -1068,7 +1069,7 @@ def test_split_k_sum_in_the_gemm_launch_equals_the_separate_sum(device, interpre
     for i, (a, b, c) in enumerate(zip(serial, again, separate)):
         assert torch.equal(a, c), f"product {i}: the serial sum differs from _split_k_sum"
         assert torch.equal(a, b), f"product {i}: a repeated call differs"
-    assert all(int(buf.abs().sum()) == 0 for buf, _ in M._COUNTERS.values()), "tile counters left non-zero"
+    assert all(int(buf.abs().sum()) == 0 for buf, _ in _common._COUNTERS.values()), "tile counters left non-zero"
 
 
 def test_expert_linear_reads_gathered_rows_in_place(device, interpret):

@@ -272,6 +272,35 @@ def test_sparse_alone_vs_batch(inv, small_split):
     assert torch.equal(sparse(*_rows(c, perm), kp[perm], c["scale"], c["dc"]), full[perm])
 
 
+def test_fused_combine_equals_the_combine_launch(inv, small_split, monkeypatch):
+    """The splits combined by their last program in the split kernel's launch (FUSED_COMBINE) give the bits of the
+    separate combine launch, dense and sparse, the launch repeated gives them again (the arrival counters are
+    left at zero for the next launch), and a launch without counters (as inside a first CUDA-graph capture)
+    takes the separate combine."""
+    from zmrl.kernels_batch_invariant.triton import _common
+    from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
+    c = inv
+    assert int(c["qpos"].max()) + 1 > _split_keys(), "the case must need several splits"
+    width = 2 * c["split"] + 40
+    kp = sparse_key_positions(c["qpos"].cpu(), width=width, seed=9, keep=0.8).to(c["qpos"].device)
+
+    def both():
+        return (dense(*_rows(c, slice(None)), c["qpos"], c["scale"], c["dc"]),
+                sparse(*_rows(c, slice(None)), kp, c["scale"], c["dc"]))
+
+    monkeypatch.setattr(tmla, "FUSED_COMBINE", False)
+    separate = both()
+    monkeypatch.setattr(tmla, "FUSED_COMBINE", True)
+    fused, again = both(), both()
+    for name, a, b, r in zip(("dense", "sparse"), fused, again, separate):
+        assert torch.equal(a, r), f"{name}: the fused combine differs from the combine launch"
+        assert torch.equal(a, b), f"{name}: a repeated launch differs"
+    assert all(int(buf.abs().sum()) == 0 for buf, _ in _common._COUNTERS.values()), "arrival counters left non-zero"
+    monkeypatch.setattr(tmla, "arrival_counters", lambda device, n: None)
+    for a, b in zip(both(), separate):
+        assert torch.equal(a, b)
+
+
 def test_sparse_hole_blocks_are_no_ops(inv, interpret, monkeypatch):
     """A whole block of -1 entries inside a split (before or between valid blocks; trailing ones are never
     visited) changes no bit: the kernel runs it (its loop has no branch) as an exact no-op (alpha = 1, p = 0)."""

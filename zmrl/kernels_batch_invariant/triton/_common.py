@@ -61,6 +61,36 @@ def pdl() -> dict[str, bool]:
     return _pdl_launch
 
 
+# Arrival counters of the kernels whose last program to finish does a final step in the same launch (the GEMM's
+# split-K sum, the MLA splits' combine): one int32 per group of programs, zero between launches (a group's last
+# program resets its own). One buffer per device, handed out in rotating regions so that launches on different
+# streams do not share counters; allocated outside CUDA-graph capture (a launch captured before the first eager
+# one takes its two-launch form instead).
+_COUNTER_CAPACITY = 1 << 20
+_COUNTERS: dict[torch.device, list] = {}
+
+
+def capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream of ``device`` is being captured into a graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """n zeroed arrival counters for one launch, or None (the caller then takes its two-launch form)."""
+    if n > _COUNTER_CAPACITY:
+        return None
+    entry = _COUNTERS.get(device)
+    if entry is None:
+        if capturing(device):
+            return None
+        entry = _COUNTERS[device] = [torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device), 0]
+    buf, cur = entry
+    if cur + n > _COUNTER_CAPACITY:
+        cur = 0
+    entry[1] = cur + cdiv(n, 256) * 256
+    return buf[cur: cur + n]
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division in plain Python (``triton.cdiv`` costs ~5 us per host call in Triton 3.9)."""
     return -(-a // b)

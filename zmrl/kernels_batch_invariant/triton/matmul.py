@@ -101,7 +101,7 @@ from .. import moe_gemm as _moe
 from ..backward_gemms import HALF, fp32_out_gemms, mm_fp32_factor
 from ..moe_gemm_grads import expert_linear_grads
 from ..numerics import with_backward_matmuls
-from ._common import INTERPRET, await_previous_kernel, cdiv, compute_in_fp64, next_pow2, pdl
+from ._common import INTERPRET, arrival_counters, await_previous_kernel, capturing, cdiv, compute_in_fp64, next_pow2, pdl
 
 log = logging.getLogger(__name__)
 
@@ -647,30 +647,6 @@ _SUM_BLOCK_M, _SUM_BLOCK_N = 32, 64
 # SERIAL_SUM: one launch instead of two, ~120 fewer launches per decode step of the bench model) unless
 # ZMRL_SERIAL_SPLIT_SUM=0 (then by ``_split_k_sum``). The same additions in the same order: the same bits.
 SERIAL_SPLIT_SUM = os.environ.get("ZMRL_SERIAL_SPLIT_SUM", "1") != "0"
-# Arrival counters of the serial sum: one int32 per output tile of a launch, zero between launches (a tile's
-# last program resets its own). One buffer per device, handed out in rotating regions so that launches on
-# different streams do not share counters; allocated outside CUDA-graph capture (a launch captured before
-# the first eager one sums with ``_split_k_sum``).
-_COUNTER_CAPACITY = 1 << 20
-_COUNTERS: dict[torch.device, list] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed tile counters for one serial-sum launch, or None (the two-launch sum then)."""
-    if not SERIAL_SPLIT_SUM or n > _COUNTER_CAPACITY:
-        return None
-    entry = _COUNTERS.get(device)
-    if entry is None:
-        if _capturing(device):
-            return None
-        entry = _COUNTERS[device] = [torch.zeros(_COUNTER_CAPACITY, dtype=torch.int32, device=device), 0]
-    buf, cur = entry
-    if cur + n > _COUNTER_CAPACITY:
-        cur = 0
-    entry[1] = cur + cdiv(n, 256) * 256
-    return buf[cur: cur + n]
-
-
 assert SPLIT_K_CHUNK % SPLIT_BLOCK_K == 0  # every chunk is whole K steps of the split products
 
 
@@ -866,7 +842,7 @@ def _launch(x3: torch.Tensor, w3: torch.Tensor, bias: torch.Tensor | None, y3: t
     if k_chunk:
         splits = cdiv(k, k_chunk)
         y3 = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
-        counters = _split_counters(out.device, grid[0] * grid[1])
+        counters = arrival_counters(out.device, grid[0] * grid[1]) if SERIAL_SPLIT_SUM else None
         grid = (*grid, splits)
     serial = counters is not None
     lora_r = 0 if lora is None else lora.b.shape[-1]
@@ -1133,7 +1109,7 @@ def _column_offsets(ns: tuple[int, ...], device: torch.device, ks: tuple[int, ..
     key = (ns, ks, device)
     hit = _COLS_CACHE.get(key)
     if hit is None:
-        if _capturing(device):
+        if capturing(device):
             raise RuntimeError("linear_concat: these widths were never seen before CUDA-graph capture; "
                                "run the captured call once eagerly first (warm-up)")
         offs: list[int] = []
@@ -1478,10 +1454,6 @@ _WOFF_CACHE_SIZE = 1024
 _WOFF_PINNED: dict[tuple, _WeightTable] = {}
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _build_weight_table(views: list[torch.Tensor], ptrs: tuple[int, ...], device: torch.device,
                         what: str) -> _WeightTable:
     """Validate a weight set (once per set: every call afterwards hits the cache) and build its table.
@@ -1518,10 +1490,10 @@ def _weight_table(views: list[torch.Tensor], device: torch.device, what: str) ->
     key = (what, ptrs, w0.dtype, tuple(tuple(w.shape) for w in views), w0.stride(), w0.device)
     hit = _WOFF_PINNED.get(key)
     if hit is None:
-        capturing = _capturing(device)
+        in_capture = capturing(device)
         hit = _WOFF_CACHE.get(key)
         if hit is None:
-            if capturing:
+            if in_capture:
                 # building it now would record a copy from a temporary host buffer into the graph
                 raise RuntimeError(f"{what}: this set of weights was never seen before CUDA-graph "
                                    "capture; run the captured call once eagerly first (warm-up)")
@@ -1531,7 +1503,7 @@ def _weight_table(views: list[torch.Tensor], device: torch.device, what: str) ->
                 _WOFF_CACHE.popitem(last=False)
         else:
             _WOFF_CACHE.move_to_end(key)
-        if capturing:
+        if in_capture:
             _WOFF_PINNED[key] = _WOFF_CACHE.pop(key)
     return hit
 

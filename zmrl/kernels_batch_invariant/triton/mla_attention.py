@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -73,13 +74,17 @@ import triton.language as tl
 from ..mla_attention import KEY_BLOCK, _check_shapes, key_width, mla_attention, mla_attention_dense
 from ..mla_attention_grads import mla_attention_grads
 from ..numerics import mla_mma_rows
-from ._common import INTERPRET, await_previous_kernel, cdiv, pdl
+from ._common import INTERPRET, arrival_counters, await_previous_kernel, cdiv, pdl
 
 log = logging.getLogger(__name__)
 
 # Keys per split: fixed for every query (prefill and decode alike), a multiple of KEY_BLOCK. Decode at
 # 32K context gets 32 splits x (heads / BLOCK_H) programs per query.
 SPLIT_KEYS = 1024
+# The splits of a (query, head group) are combined by the last of their programs to finish, in the split kernel's
+# own launch (FUSED_COMBINE: one launch instead of two, the partials read back from L2), unless
+# ZMRL_MLA_FUSED_COMBINE=0 (then by ``_mla_combine_kernel``). The same operations in the same order: the same bits.
+FUSED_COMBINE = os.environ.get("ZMRL_MLA_FUSED_COMBINE", "1") != "0"
 # Bound on the fp32 partial (acc) buffer of one launch; queries are launched in chunks below it.
 # Chunking never changes a query's arithmetic.
 PARTIAL_BYTES = 512 * 1024 * 1024
@@ -285,14 +290,16 @@ def _split_extent(qi, sp, kp_ptr, kp_stride, L, qpos_ptr, SPLIT: tl.constexpr, B
 
 
 @triton.jit
-def _program_coords(N_HG: tl.constexpr):
-    """(query, head group, split) of a split-kernel program. The head groups of one query are adjacent
-    programs (grid dim 0 is query * N_HG + head group; dim 1 the split): they gather the same key rows,
-    and running them side by side lets the second read those rows from L2 rather than HBM (with the
-    head groups on their own grid dim, a query's second group ran a whole grid row after its first,
-    long after its rows had left L2). Scheduling only: every program computes what it computed before."""
+def _program_coords(num_splits, N_HG: tl.constexpr):
+    """(query, head group, split) of a split-kernel program: program id ``(query * N_HG + head group) *
+    num_splits + split``. A query's splits and head groups are adjacent programs, so they run side by side:
+    the head groups gather the same key rows (the second reads them from L2 rather than HBM; with the head
+    groups on their own grid dim, a query's second group ran a whole grid row after its first, long after its
+    rows had left L2), and the last split to finish finds the others' partials in L2 when it combines them
+    (FUSED_COMBINE). Scheduling only: every program computes what it computed before."""
     pid = tl.program_id(0).to(tl.int64)
-    return pid // N_HG, (pid % N_HG).to(tl.int32), tl.program_id(1)
+    group = pid // num_splits
+    return group // N_HG, (group % N_HG).to(tl.int32), (pid % num_splits).to(tl.int32)
 
 
 # Integers that vary with the batch or the cache layout are not specialised (Triton would otherwise
@@ -300,14 +307,15 @@ def _program_coords(N_HG: tl.constexpr):
 @triton.jit(do_not_specialize=["H", "page_size", "bt_stride", "kp_stride", "L", "num_splits"])
 def _mla_split_kernel(
     q_ptr, qh_ptr, ql_ptr, kv_ptr, bt_ptr, seq_ptr, kp_ptr, qpos_ptr,
-    out_ptr, m_ptr, l_ptr, acc_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
     scale, H, page_size, bt_stride, kp_stride, L, num_splits,
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
 ):
     await_previous_kernel()
-    qi, hg, sp = _program_coords(N_HG)
+    qi, hg, sp = _program_coords(num_splits, N_HG)
     D: tl.constexpr = DC + DR
 
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -354,6 +362,9 @@ def _mla_split_kernel(
 
     _store_result(out_ptr, m_ptr, l_ptr, acc_ptr, q_rows, qi, sp, num_splits, H, offs_h, hmask, m_i, l_i,
                   acc0, acc1, acc2, acc3, KC, NCH, DC, DIRECT, False)
+    if FUSED_COMBINE:
+        _combine_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, qi, hg, num_splits, H, offs_h, hmask,
+                         DC, KC, NCH, BLOCK_H, N_HG)
 
 
 @triton.jit
@@ -409,14 +420,15 @@ def _pv_part_keys_rows(acc_t, p_t, p_hi, p_lo, c, SPLIT_BF16: tl.constexpr):
 @triton.jit(do_not_specialize=["H", "page_size", "bt_stride", "kp_stride", "L", "num_splits"])
 def _mla_split_kernel_keys_rows(
     q_ptr, qh_ptr, ql_ptr, kv_ptr, bt_ptr, seq_ptr, kp_ptr, qpos_ptr,
-    out_ptr, m_ptr, l_ptr, acc_ptr,
+    out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr,
     scale, H, page_size, bt_stride, kp_stride, L, num_splits,
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
 ):
     await_previous_kernel()
-    qi, hg, sp = _program_coords(N_HG)
+    qi, hg, sp = _program_coords(num_splits, N_HG)
     D: tl.constexpr = DC + DR
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
@@ -464,6 +476,9 @@ def _mla_split_kernel_keys_rows(
 
     _store_result(out_ptr, m_ptr, l_ptr, acc_ptr, q_rows, qi, sp, num_splits, H, offs_h, hmask, m_i, l_i,
                   acc0, acc1, acc2, acc3, KC, NCH, DC, DIRECT, True)
+    if FUSED_COMBINE:
+        _combine_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, qi, hg, num_splits, H, offs_h, hmask,
+                         DC, KC, NCH, BLOCK_H, N_HG)
 
 
 def split_kernel_for(mma_rows: str):
@@ -471,38 +486,73 @@ def split_kernel_for(mma_rows: str):
     return {"heads": _mla_split_kernel, "keys": _mla_split_kernel_keys_rows}[mma_rows]
 
 
+@triton.jit
+def _split_weight(m_j, m):
+    """A split's weight in the combine, exp(m_j - M): exactly 1 for the split holding the maximum (not whatever the
+    approximate exp gives at 0, so a single non-empty split passes through bit for bit, as the direct path), 0 for
+    an empty split (m_j = -inf)."""
+    has = m_j > float("-inf")
+    return tl.where(m_j == m, 1.0, tl.where(has, tl.exp(m_j - tl.where(has, m, 0.0)), 0.0))
+
+
+@triton.jit
+def _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, qi, num_splits, H, offs_h, hmask,
+                    DC: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, BLOCK_H: tl.constexpr):
+    """o = (sum_j acc_j w_j) / (sum_j l_j w_j) for the heads ``offs_h`` of query ``qi`` (``_split_weight``; splits in
+    ascending order, each sum sequential from 0, a query without a valid key gets zeros), the latent columns in
+    NCH chunks of KC: each element's arithmetic is its own, so the chunking changes no bit. Loads go through L2
+    (``.cg``), never a stale L1 line: in the split kernel the partials were written by other programs."""
+    base = qi * num_splits * H + offs_h  # partial (query, split, head) at (qi * num_splits + split) * H + head
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for sp in range(0, num_splits):
+        m = tl.maximum(m, tl.load(m_ptr + base + sp * H, mask=hmask, other=float("-inf"), cache_modifier=".cg"))
+    l = tl.zeros([BLOCK_H], tl.float32)
+    for sp in range(0, num_splits):  # ascending split order
+        w = _split_weight(tl.load(m_ptr + base + sp * H, mask=hmask, other=float("-inf"), cache_modifier=".cg"), m)
+        l = l + tl.load(l_ptr + base + sp * H, mask=hmask, other=0.0, cache_modifier=".cg") * w
+    l_safe = tl.where(l > 0, l, 1.0)
+    for ch in tl.static_range(NCH):
+        offs_c = ch * KC + tl.arange(0, KC)
+        cmask = offs_c < DC
+        acc = tl.zeros([BLOCK_H, KC], tl.float32)
+        for sp in range(0, num_splits):  # ascending split order
+            part = base + sp * H
+            m_j = tl.load(m_ptr + part, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+            a_j = tl.load(acc_ptr + part[:, None] * DC + offs_c[None, :],
+                          mask=(m_j > float("-inf"))[:, None] & cmask[None, :], other=0.0, cache_modifier=".cg")
+            acc = acc + a_j * _split_weight(m_j, m)[:, None]
+        tl.store(out_ptr + (qi * H + offs_h)[:, None] * DC + offs_c[None, :], acc / l_safe[:, None],
+                 mask=hmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _combine_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, qi, hg, num_splits, H, offs_h, hmask,
+                     DC: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, BLOCK_H: tl.constexpr,
+                     N_HG: tl.constexpr):
+    """FUSED_COMBINE: the last of a (query, head group)'s split programs to finish combines the splits
+    (``_combine_splits``, what ``_mla_combine_kernel`` computes) and resets the group's arrival counter. The
+    barrier and the release half of the counter's atomic publish this program's partial before it counts itself;
+    the acquire half makes the other splits' partials visible to the last one. Which program combines depends on
+    timing; what it computes does not."""
+    tl.debug_barrier()
+    group = qi * N_HG + hg
+    arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, qi, num_splits, H, offs_h, hmask, DC, KC, NCH, BLOCK_H)
+        tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["H", "num_splits"])
 def _mla_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, H, num_splits,
-    DC: tl.constexpr, DC_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    DC: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """The splits' combine as its own launch, one program per (query, head group): the two-launch form of
+    FUSED_COMBINE (``ZMRL_MLA_FUSED_COMBINE=0``, or a launch captured before any eager one)."""
     await_previous_kernel()
-    qi = tl.program_id(0).to(tl.int64)
-    hg = tl.program_id(1)
-    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = offs_h < H
-    offs_c = tl.arange(0, DC_P)
-    cmask = offs_c < DC
-
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for sp in range(0, num_splits):
-        m = tl.maximum(m, tl.load(m_ptr + (qi * num_splits + sp) * H + offs_h, mask=hmask, other=float("-inf")))
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, DC_P], tl.float32)
-    for sp in range(0, num_splits):  # ascending split order
-        part = (qi * num_splits + sp) * H + offs_h
-        m_j = tl.load(m_ptr + part, mask=hmask, other=float("-inf"))
-        l_j = tl.load(l_ptr + part, mask=hmask, other=0.0)
-        has = m_j > float("-inf")
-        # The split holding the maximum gets weight exactly 1 (not whatever the approximate exp gives
-        # at 0): a single non-empty split then passes through bit for bit, as the direct path.
-        w = tl.where(m_j == m, 1.0, tl.where(has, tl.exp(m_j - tl.where(has, m, 0.0)), 0.0))
-        a_j = tl.load(acc_ptr + part[:, None] * DC + offs_c[None, :], mask=has[:, None] & cmask[None, :], other=0.0)
-        l = l + l_j * w
-        acc = acc + a_j * w[:, None]
-    l_safe = tl.where(l > 0, l, 1.0)
-    o = acc / l_safe[:, None]
-    tl.store(out_ptr + (qi * H + offs_h)[:, None] * DC + offs_c[None, :], o, mask=hmask[:, None] & cmask[None, :])
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0).to(tl.int64), num_splits, H, offs_h, offs_h < H,
+                    DC, KC, NCH, BLOCK_H)
 
 
 @triton.jit
@@ -614,9 +664,10 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     scale = float(softmax_scale)
     if num_splits == 1:
         # The one split is the whole list: write o directly (bitwise what the combine would give).
-        split_kernel[(nq * n_hg, 1)](
-            q, q_hi, q_lo, kv, bt, sidx, kp, qpos, out, out, out, out,
-            scale, h, page_size, bt.stride(0), kp_stride, width, 1, DIRECT=True, **consts, **pdl())
+        split_kernel[(nq * n_hg,)](
+            q, q_hi, q_lo, kv, bt, sidx, kp, qpos, out, out, out, out, bt,
+            scale, h, page_size, bt.stride(0), kp_stride, width, 1, DIRECT=True, FUSED_COMBINE=False, **consts,
+            **pdl())
         return out
     # Chunk the queries so the fp32 partials stay below PARTIAL_BYTES (never changes a query's bits).
     per_query = num_splits * h * dc * 4
@@ -629,13 +680,16 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         n = c1 - c0
         qpos_c = qpos[c0:c1] if dense else qpos
         kp_c = kp[c0:c1] if not dense else kp
-        split_kernel[(n * n_hg, num_splits)](
-            q[c0:c1], q_hi[c0:c1], q_lo[c0:c1], kv, bt, sidx[c0:c1], kp_c, qpos_c, out, m_buf, l_buf, acc_buf,
-            scale, h, page_size, bt.stride(0), kp_stride, width, num_splits, DIRECT=False, **consts, **pdl())
-        _mla_combine_kernel[(n, n_hg)](
-            m_buf, l_buf, acc_buf, out[c0:c1], h, num_splits,
-            DC=dc, DC_P=cfg.chunk * cfg.n_chunks, BLOCK_H=cfg.block_h,
-            num_warps=8 if cfg.chunk * cfg.n_chunks >= 512 else 4, **pdl())
+        counters = arrival_counters(dev, n * n_hg) if FUSED_COMBINE else None
+        split_kernel[(n * n_hg * num_splits,)](
+            q[c0:c1], q_hi[c0:c1], q_lo[c0:c1], kv, bt, sidx[c0:c1], kp_c, qpos_c, out[c0:c1], m_buf, l_buf, acc_buf,
+            counters if counters is not None else bt, scale, h, page_size, bt.stride(0), kp_stride, width, num_splits,
+            DIRECT=False, FUSED_COMBINE=counters is not None, **consts, **pdl())
+        if counters is None:
+            _mla_combine_kernel[(n, n_hg)](
+                m_buf, l_buf, acc_buf, out[c0:c1], h, num_splits,
+                DC=dc, KC=cfg.chunk, NCH=cfg.n_chunks, BLOCK_H=cfg.block_h,
+                num_warps=8 if cfg.chunk * cfg.n_chunks >= 512 else 4, **pdl())
     return out
 
 
