@@ -22,7 +22,8 @@ bits depend on nothing but its q, its key list and the key values):
   before it computes. The score dot runs over the latent in fixed
   column chunks (Dc = 512: 4 x 128, ascending) and then the rope columns, accumulating into one fp32
   tile; ``p @ c_kv`` keeps one fp32 accumulator per column chunk (``kernel_config``).
-* Splits are combined by a second kernel in ascending split order: ``M = max_j m_j``, then
+* Splits are combined, by the last of a (query, head group)'s split programs to finish in the split kernel's own
+  launch (``FUSED_COMBINE``; or by a second kernel, ``_mla_combine_kernel``), in ascending split order: ``M = max_j m_j``, then
   ``l = sum_j l_j exp(m_j - M)``, ``acc = sum_j acc_j exp(m_j - M)`` (sequential, ascending), and
   ``o = acc / l``. With a single non-empty split this is the identity (``exp(0) = 1``, ``0 + x = x``),
   so a query whose keys fit one split gets the same bits whether the launch had one split (output
