@@ -336,12 +336,12 @@ if has final7; then
     tests/rollout/test_graph_runner.py tests/kernels/triton/test_model_static_decode.py \
     tests/kernels/triton/test_gemm_compiles_for_hopper.py
   step bench_parity "${T_PARITY:-90}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/bitwise/test_parity_gpu_bench.py
-  for v in "0 0" "1 0" "1 1"; do
-    set -- $v
-    step "decode_pdl$1_fused$2" "${T_DECODE_PDL:-60}" env ZMRL_PDL=$1 ZMRL_MLA_FUSED_COMBINE=$2 $PY benchmarks/decode_throughput.py \
-      --batches 1,64,256 --contexts 8192 --modes graph --lora 32 --profile-ctx 0 --out "$OUT/decode_pdl$1_fused$2.json"
+  for v in ${FINAL7_DECODE:-00 10 11}; do  # ZMRL_PDL, then ZMRL_MLA_FUSED_COMBINE
+    p=${v:0:1} f=${v:1:1}
+    step "decode_pdl${p}_fused$f" "${T_DECODE_PDL:-60}" env ZMRL_PDL=$p ZMRL_MLA_FUSED_COMBINE=$f $PY benchmarks/decode_throughput.py \
+      --batches 1,64,256 --contexts 8192 --modes graph --lora 32 --profile-ctx 0 --out "$OUT/decode_pdl${p}_fused$f.json"
   done
-  for v in 0 1; do
+  for v in ${FINAL7_PREFILL-0 1}; do
     step "prefill_fused$v" "${T_PREFILL_PDL:-45}" env ZMRL_MLA_FUSED_COMBINE=$v $PY benchmarks/prefill_throughput.py \
       --shapes 4x8192 --modes bitwise --iters 2 --out "$OUT/prefill_fused$v.json"
   done
