@@ -70,7 +70,8 @@ def variant_kernel(cut: str | None):
         if anchor not in src:
             raise SystemExit(f"kda_decode_phases.py: anchor of phase {cut!r} not in _kda_intra_kernel: {anchor!r}")
         src = src.replace(anchor, repl, 1)
-    header = "import triton\nimport triton.language as tl\n\n\n"
+    header = ("import triton\nimport triton.language as tl\n\n"
+              "from zmrl.kernels_batch_invariant.triton._common import await_previous_kernel\n\n\n")
     path = Path(_SOURCES.name) / f"kda_intra_without_{cut}.py"
     path.write_text(header + src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
