@@ -32,6 +32,7 @@ from zmrl.kernels_batch_invariant.mla_attention import (
     mla_attention_ref,
 )
 from zmrl.kernels_batch_invariant.triton import triton_impl
+from tests.kernels.triton.gemm_launches import count_launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
@@ -288,10 +289,14 @@ def test_fused_combine_equals_the_combine_launch(inv, small_split, monkeypatch):
         return (dense(*_rows(c, slice(None)), c["qpos"], c["scale"], c["dc"]),
                 sparse(*_rows(c, slice(None)), kp, c["scale"], c["dc"]))
 
+    combines = count_launches(monkeypatch, tmla, "_mla_combine_kernel")
     monkeypatch.setattr(tmla, "FUSED_COMBINE", False)
     separate = both()
+    assert len(combines) >= 2, "the case must take the combine launch (several splits, dense and sparse)"
     monkeypatch.setattr(tmla, "FUSED_COMBINE", True)
+    combines.clear()
     fused, again = both(), both()
+    assert not combines, "the fused path fell back to the combine launch"
     for name, a, b, r in zip(("dense", "sparse"), fused, again, separate):
         assert torch.equal(a, r), f"{name}: the fused combine differs from the combine launch"
         assert torch.equal(a, b), f"{name}: a repeated launch differs"
@@ -299,6 +304,7 @@ def test_fused_combine_equals_the_combine_launch(inv, small_split, monkeypatch):
     monkeypatch.setattr(tmla, "arrival_counters", lambda device, n: None)
     for a, b in zip(both(), separate):
         assert torch.equal(a, b)
+    assert combines, "without counters the combine must be its own launch"
 
 
 def test_sparse_hole_blocks_are_no_ops(inv, interpret, monkeypatch):

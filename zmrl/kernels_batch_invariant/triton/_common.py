@@ -91,6 +91,22 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return buf[cur: cur + n]
 
 
+@triton.jit
+def last_to_arrive(cnt_ptr, group, n):
+    """Count this program into its group's arrival counter; True for the group's n-th (last) program. The barrier
+    and the release half of the atomic publish this program's writes before it counts itself; the acquire half
+    makes every other program's writes visible to the last one (which should read them with ``.cg`` loads, never
+    a stale L1 line). The last program resets the counter (``reset_arrivals``) when it is done."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu") == n - 1
+
+
+@triton.jit
+def reset_arrivals(cnt_ptr, group):
+    """Zero a group's arrival counter for the next launch (by the group's last program, see ``last_to_arrive``)."""
+    tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division in plain Python (``triton.cdiv`` costs ~5 us per host call in Triton 3.9)."""
     return -(-a // b)

@@ -101,7 +101,8 @@ from .. import moe_gemm as _moe
 from ..backward_gemms import HALF, fp32_out_gemms, mm_fp32_factor
 from ..moe_gemm_grads import expert_linear_grads
 from ..numerics import with_backward_matmuls
-from ._common import INTERPRET, arrival_counters, await_previous_kernel, capturing, cdiv, compute_in_fp64, next_pow2, pdl
+from ._common import (INTERPRET, arrival_counters, await_previous_kernel, capturing, cdiv, compute_in_fp64,
+                      last_to_arrive, next_pow2, pdl, reset_arrivals)
 
 log = logging.getLogger(__name__)
 
@@ -582,14 +583,10 @@ def _gemm_kernel(
 def _serial_split_sum(p_ptrs, stride_ps, o_base, d_base, b_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask,
                       stride_om, stride_on,
                       HAS_BIAS: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The split-K sum of a tile by its last program to arrive (see ``_gemm_kernel``'s SERIAL_SUM). The barrier
-    and the release half of the counter's atomic publish this program's partial before it counts itself;
-    the acquire half makes every other program's partial visible to the last one, which reads them from L2
-    (``.cg``: never a stale L1 line)."""
-    tl.debug_barrier()
+    """The split-K sum of a tile by its last program to arrive (``last_to_arrive``; see ``_gemm_kernel``'s
+    SERIAL_SUM), which reads the other partials from L2 (``.cg``: never a stale L1 line)."""
     tile_id = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(2) - 1:
+    if last_to_arrive(cnt_ptr, tile_id, tl.num_programs(2)):
         mask = m_mask[:, None] & n_mask[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for sp in range(0, tl.num_programs(2)):  # ascending, from zero: _split_k_sum's order
@@ -600,7 +597,7 @@ def _serial_split_sum(p_ptrs, stride_ps, o_base, d_base, b_ptr, cnt_ptr, offs_m,
         if HAS_DELTA:  # laid out as the output
             acc += tl.load(d_base + out, mask=mask, other=0.0)
         tl.store(o_base + out, acc.to(o_base.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+        reset_arrivals(cnt_ptr, tile_id)
 
 
 @triton.jit(do_not_specialize=["M", "M_TILES"])

@@ -75,7 +75,7 @@ import triton.language as tl
 from ..mla_attention import KEY_BLOCK, _check_shapes, key_width, mla_attention, mla_attention_dense
 from ..mla_attention_grads import mla_attention_grads
 from ..numerics import mla_mma_rows
-from ._common import INTERPRET, arrival_counters, await_previous_kernel, cdiv, pdl
+from ._common import INTERPRET, arrival_counters, await_previous_kernel, cdiv, last_to_arrive, pdl, reset_arrivals
 
 log = logging.getLogger(__name__)
 
@@ -530,17 +530,13 @@ def _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, qi, num_splits, H, offs_h, h
 def _combine_if_last(m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr, qi, hg, num_splits, H, offs_h, hmask,
                      DC: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, BLOCK_H: tl.constexpr,
                      N_HG: tl.constexpr):
-    """FUSED_COMBINE: the last of a (query, head group)'s split programs to finish combines the splits
-    (``_combine_splits``, what ``_mla_combine_kernel`` computes) and resets the group's arrival counter. The
-    barrier and the release half of the counter's atomic publish this program's partial before it counts itself;
-    the acquire half makes the other splits' partials visible to the last one. Which program combines depends on
+    """FUSED_COMBINE: the last of a (query, head group)'s split programs to finish (``last_to_arrive``) combines
+    the splits (``_combine_splits``, what ``_mla_combine_kernel`` computes). Which program combines depends on
     timing; what it computes does not."""
-    tl.debug_barrier()
     group = qi * N_HG + hg
-    arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
+    if last_to_arrive(cnt_ptr, group, num_splits):
         _combine_splits(m_ptr, l_ptr, acc_ptr, out_ptr, qi, num_splits, H, offs_h, hmask, DC, KC, NCH, BLOCK_H)
-        tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
+        reset_arrivals(cnt_ptr, group)
 
 
 @triton.jit(do_not_specialize=["H", "num_splits"])
