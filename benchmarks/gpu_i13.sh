@@ -57,8 +57,9 @@
 #   next5         train_gemms trainer (with --sync-census) matmul prefill parity: what the fifth 12-06 session left unrun;
 #   pdl           decode (graph, LoRA, batch 1/64/256 at 8K) and prefill (PREFILL_PDL_ARGS) with ZMRL_PDL=0 then 1, the
 #                 graph tests with it;   first7  trainer matmul pdl parity tma_probe (the 12-07 session's first call);
-#   final7        the GPU tests of PDL, the MLA fused combine and the GEMM, bench parity, decode / prefill with PDL and
-#                 the fused combine off and on, the trainer (the 12-07 session's one call);
+#   final7        the GPU tests of PDL, the MLA fused combine and the GEMM, bench parity, (FINAL7_MLA_SLOTS: launches of the
+#                 MLA sweep with and without slot lists), decode / prefill with PDL, the fused combine and slot lists
+#                 off and on (FINAL7_DECODE, FINAL7_PREFILL), the trainer (FINAL7_TRAINER_SLOTS);
 #   tma_probe     probes/gemm_tma_probe.py: the training-row GEMM with TMA tile loads / persistent programs, same bits?;
 #   bands         the GEMM's banded launch order against the plain one (train_gemms and train_gemms_plain, ZMRL_GEMM_GROUP_M=1),
 #                 then trainer, prefill, matmul and parity with bands (the fifth 12-06 session's call);
@@ -336,16 +337,22 @@ if has final7; then
     tests/rollout/test_graph_runner.py tests/kernels/triton/test_model_static_decode.py \
     tests/kernels/triton/test_gemm_compiles_for_hopper.py
   step bench_parity "${T_PARITY:-90}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/bitwise/test_parity_gpu_bench.py
-  for v in ${FINAL7_DECODE:-00 10 11}; do  # ZMRL_PDL, then ZMRL_MLA_FUSED_COMBINE
-    p=${v:0:1} f=${v:1:1}
-    step "decode_pdl${p}_fused$f" "${T_DECODE_PDL:-60}" env ZMRL_PDL=$p ZMRL_MLA_FUSED_COMBINE=$f $PY benchmarks/decode_throughput.py \
-      --batches 1,64,256 --contexts 8192 --modes graph --lora 32 --profile-ctx 0 --out "$OUT/decode_pdl${p}_fused$f.json"
+  # the MLA kernel alone with the key lists walked through the block table in the kernel and as cache slots (same bits)
+  [ -n "${FINAL7_MLA_SLOTS:-}" ] && step mla_sweep_slots "${T_MLA_FORMS:-100}" $PY benchmarks/mla_dsa_kernels.py --sweep-only \
+    --mma-rows heads --sweep-launches "$FINAL7_MLA_SLOTS" --slot-lists 0,1 --out "$OUT/mla_sweep_slots.json"
+  for v in ${FINAL7_DECODE:-00 10 11}; do  # ZMRL_PDL, ZMRL_MLA_FUSED_COMBINE, then (optional) ZMRL_MLA_SLOT_LIST
+    p=${v:0:1} f=${v:1:1} k=${v:2:1}
+    step "decode_pdl${p}_fused$f${k:+_slots$k}" "${T_DECODE_PDL:-60}" env ZMRL_PDL=$p ZMRL_MLA_FUSED_COMBINE=$f \
+      ZMRL_MLA_SLOT_LIST=${k:-0} $PY benchmarks/decode_throughput.py --batches 1,64,256 --contexts 8192 --modes graph \
+      --lora 32 --profile-ctx 0 --out "$OUT/decode_pdl${p}_fused$f${k:+_slots$k}.json"
   done
-  for v in ${FINAL7_PREFILL-0 1}; do
-    step "prefill_fused$v" "${T_PREFILL_PDL:-45}" env ZMRL_MLA_FUSED_COMBINE=$v $PY benchmarks/prefill_throughput.py \
-      --shapes 4x8192 --modes bitwise --iters 2 --out "$OUT/prefill_fused$v.json"
+  for v in ${FINAL7_PREFILL-0 1}; do  # ZMRL_MLA_FUSED_COMBINE, then (optional) ZMRL_MLA_SLOT_LIST
+    f=${v:0:1} k=${v:1:1}
+    step "prefill_fused$f${k:+_slots$k}" "${T_PREFILL_PDL:-45}" env ZMRL_MLA_FUSED_COMBINE=$f ZMRL_MLA_SLOT_LIST=${k:-0} \
+      $PY benchmarks/prefill_throughput.py --shapes 4x8192 --modes bitwise --iters 2 --out "$OUT/prefill_fused$f${k:+_slots$k}.json"
   done
-  step trainer_throughput "${T_TRAINER:-100}" $PY benchmarks/trainer_throughput.py --layers 16 --seq-lens 4096,4096,4096,4096 \
+  step trainer_throughput "${T_TRAINER:-100}" env ZMRL_MLA_SLOT_LIST=${FINAL7_TRAINER_SLOTS:-0} $PY benchmarks/trainer_throughput.py \
+    --layers 16 --seq-lens 4096,4096,4096,4096 \
     --modes bitwise --recompute none --warmup 1 --iters 1 --profile 30 --kda-tokens 8192 --backward-precision bf16 \
     --no-kda-old-backward --sync-census --out "$OUT/trainer_throughput.json"
 fi

@@ -46,7 +46,8 @@ class KernelReport:
     maxnreg: int | None
     registers: int
     stack_bytes: int  # the per-thread stack frame: register spills and local arrays
-    shared_bytes: int
+    shared_bytes: int  # static shared memory (cuobjdump)
+    dynamic_shared_bytes: int  # the launch's shared memory: pipeline buffers, layout conversions (Triton's metadata)
     mma: str  # the matrix-multiply instructions of the build: "wgmma" (Hopper's warpgroup MMA), "mma.sync", or "none"
     reductions: list[Reduction]
 
@@ -148,7 +149,8 @@ def build(name: str, fn, pointer_types: dict[str, str], scalar_types: dict[str, 
                               options={"num_warps": num_warps, "num_stages": num_stages,
                                        **({} if maxnreg is None else {"maxnreg": maxnreg})})
     regs, stack, shared = _resource_usage(compiled.asm["cubin"])
-    return KernelReport(name, num_warps, maxnreg, regs, stack, shared, mma_kind(compiled.asm["ptx"]),
+    return KernelReport(name, num_warps, maxnreg, regs, stack, shared, int(compiled.metadata.shared),
+                        mma_kind(compiled.asm["ptx"]),
                         reductions(compiled.asm["ttgir"]))
 
 
@@ -201,25 +203,26 @@ def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None
 
 
 def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | None = None,
-               num_warps: int | None = None, mma_rows: str = "heads") -> KernelReport:
+               num_warps: int | None = None, mma_rows: str = "heads", slot_list: bool = False) -> KernelReport:
     """The sparse MLA split kernel (bf16 latent cache, split keys) at ``kernel_config``'s launch for the head
     count and latent dims (bench preset by default), or with ``block_h`` / ``num_warps`` replaced; ``mma_rows``
-    picks its form (Numerics.mla_mma_rows)."""
+    picks its form (Numerics.mla_mma_rows); ``slot_list``: the key lists hold cache slots (``SLOT_LIST``)."""
     from zmrl.kernels_batch_invariant.mla_attention import KEY_BLOCK
     from zmrl.kernels_batch_invariant.triton import mla_attention as M
 
     cfg = M.kernel_config(num_heads, dc, dr, mma_rows)
     bh = cfg.block_h if block_h is None else block_h
     ptrs = {"q_ptr": "*fp32", "qh_ptr": "*bf16", "ql_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i64",
-            "seq_ptr": "*i64", "kp_ptr": "*i64", "qpos_ptr": "*i64", "out_ptr": "*fp32", "m_ptr": "*fp32",
+            "seq_ptr": "*i64", "kp_ptr": "*i32" if slot_list else "*i64", "qpos_ptr": "*i64", "out_ptr": "*fp32", "m_ptr": "*fp32",
             "l_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": "*i32"}
     scalars = {"scale": "fp32", "H": "i32", "page_size": "i32", "bt_stride": "i32", "kp_stride": "i32", "L": "i32",
                "num_splits": "i32"}
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, 1 << (dr - 1).bit_length()),
                   BLOCK_H=bh, BLOCK_N=KEY_BLOCK, SPLIT=M.SPLIT_KEYS, DENSE=False, DIRECT=False, SPLIT_BF16=True,
-                  N_HG=-(-num_heads // bh), FUSED_COMBINE=M.FUSED_COMBINE)
+                  N_HG=-(-num_heads // bh), FUSED_COMBINE=M.FUSED_COMBINE, SLOT_LIST=slot_list)
     kernel = M.split_kernel_for(mma_rows)
-    return build(f"mla_split (H={num_heads}, BLOCK_H={bh}, {mma_rows} on the MMA rows)", kernel, ptrs, scalars, consts,
+    name = f"mla_split (H={num_heads}, BLOCK_H={bh}, {mma_rows} on the MMA rows{', slot list' if slot_list else ''})"
+    return build(name, kernel, ptrs, scalars, consts,
                  cfg.num_warps if num_warps is None else num_warps, num_stages=cfg.num_stages)
 
 
@@ -238,7 +241,7 @@ def recurrent_report(dk: int = 128, dv: int = 128, v_dtype: str = "bf16") -> Ker
                  dict(DK=dk, DV=dv, DKP=cfg["DKP"], BV=cfg["BV"], C=CHUNK_SIZE), cfg["num_warps"])
 
 
-KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla", "mla_keys", "recurrent")
+KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla", "mla_keys", "mla_slots", "recurrent")
 
 
 def main() -> int:
@@ -260,7 +263,7 @@ def main() -> int:
         import triton
     except ImportError:
         raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
-    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in ("mla", "mla_keys", "recurrent")],
+    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in ("mla", "mla_keys", "mla_slots", "recurrent")],
                           a.decode_maxnreg)
     if "recurrent" in kernels:
         reports.append(recurrent_report(a.dk, a.dv))
@@ -268,11 +271,13 @@ def main() -> int:
         reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps))
     if "mla_keys" in kernels:
         reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, mma_rows="keys"))
+    if "mla_slots" in kernels:
+        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, slot_list=True))
     print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")
     for r in reports:
         cap = "" if r.maxnreg is None else f" (cap {r.maxnreg})"
         print(f"{r.name}: {r.num_warps} warps, {r.registers} registers/thread{cap}, {r.stack_bytes} B stack "
-              f"(spills), {r.shared_bytes} B static shared, MMA {r.mma}")
+              f"(spills), {r.shared_bytes} B static / {r.dynamic_shared_bytes} B launch shared, MMA {r.mma}")
         for red in r.reductions:
             print(f"    {red.op:6s} axis {red.axis} {red.shape:12s} {red.layout}")
     if a.out:

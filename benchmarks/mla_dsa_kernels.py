@@ -202,11 +202,15 @@ def sparse_case(kind: str, batch: int, ctx: int, device: torch.device, smoke: bo
 
 def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
                    mma_rows: tuple[str, ...] = MLA_MMA_ROWS,
-                   launches: tuple[tuple[int, int, int], ...] = SWEEP_MLA) -> list[dict[str, Any]]:
+                   launches: tuple[tuple[int, int, int], ...] = SWEEP_MLA,
+                   slot_lists: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
     """The sparse kernel in each form (Numerics.mla_mma_rows) under each (BLOCK_H, num_warps, num_stages) of
-    ``launches``; every row says its fraction of the bytes bound (the unique key rows read once at the measured
-    copy bandwidth), its largest difference from the first row of its form in its case (launches of one form
-    should give the same bits) and its largest error against the float64 torch backend."""
+    ``launches``, with the key lists walked through the block table in the kernel and/or turned into cache slots
+    first (``slot_lists``: triton/mla_attention.py SLOT_LIST; the slot-list rows include that launch); every row
+    says its fraction of the bytes bound (the unique key rows read once at the measured copy bandwidth), its
+    largest difference from the first row of its form in its case (launches and slot lists of one form should
+    give the same bits), its FLOP rate (the hi / lo MMA pairs counted once) and its largest error against the
+    float64 torch backend."""
     from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
 
     rows = []
@@ -219,16 +223,20 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
         # float64 reference (the torch backend on float64 copies): each row's error, so forms compare by accuracy
         exact = mla_attention.impls["torch"](q_lat.double(), q_pe.double(), cache.double(), *args[3:])
         ref: dict[str, torch.Tensor] = {}  # the first output of each form: launches of one form compared bitwise
-        for rows_form, (block_h, warps, stages) in itertools.product(mma_rows, launches):
+        # score and value products of every valid (query, head, key): 2 * (Dc + Dr) + 2 * Dc FLOPs
+        flops = 2.0 * int((kp >= 0).sum()) * h * (q_lat.shape[-1] + q_pe.shape[-1] + q_lat.shape[-1])
+        for rows_form, (block_h, warps, stages), slots in itertools.product(mma_rows, launches, slot_lists):
             block_h = min(block_h, h)
             row: dict[str, Any] = {"op": f"mla sparse {kind} sweep", "queries": nq, "context": ctx,
-                                   "mma_rows": rows_form, "config": f"{rows_form}/h{block_h}/w{warps}/s{stages}"}
+                                   "mma_rows": rows_form, "slot_list": slots,
+                                   "config": f"{rows_form}/h{block_h}/w{warps}/s{stages}{'/slots' if slots else ''}"}
             try:
                 with numerics_scope(current_numerics().replace(mla_mma_rows=rows_form)), \
-                        tmla.launch_override(block_h, warps, stages):
+                        tmla.launch_override(block_h, warps, stages), tmla.slot_list_override(slots):
                     out = sparse_t(*args)
                     ms = bench(lambda: sparse_t(*args), device)
                 row["ms"] = ms
+                row["tflop_s"] = flops / ms / 1e9
                 row["unique_gb_s"] = unique_bytes / ms / 1e6
                 row["bytes_bound_fraction"] = row["unique_gb_s"] / (bandwidth_tb_s * 1e3)
                 first = ref.setdefault(rows_form, out)
@@ -253,6 +261,9 @@ def main() -> None:
                     help="also time sparse-MLA launch configurations, in each form of --mma-rows")
     ap.add_argument("--mma-rows", default=",".join(MLA_MMA_ROWS),
                     help=f"forms of the sparse kernel for --sweep (Numerics.mla_mma_rows: {', '.join(MLA_MMA_ROWS)})")
+    ap.add_argument("--slot-lists", default="0", metavar="0,1",
+                    help="sweep with the key lists walked through the block table in the kernel (0) and/or turned "
+                         "into cache slots before the launch (1: SLOT_LIST)")
     ap.add_argument("--dsa-only", action="store_true", help="the indexer's scores and top-k only")
     ap.add_argument("--sweep-only", action="store_true", help="the --sweep rows only")
     ap.add_argument("--sweep-launches", default=None, metavar="HxWxS,...",
@@ -262,6 +273,9 @@ def main() -> None:
     a = ap.parse_args()
     forms = tuple(f for f in a.mma_rows.split(",") if f)
     launches = SWEEP_MLA if a.sweep_launches is None else parse_mla_launches(a.sweep_launches)
+    slot_lists = tuple(v == "1" for v in a.slot_lists.split(",") if v)
+    if not slot_lists or any(v not in ("0", "1") for v in a.slot_lists.split(",") if v):
+        raise SystemExit(f"--slot-lists: {a.slot_lists!r} (allowed: 0, 1 or 0,1)")
     bad = [f for f in forms if f not in MLA_MMA_ROWS]
     if bad:
         raise SystemExit(f"--mma-rows: unknown {bad} (allowed: {', '.join(MLA_MMA_ROWS)})")
@@ -276,7 +290,7 @@ def main() -> None:
     rows = [] if a.sweep_only else (
         ([] if a.dsa_only else mla_rows(device, a.smoke, a.quick)) + dsa_rows(device, a.smoke, a.quick, bandwidth))
     if a.sweep or a.sweep_only:
-        rows += mla_sweep_rows(device, a.smoke, bandwidth, forms, launches)
+        rows += mla_sweep_rows(device, a.smoke, bandwidth, forms, launches, slot_lists)
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]

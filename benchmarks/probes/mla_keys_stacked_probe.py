@@ -97,11 +97,12 @@ def _stacked_split_kernel(
     acc2 = tl.zeros([KC, H2], tl.float32)
     acc3 = tl.zeros([KC, H2], tl.float32)
     valid, slot = M._block_slots(start, offs_n, kp_ptr, qi, kp_stride, L, start + SPLIT, bt_ptr, seq, bt_stride,
-                                 page_size, qpos, DENSE)
+                                 page_size, qpos, DENSE, False)
     for blk in range(0, n_blocks):
         row = kv_ptr + slot * D
         valid_next, slot_next = M._block_slots(start + (blk + 1) * BLOCK_N, offs_n, kp_ptr, qi, kp_stride, L,
-                                               start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE)
+                                               start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE,
+                                               False)
         c0 = _k_tile(row, valid, 0, KC, DC)
         c1 = _k_tile(row, valid, KC, KC, DC)
         c2 = _k_tile(row, valid, 2 * KC, KC, DC)

@@ -307,6 +307,32 @@ def test_fused_combine_equals_the_combine_launch(inv, small_split, monkeypatch):
     assert combines, "without counters the combine must be its own launch"
 
 
+def test_slot_list_equals_the_block_table_walk(inv, monkeypatch):
+    """The key lists turned into cache slots before the launch (SLOT_LIST: one load per block in the key loop)
+    give the bits of the kernel that looks up each entry's page itself, on permuted pages and with -1 holes;
+    ``key_slots`` gives the slots the block table says (-1 for -1)."""
+    from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
+    c = inv
+    cache, bt = permute_pages(c["cache"].cpu(), c["bt"].cpu(), seed=7)
+    cache, bt = cache.to(c["cache"].device), bt.to(c["bt"].device)
+    width = 2 * c["split"] + 40
+    kp = sparse_key_positions(c["qpos"].cpu(), width=width, seed=12, keep=0.6).to(c["qpos"].device)
+    args = (c["q_lat"], c["q_pe"], cache, bt, c["sidx"], kp, c["scale"], c["dc"])
+    calls = count_launches(monkeypatch, tmla, "_key_slots_kernel")
+    monkeypatch.setattr(tmla, "SLOT_LIST", False)
+    walk = sparse(*args)
+    assert not calls
+    monkeypatch.setattr(tmla, "SLOT_LIST", True)
+    assert torch.equal(sparse(*args), walk)
+    assert calls, "SLOT_LIST must take the slot-list path"
+    page_size = cache.shape[1]
+    slots = tmla.key_slots(kp, bt, c["sidx"], page_size)
+    pos = kp.clamp(min=0)
+    want = bt[c["sidx"].unsqueeze(1), pos // page_size] * page_size + pos % page_size
+    assert slots.dtype == torch.int32
+    assert torch.equal(slots.long(), torch.where(kp >= 0, want, -1))
+
+
 def test_sparse_hole_blocks_are_no_ops(inv, interpret, monkeypatch):
     """A whole block of -1 entries inside a split (before or between valid blocks; trailing ones are never
     visited) changes no bit: the kernel runs it (its loop has no branch) as an exact no-op (alpha = 1, p = 0)."""

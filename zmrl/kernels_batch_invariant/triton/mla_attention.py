@@ -86,6 +86,10 @@ SPLIT_KEYS = 1024
 # own launch (FUSED_COMBINE: one launch instead of two, the partials read back from L2), unless
 # ZMRL_MLA_FUSED_COMBINE=0 (then by ``_mla_combine_kernel``). The same operations in the same order: the same bits.
 FUSED_COMBINE = os.environ.get("ZMRL_MLA_FUSED_COMBINE", "1") != "0"
+# ZMRL_MLA_SLOT_LIST=1: the sparse path first turns each key list into cache slots (``key_slots``, one small
+# launch), so the split kernel's key loop loads a block's slots with one load instead of two dependent ones (list
+# entry, then its page). The same key rows, the same bits; read at every launch (the probes flip it).
+SLOT_LIST = os.environ.get("ZMRL_MLA_SLOT_LIST", "0") == "1"
 # Bound on the fp32 partial (acc) buffer of one launch; queries are launched in chunks below it.
 # Chunking never changes a query's arithmetic.
 PARTIAL_BYTES = 512 * 1024 * 1024
@@ -126,6 +130,17 @@ def launch_override(block_h: int, num_warps: int, num_stages: int) -> Iterator[N
         yield
     finally:
         _LAUNCH_OVERRIDE.pop()
+
+
+@contextlib.contextmanager
+def slot_list_override(on: bool) -> Iterator[None]:
+    """Launch with SLOT_LIST set to ``on`` inside the block (sweeps and benchmarks; the bits do not change)."""
+    global SLOT_LIST
+    before, SLOT_LIST = SLOT_LIST, on
+    try:
+        yield
+    finally:
+        SLOT_LIST = before
 
 
 def kernel_config(num_heads: int, dc: int, dr: int, mma_rows: str = "heads") -> MLAKernelConfig:
@@ -256,8 +271,10 @@ def _store_result(out_ptr, m_ptr, l_ptr, acc_ptr, q_rows, qi, sp, num_splits, H,
 
 @triton.jit
 def _block_slots(first, offs_n, kp_ptr, qi, kp_stride, L, end, bt_ptr, seq, bt_stride, page_size, qpos,
-                 DENSE: tl.constexpr):
-    """The key block at list index ``first``: which entries are valid, and their cache slots (0 if not)."""
+                 DENSE: tl.constexpr, SLOT_LIST: tl.constexpr):
+    """The key block at list index ``first``: which entries are valid, and their cache slots (0 if not).
+    SLOT_LIST: the list holds cache slots already (``key_slots``), one load instead of a list entry and then its
+    page, the same slots."""
     j = first + offs_n  # list index (sparse) == absolute position (dense)
     if DENSE:
         pos = j.to(tl.int64)
@@ -265,10 +282,45 @@ def _block_slots(first, offs_n, kp_ptr, qi, kp_stride, L, end, bt_ptr, seq, bt_s
     else:
         pos = tl.load(kp_ptr + qi * kp_stride + j, mask=(j < L) & (j < end), other=-1)
         valid = pos >= 0
+    if SLOT_LIST:
+        return valid, tl.where(valid, pos, 0).to(tl.int64)
+    return valid, _slot_of(pos, valid, bt_ptr, seq, bt_stride, page_size)
+
+
+@triton.jit
+def _slot_of(pos, valid, bt_ptr, seq, bt_stride, page_size):
+    """The cache slots of positions ``pos`` of sequence ``seq`` through its block table (0 where not valid)."""
     # Positions fit int32; a 32-bit division is far cheaper than a 64-bit one.
     pos_c = tl.where(valid, pos, 0).to(tl.int32)
     page = tl.load(bt_ptr + seq * bt_stride + pos_c // page_size, mask=valid, other=0)
-    return valid, page.to(tl.int64) * page_size + pos_c % page_size
+    return page.to(tl.int64) * page_size + pos_c % page_size
+
+
+@triton.jit(do_not_specialize=["L", "kp_stride", "bt_stride", "page_size"])
+def _key_slots_kernel(kp_ptr, bt_ptr, seq_ptr, out_ptr, L, kp_stride, bt_stride, page_size, BLOCK: tl.constexpr):
+    """out[q, j] = the cache slot of key list entry kp[q, j] (int32; -1 for a -1 entry)."""
+    await_previous_kernel()
+    qi = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = j < L
+    pos = tl.load(kp_ptr + qi * kp_stride + j, mask=inside, other=-1)
+    valid = pos >= 0
+    slot = _slot_of(pos, valid, bt_ptr, tl.load(seq_ptr + qi), bt_stride, page_size)
+    tl.store(out_ptr + qi * L + j, tl.where(valid, slot, -1).to(tl.int32), mask=inside)
+
+
+def key_slots(key_positions: torch.Tensor, block_table: torch.Tensor, seq_idx: torch.Tensor,
+              page_size: int) -> torch.Tensor:
+    """The cache slot of every key list entry, ``[Q, L]`` int32 (-1 where the list has -1): what the split kernel
+    computes per block from the list and the block table, once per launch (``SLOT_LIST``). int64 inputs."""
+    nq, width = key_positions.shape
+    out = torch.empty((nq, width), dtype=torch.int32, device=key_positions.device)
+    if nq and width:
+        block = min(1024, _next_pow2(width))
+        _key_slots_kernel[(nq, cdiv(width, block))](
+            key_positions, block_table, seq_idx, out, width, key_positions.stride(0), block_table.stride(0),
+            page_size, BLOCK=block, num_warps=4, **pdl())
+    return out
 
 
 @triton.jit
@@ -313,7 +365,7 @@ def _mla_split_kernel(
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SLOT_LIST: tl.constexpr = False,
 ):
     await_previous_kernel()
     qi, hg, sp = _program_coords(num_splits, N_HG)
@@ -337,11 +389,12 @@ def _mla_split_kernel(
     # The cache rows of block 0; each iteration looks up the next block's rows before it computes, so the
     # dependent index loads (list entry -> page -> slot) overlap the block's MMAs.
     valid, slot = _block_slots(start, offs_n, kp_ptr, qi, kp_stride, L, start + SPLIT, bt_ptr, seq, bt_stride,
-                               page_size, qpos, DENSE)
+                               page_size, qpos, DENSE, SLOT_LIST)
     for blk in range(0, n_blocks):
         row = kv_ptr + slot * D
         valid_next, slot_next = _block_slots(start + (blk + 1) * BLOCK_N, offs_n, kp_ptr, qi, kp_stride, L,
-                                             start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE)
+                                             start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE,
+                                             SLOT_LIST)
         # Scores: latent chunks in ascending column order, then the rope columns.
         s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 0, KC, DC, SPLIT_BF16)
@@ -426,7 +479,7 @@ def _mla_split_kernel_keys_rows(
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SLOT_LIST: tl.constexpr = False,
 ):
     await_previous_kernel()
     qi, hg, sp = _program_coords(num_splits, N_HG)
@@ -452,11 +505,12 @@ def _mla_split_kernel_keys_rows(
     acc2 = tl.zeros([KC, BLOCK_H], tl.float32)
     acc3 = tl.zeros([KC, BLOCK_H], tl.float32)
     valid, slot = _block_slots(start, offs_n, kp_ptr, qi, kp_stride, L, start + SPLIT, bt_ptr, seq, bt_stride,
-                               page_size, qpos, DENSE)
+                               page_size, qpos, DENSE, SLOT_LIST)
     for blk in range(0, n_blocks):
         row = kv_ptr + slot * D
         valid_next, slot_next = _block_slots(start + (blk + 1) * BLOCK_N, offs_n, kp_ptr, qi, kp_stride, L,
-                                             start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE)
+                                             start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE,
+                                             SLOT_LIST)
         s_t = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
         s_t, c0 = _qk_part_keys_rows(s_t, qh0, ql0, row, valid, 0, KC, DC, SPLIT_BF16)
         if NCH > 1:
@@ -640,6 +694,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         q_hi = q_lo = q  # unused
     bt = block_table.to(torch.int64).contiguous()
     sidx = seq_idx.to(torch.int64).contiguous()
+    slot_list = SLOT_LIST and not dense and num_pages * page_size < 2**31  # slots stored as int32
     if dense:
         qpos = query_pos.to(torch.int64).contiguous()
         width = key_width(qpos, kv_len)
@@ -649,6 +704,8 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         kp = key_positions.to(torch.int64).contiguous()
         qpos = sidx  # unused by the sparse kernel
         width = kp.shape[1]
+        if slot_list:
+            kp = key_slots(kp, bt, sidx, page_size)
         kp_stride = kp.stride(0) if kp.dim() == 2 and kp.shape[0] else 0
     num_splits = max(1, cdiv(width, SPLIT_KEYS))
     form = mla_mma_rows()
@@ -657,7 +714,8 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     n_hg = cdiv(h, cfg.block_h)
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, _next_pow2(dr)),
                   BLOCK_H=cfg.block_h, BLOCK_N=KEY_BLOCK, SPLIT=SPLIT_KEYS, DENSE=dense,
-                  SPLIT_BF16=split_bf16, N_HG=n_hg, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  SPLIT_BF16=split_bf16, N_HG=n_hg, SLOT_LIST=slot_list, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     scale = float(softmax_scale)
     if num_splits == 1:
         # The one split is the whole list: write o directly (bitwise what the combine would give).
