@@ -58,7 +58,8 @@
 #   pdl           decode (graph, LoRA, batch 1/64/256 at 8K) and prefill (PREFILL_PDL_ARGS) with ZMRL_PDL=0 then 1, the
 #                 graph tests with it;   first7  trainer matmul pdl parity tma_probe (the 12-07 session's first call);
 #   final7        the GPU tests of PDL, the MLA fused combine and the GEMM, bench parity, (FINAL7_MLA_SLOTS: launches of the
-#                 MLA sweep with and without slot lists), decode / prefill with PDL, the fused combine and slot lists
+#                 MLA sweep with and without slot lists, FINAL7_OPERANDS: and with bf16 operands), decode / prefill with PDL,
+#                 the fused combine and slot lists
 #                 off and on (FINAL7_DECODE, FINAL7_PREFILL), the trainer (FINAL7_TRAINER_SLOTS);
 #   tma_probe     probes/gemm_tma_probe.py: the training-row GEMM with TMA tile loads / persistent programs, same bits?;
 #   bands         the GEMM's banded launch order against the plain one (train_gemms and train_gemms_plain, ZMRL_GEMM_GROUP_M=1),
@@ -338,8 +339,10 @@ if has final7; then
     tests/kernels/triton/test_gemm_compiles_for_hopper.py
   step bench_parity "${T_PARITY:-90}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/bitwise/test_parity_gpu_bench.py
   # the MLA kernel alone with the key lists walked through the block table in the kernel and as cache slots (same bits)
+  # (FINAL7_OPERANDS, e.g. "hi_lo,bf16": also with q and p as bf16 halves and rounded to bf16 once, Numerics.mla_operands)
   [ -n "${FINAL7_MLA_SLOTS:-}" ] && step mla_sweep_slots "${T_MLA_FORMS:-100}" $PY benchmarks/mla_dsa_kernels.py --sweep-only \
-    --mma-rows heads --sweep-launches "$FINAL7_MLA_SLOTS" --slot-lists 0,1 --out "$OUT/mla_sweep_slots.json"
+    --mma-rows heads --sweep-launches "$FINAL7_MLA_SLOTS" --slot-lists 0,1 --operands "${FINAL7_OPERANDS:-hi_lo}" \
+    --out "$OUT/mla_sweep_slots.json"
   for v in ${FINAL7_DECODE:-00 10 11}; do  # ZMRL_PDL, ZMRL_MLA_FUSED_COMBINE, then (optional) ZMRL_MLA_SLOT_LIST
     p=${v:0:1} f=${v:1:1} k=${v:2:1}
     step "decode_pdl${p}_fused$f${k:+_slots$k}" "${T_DECODE_PDL:-60}" env ZMRL_PDL=$p ZMRL_MLA_FUSED_COMBINE=$f \

@@ -203,10 +203,12 @@ def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None
 
 
 def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | None = None,
-               num_warps: int | None = None, mma_rows: str = "heads", slot_list: bool = False) -> KernelReport:
+               num_warps: int | None = None, mma_rows: str = "heads", slot_list: bool = False,
+               lo: bool = True) -> KernelReport:
     """The sparse MLA split kernel (bf16 latent cache, split keys) at ``kernel_config``'s launch for the head
     count and latent dims (bench preset by default), or with ``block_h`` / ``num_warps`` replaced; ``mma_rows``
-    picks its form (Numerics.mla_mma_rows); ``slot_list``: the key lists hold cache slots (``SLOT_LIST``)."""
+    picks its form (Numerics.mla_mma_rows); ``slot_list``: the key lists hold cache slots (``SLOT_LIST``); ``lo``:
+    the lo halves of q and p are multiplied too (Numerics.mla_operands "hi_lo"; False: "bf16")."""
     from zmrl.kernels_batch_invariant.mla_attention import KEY_BLOCK
     from zmrl.kernels_batch_invariant.triton import mla_attention as M
 
@@ -219,9 +221,9 @@ def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | 
                "num_splits": "i32"}
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, 1 << (dr - 1).bit_length()),
                   BLOCK_H=bh, BLOCK_N=KEY_BLOCK, SPLIT=M.SPLIT_KEYS, DENSE=False, DIRECT=False, SPLIT_BF16=True,
-                  N_HG=-(-num_heads // bh), FUSED_COMBINE=M.FUSED_COMBINE, SLOT_LIST=slot_list)
+                  N_HG=-(-num_heads // bh), FUSED_COMBINE=M.FUSED_COMBINE, SLOT_LIST=slot_list, LO=lo)
     kernel = M.split_kernel_for(mma_rows)
-    name = f"mla_split (H={num_heads}, BLOCK_H={bh}, {mma_rows} on the MMA rows{', slot list' if slot_list else ''})"
+    name = f"mla_split (H={num_heads}, BLOCK_H={bh}, {mma_rows} on the MMA rows{', slot list' if slot_list else ''}{'' if lo else ', bf16 operands'})"
     return build(name, kernel, ptrs, scalars, consts,
                  cfg.num_warps if num_warps is None else num_warps, num_stages=cfg.num_stages)
 
@@ -241,7 +243,7 @@ def recurrent_report(dk: int = 128, dv: int = 128, v_dtype: str = "bf16") -> Ker
                  dict(DK=dk, DV=dv, DKP=cfg["DKP"], BV=cfg["BV"], C=CHUNK_SIZE), cfg["num_warps"])
 
 
-KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla", "mla_keys", "mla_slots", "recurrent")
+KERNELS = ("intra", "intra_decode", "inter", "inter_decode", "mla", "mla_keys", "mla_slots", "mla_bf16", "recurrent")
 
 
 def main() -> int:
@@ -263,8 +265,8 @@ def main() -> int:
         import triton
     except ImportError:
         raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
-    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in ("mla", "mla_keys", "mla_slots", "recurrent")],
-                          a.decode_maxnreg)
+    mla_kernels = ("mla", "mla_keys", "mla_slots", "mla_bf16", "recurrent")
+    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in mla_kernels], a.decode_maxnreg)
     if "recurrent" in kernels:
         reports.append(recurrent_report(a.dk, a.dv))
     if "mla" in kernels:
@@ -273,6 +275,8 @@ def main() -> int:
         reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, mma_rows="keys"))
     if "mla_slots" in kernels:
         reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, slot_list=True))
+    if "mla_bf16" in kernels:
+        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, slot_list=True, lo=False))
     print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")
     for r in reports:
         cap = "" if r.maxnreg is None else f" (cap {r.maxnreg})"

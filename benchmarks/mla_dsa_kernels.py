@@ -31,7 +31,7 @@ from zmrl.kernels_batch_invariant import current_numerics, kernel_mode, numerics
 from zmrl.kernels_batch_invariant.dsa_indexer import dsa_index_scores, dsa_topk  # noqa: E402
 from zmrl.kernels_batch_invariant.fp8 import quantize_fp8  # noqa: E402
 from zmrl.kernels_batch_invariant.mla_attention import mla_attention, mla_attention_dense  # noqa: E402
-from zmrl.kernels_batch_invariant.numerics import MLA_MMA_ROWS  # noqa: E402
+from zmrl.kernels_batch_invariant.numerics import MLA_MMA_ROWS, MLA_OPERANDS  # noqa: E402
 from zmrl.kernels_batch_invariant.triton import triton_impl  # noqa: E402
 
 log = logging.getLogger("mla_dsa_kernels")
@@ -203,14 +203,16 @@ def sparse_case(kind: str, batch: int, ctx: int, device: torch.device, smoke: bo
 def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
                    mma_rows: tuple[str, ...] = MLA_MMA_ROWS,
                    launches: tuple[tuple[int, int, int], ...] = SWEEP_MLA,
-                   slot_lists: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
+                   slot_lists: tuple[bool, ...] = (False,),
+                   operands: tuple[str, ...] = ("hi_lo",)) -> list[dict[str, Any]]:
     """The sparse kernel in each form (Numerics.mla_mma_rows) under each (BLOCK_H, num_warps, num_stages) of
     ``launches``, with the key lists walked through the block table in the kernel and/or turned into cache slots
-    first (``slot_lists``: triton/mla_attention.py SLOT_LIST; the slot-list rows include that launch); every row
-    says its fraction of the bytes bound (the unique key rows read once at the measured copy bandwidth), its
-    largest difference from the first row of its form in its case (launches and slot lists of one form should
-    give the same bits), its FLOP rate (the hi / lo MMA pairs counted once) and its largest error against the
-    float64 torch backend."""
+    first (``slot_lists``: triton/mla_attention.py SLOT_LIST; the slot-list rows include that launch), with q and p
+    multiplied as each of ``operands`` (Numerics.mla_operands: bf16 hi + lo halves, or bf16); every row says its
+    fraction of the bytes bound (the unique key rows read once at the measured copy bandwidth), its largest
+    difference from the first row of its form and operands in its case (launches and slot lists should give the
+    same bits), its FLOP rate (the hi / lo MMA pairs counted once) and its largest error against the float64
+    torch backend."""
     from zmrl.kernels_batch_invariant.triton import mla_attention as tmla
 
     rows = []
@@ -222,16 +224,18 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
         sparse_t = triton_impl(mla_attention)
         # float64 reference (the torch backend on float64 copies): each row's error, so forms compare by accuracy
         exact = mla_attention.impls["torch"](q_lat.double(), q_pe.double(), cache.double(), *args[3:])
-        ref: dict[str, torch.Tensor] = {}  # the first output of each form: launches of one form compared bitwise
+        # the first output of each (form, operands): launches and slot lists of one compared bitwise
+        ref: dict[tuple[str, str], torch.Tensor] = {}
         # score and value products of every valid (query, head, key): 2 * (Dc + Dr) + 2 * Dc FLOPs
         flops = 2.0 * int((kp >= 0).sum()) * h * (q_lat.shape[-1] + q_pe.shape[-1] + q_lat.shape[-1])
-        for rows_form, (block_h, warps, stages), slots in itertools.product(mma_rows, launches, slot_lists):
+        for rows_form, ops, (block_h, warps, stages), slots in itertools.product(mma_rows, operands, launches,
+                                                                                  slot_lists):
             block_h = min(block_h, h)
+            config = f"{rows_form}/{ops}/h{block_h}/w{warps}/s{stages}{'/slots' if slots else ''}"
             row: dict[str, Any] = {"op": f"mla sparse {kind} sweep", "queries": nq, "context": ctx,
-                                   "mma_rows": rows_form, "slot_list": slots,
-                                   "config": f"{rows_form}/h{block_h}/w{warps}/s{stages}{'/slots' if slots else ''}"}
+                                   "mma_rows": rows_form, "operands": ops, "slot_list": slots, "config": config}
             try:
-                with numerics_scope(current_numerics().replace(mla_mma_rows=rows_form)), \
+                with numerics_scope(current_numerics().replace(mla_mma_rows=rows_form, mla_operands=ops)), \
                         tmla.launch_override(block_h, warps, stages), tmla.slot_list_override(slots):
                     out = sparse_t(*args)
                     ms = bench(lambda: sparse_t(*args), device)
@@ -239,7 +243,7 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
                 row["tflop_s"] = flops / ms / 1e9
                 row["unique_gb_s"] = unique_bytes / ms / 1e6
                 row["bytes_bound_fraction"] = row["unique_gb_s"] / (bandwidth_tb_s * 1e3)
-                first = ref.setdefault(rows_form, out)
+                first = ref.setdefault((rows_form, ops), out)
                 row["max_abs_diff_vs_form_first"] = float((out - first).abs().max())
                 row["max_abs_err_vs_fp64"] = float((out.double() - exact).abs().max())
             except Exception as e:  # a config that does not compile (registers, shared memory) is a row too
@@ -264,6 +268,8 @@ def main() -> None:
     ap.add_argument("--slot-lists", default="0", metavar="0,1",
                     help="sweep with the key lists walked through the block table in the kernel (0) and/or turned "
                          "into cache slots before the launch (1: SLOT_LIST)")
+    ap.add_argument("--operands", default="hi_lo", metavar="hi_lo,bf16",
+                    help=f"sweep with q and p multiplied as (Numerics.mla_operands: {', '.join(MLA_OPERANDS)})")
     ap.add_argument("--dsa-only", action="store_true", help="the indexer's scores and top-k only")
     ap.add_argument("--sweep-only", action="store_true", help="the --sweep rows only")
     ap.add_argument("--sweep-launches", default=None, metavar="HxWxS,...",
@@ -276,6 +282,9 @@ def main() -> None:
     slot_lists = tuple(v == "1" for v in a.slot_lists.split(",") if v)
     if not slot_lists or any(v not in ("0", "1") for v in a.slot_lists.split(",") if v):
         raise SystemExit(f"--slot-lists: {a.slot_lists!r} (allowed: 0, 1 or 0,1)")
+    operands = tuple(v for v in a.operands.split(",") if v)
+    if not operands or any(v not in MLA_OPERANDS for v in operands):
+        raise SystemExit(f"--operands: {a.operands!r} (allowed: {', '.join(MLA_OPERANDS)}, comma-separated)")
     bad = [f for f in forms if f not in MLA_MMA_ROWS]
     if bad:
         raise SystemExit(f"--mma-rows: unknown {bad} (allowed: {', '.join(MLA_MMA_ROWS)})")
@@ -290,7 +299,7 @@ def main() -> None:
     rows = [] if a.sweep_only else (
         ([] if a.dsa_only else mla_rows(device, a.smoke, a.quick)) + dsa_rows(device, a.smoke, a.quick, bandwidth))
     if a.sweep or a.sweep_only:
-        rows += mla_sweep_rows(device, a.smoke, bandwidth, forms, launches, slot_lists)
+        rows += mla_sweep_rows(device, a.smoke, bandwidth, forms, launches, slot_lists, operands)
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]

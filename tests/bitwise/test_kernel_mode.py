@@ -96,7 +96,8 @@ def test_recipe_kda_form_reaches_the_runs_numerics():
 
 
 @pytest.mark.parametrize("field, values, bad", [("kda_recurrent_launch", ("8x1", "32x4"), "64x3"),
-                                                 ("mla_mma_rows", ("keys", "heads"), "queries")])
+                                                 ("mla_mma_rows", ("keys", "heads"), "queries"),
+                                                 ("mla_operands", ("bf16", "hi_lo"), "fp8")])
 def test_recipe_numerics_choice_reaches_the_runs_numerics(field, values, bad):
     """A model numerics choice of the recipe: null keeps the process's value, a value reaches the run's
     contract, anything else is a one-line RecipeError naming the key and the value."""

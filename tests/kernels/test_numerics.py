@@ -78,7 +78,7 @@ def test_restoring_a_contract_does_not_reset_threads():
 def test_fingerprint_fields_and_digest():
     fp = kbi.fingerprint(kbi.Numerics())
     assert set(fp.fields) == {"kernel_mode", "kda_dot_precision", "kda_form", "kda_recurrent_launch", "mla_mma_rows",
-                              "cpu_gemm_cnr", "torch", "triton", "cpu_vector_path", "cpu_vendor"}
+                              "mla_operands", "cpu_gemm_cnr", "torch", "triton", "cpu_vector_path", "cpu_vendor"}
     assert fp.fields["torch"] == torch.__version__ and len(fp.digest) == 12
     assert kbi.fingerprint(kbi.Numerics(cpu_threads=3)) == fp, "the thread count does not change bits"
     other = kbi.fingerprint(kbi.Numerics(kda_dot_precision="ieee"))
@@ -91,6 +91,10 @@ def test_fingerprint_fields_and_digest():
     assert fp.differences(kbi.fingerprint(kbi.Numerics(mla_mma_rows=other_rows))) == ["mla_mma_rows"]
     with pytest.raises(ValueError, match="mla_mma_rows"):
         kbi.Numerics(mla_mma_rows="queries").validate()
+    other_operands = "bf16" if kbi.Numerics().mla_operands == "hi_lo" else "hi_lo"
+    assert fp.differences(kbi.fingerprint(kbi.Numerics(mla_operands=other_operands))) == ["mla_operands"]
+    with pytest.raises(ValueError, match="mla_operands"):
+        kbi.Numerics(mla_operands="fp8").validate()
     with kbi.numerics_scope(kbi.Numerics(kernel_mode="fast")):
         assert kbi.fingerprint().fields["kernel_mode"] == "fast"
 

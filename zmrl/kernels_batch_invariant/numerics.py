@@ -41,6 +41,13 @@ Fields:
   instructions, so possibly other bits: shared numerics. Default: ``$ZMRL_MLA_MMA_ROWS`` if set when this module
   is first imported, else "heads" (the "keys" kernel is only 4-7 % faster on an H100 and its build spills,
   benchmarks/results/2026-12-06_h100_mla_keys_summary.md).
+* ``mla_operands``: how the Triton MLA kernel multiplies its fp32 operands (the absorbed query q and the
+  probabilities p) by a bf16 cache. "hi_lo" (default): each as its bf16 halves hi + lo, two tensor-core MMAs per
+  product, ~16 significant bits (scores and outputs ~1e-5 relative of float64). "bf16": rounded to bf16 once,
+  one MMA per product (FlashMLA's practice): half the kernel's tensor work and half its resident query tile,
+  operands rounded to 2^-9 relative. Shared numerics (the engine and the trainer change together); a
+  speed-for-accuracy choice that the torch (CPU) backend does not have (it multiplies in fp32 either way).
+  Default: ``$ZMRL_MLA_OPERANDS`` if set when this module is first imported, else "hi_lo".
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
   ``MKL_CBWR``). The default "AVX2,STRICT" fixes MKL's code path to its AVX2 kernels and makes a GEMM's
   result independent of MKL's thread count; without it MKL splits the K reduction of small-M GEMMs
@@ -88,19 +95,23 @@ KDA_FORMS: tuple[str, ...] = ("chunk", "recurrent")
 KDA_RECURRENT_LAUNCHES: tuple[str, ...] = ("32x2", "32x4", "32x8", "16x1", "16x2", "16x4", "8x1", "8x2")
 # the rows of the sparse MLA kernel's MMAs: the heads (q @ k^T) or the keys (k @ q^T)
 MLA_MMA_ROWS: tuple[str, ...] = ("heads", "keys")
+# the MLA kernel's fp32 operands (q, p) against a bf16 cache: bf16 hi + lo halves (two MMAs) or bf16 (one)
+MLA_OPERANDS: tuple[str, ...] = ("hi_lo", "bf16")
 CPU_GEMM_CNR_MODES: tuple[str, ...] = ("AVX2,STRICT", "AVX512,STRICT", "off")
 BACKWARD_MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "bf16", "ieee")
 DEFAULT_CPU_GEMM_CNR = "AVX2,STRICT"
 # Numerics' fields that take one of a fixed set of values: field -> the values allowed (validate, recipe checks).
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "kernel_mode": KERNEL_MODES, "kda_dot_precision": KDA_DOT_PRECISIONS, "kda_form": KDA_FORMS,
-    "kda_recurrent_launch": KDA_RECURRENT_LAUNCHES, "mla_mma_rows": MLA_MMA_ROWS, "cpu_gemm_cnr": CPU_GEMM_CNR_MODES,
+    "kda_recurrent_launch": KDA_RECURRENT_LAUNCHES, "mla_mma_rows": MLA_MMA_ROWS, "mla_operands": MLA_OPERANDS,
+    "cpu_gemm_cnr": CPU_GEMM_CNR_MODES,
     "backward_matmul_precision": BACKWARD_MATMUL_PRECISIONS}
 # Read once: the documented way to pick the KDA precision without code (e.g. for a benchmark run).
 _KDA_DOT_PRECISION_ENV = os.environ.get("ZMRL_KDA_DOT_PRECISION", "tf32x3")
 _KDA_FORM_ENV = os.environ.get("ZMRL_KDA_FORM", "recurrent")
 _KDA_RECURRENT_LAUNCH_ENV = os.environ.get("ZMRL_KDA_RECURRENT_LAUNCH", "32x2")
 _MLA_MMA_ROWS_ENV = os.environ.get("ZMRL_MLA_MMA_ROWS", "heads")
+_MLA_OPERANDS_ENV = os.environ.get("ZMRL_MLA_OPERANDS", "hi_lo")
 
 # MKL reads MKL_CBWR when it runs its first GEMM; set it now (before any zmrl op can run one) unless
 # the user chose a value. apply_numerics checks that MKL actually runs in the mode the contract asks for.
@@ -120,6 +131,7 @@ class Numerics:
     kda_form: str = _KDA_FORM_ENV
     kda_recurrent_launch: str = _KDA_RECURRENT_LAUNCH_ENV
     mla_mma_rows: str = _MLA_MMA_ROWS_ENV
+    mla_operands: str = _MLA_OPERANDS_ENV
     cpu_gemm_cnr: str = _CPU_GEMM_CNR_ENV
     backward_matmul_precision: str = dataclasses.field(default="tf32", metadata={"bits": False})
     cpu_threads: int | None = dataclasses.field(default=None, metadata={"bits": False})
@@ -217,6 +229,11 @@ def apply_numerics(numerics: Numerics) -> Numerics:
 def mla_mma_rows() -> str:
     """The rows of the sparse MLA kernel's MMAs under the applied contract, "heads" or "keys"."""
     return _current.mla_mma_rows
+
+
+def mla_operands() -> str:
+    """How the Triton MLA kernel multiplies q and p by a bf16 cache under the applied contract, "hi_lo" or "bf16"."""
+    return _current.mla_operands
 
 
 @contextlib.contextmanager

@@ -43,11 +43,16 @@ class ModelSection:
     # products, warpgroup MMAs on Hopper); shared numerics, a speed choice; null keeps the process's default
     # ($ZMRL_MLA_MMA_ROWS, else "heads"). The same on every process of the run.
     mla_mma_rows: str | None = None
+    # How the GPU's MLA kernel multiplies the fp32 query and probabilities by the bf16 latent cache
+    # (Numerics.mla_operands): "hi_lo" (bf16 hi + lo halves, ~16 bits) or "bf16" (rounded once: half the kernel's
+    # tensor work, 8 bits); shared numerics, a speed-for-accuracy choice; null keeps the process's default
+    # ($ZMRL_MLA_OPERANDS, else "hi_lo"). The same on every process of the run.
+    mla_operands: str | None = None
 
 
 # The model's numerics choices a recipe may set (null: the process's own): field -> allowed values.
 MODEL_NUMERICS_CHOICES: dict[str, tuple[str, ...]] = {
-    name: FIELD_CHOICES[name] for name in ("kda_form", "kda_recurrent_launch", "mla_mma_rows")}
+    name: FIELD_CHOICES[name] for name in ("kda_form", "kda_recurrent_launch", "mla_mma_rows", "mla_operands")}
 
 
 @dataclass

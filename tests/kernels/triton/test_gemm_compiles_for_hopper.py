@@ -260,10 +260,10 @@ def test_decode_step_row_kernels_build_for_sm90():
     for form in ("heads", "keys"):
         cfg = mla_attention.kernel_config(64, 512, 64, form)
         fn = mla_attention.split_kernel_for(form)
-        for dense in (False, True):
+        for dense, lo in ((False, True), (True, True), (False, False)):  # lo: Numerics.mla_operands "hi_lo"
             consts = dict(DC=512, DR=64, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=64, BLOCK_H=cfg.block_h, BLOCK_N=64,
                           SPLIT=mla_attention.SPLIT_KEYS, DENSE=dense, DIRECT=False, SPLIT_BF16=True,
-                          N_HG=64 // cfg.block_h, FUSED_COMBINE=True)
+                          N_HG=64 // cfg.block_h, FUSED_COMBINE=True, LO=lo)
             _build_ir(fn, _sig(fn, ptrs, consts, {"scale": "fp32"}), consts)
 
 

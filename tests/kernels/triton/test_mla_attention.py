@@ -354,6 +354,47 @@ def test_sparse_hole_blocks_are_no_ops(inv, interpret, monkeypatch):
     assert torch.equal(sparse(*_rows(c, rows), torch.cat([hole, a, hole, b], 1), c["scale"], c["dc"]), want_ab)
 
 
+@pytest.fixture
+def bf16_operands():
+    """The contract's MLA operands as bf16 (Numerics.mla_operands), on top of the form the autouse fixture set."""
+    with numerics_scope(current_numerics().replace(mla_operands="bf16")):
+        yield
+
+
+def test_bf16_operands_round_q_and_p(inv, bf16_operands):
+    """mla_operands = "bf16": q and p enter their products rounded to bf16 once (one MMA each on a bf16 cache), the
+    keys as they are. So the output is the float64 attention of bf16(q) up to p's rounding: each weight p_j is off
+    by <= 2^-9 relative and o = sum_j p_j c_j / l (l from the unrounded p), so o moves by <= 2^-9 max|c|, plus the
+    fp32 error of the hi/lo kernel (tolerance()); a kernel that still multiplied the lo halves, or rounded q
+    elsewhere, would meet the hi_lo bound instead, and differ from its own bf16 run below."""
+    c = inv
+    width = 2 * c["split"] + 40
+    kp = sparse_key_positions(c["qpos"].cpu(), width=width, seed=13, keep=0.7).to(c["qpos"].device)
+    args = (c["cache"], c["bt"], c["sidx"], kp, c["scale"], c["dc"])
+    out = sparse(c["q_lat"], c["q_pe"], *args)
+    q_lat_b, q_pe_b = (t.to(torch.bfloat16).to(torch.float32) for t in (c["q_lat"], c["q_pe"]))
+    ref = mla_attention_ref(q_lat_b.cpu(), q_pe_b.cpu(), *(t.cpu() if torch.is_tensor(t) else t for t in args))
+    c_max = c["cache"][..., :c["dc"]].float().nan_to_num(0.0).abs().max().item()
+    err = (out.cpu().double() - ref).abs().max().item()
+    assert err <= (2.0**-9 + tolerance(c["cache"].dtype, out.device)) * c_max, (err, c_max)
+    with numerics_scope(current_numerics().replace(mla_operands="hi_lo")):
+        hi_lo = sparse(c["q_lat"], c["q_pe"], *args)
+        hi_lo_of_bf16_q = sparse(q_lat_b, q_pe_b, *args)
+    assert not torch.equal(out, hi_lo), "mla_operands='bf16' changed nothing"
+    # already-bf16 queries: the rounding of q is the identity (the same bits as rounding them in the kernel), so
+    # only p's rounding separates the two operand modes
+    assert torch.equal(sparse(q_lat_b, q_pe_b, *args), out)
+    assert not torch.equal(out, hi_lo_of_bf16_q), "p was not rounded to bf16"
+
+
+@pytest.mark.parametrize("test", [test_dense_alone_vs_batch, test_decode_equals_prefill, test_sparse_alone_vs_batch,
+                                  test_sparse_full_list_equals_dense])
+def test_bf16_operands_keep_the_contract(inv, small_split, bf16_operands, test):
+    """The invariance tests above under mla_operands = "bf16": a query's bits depend on its q, its list and the
+    keys alone, whatever the batch, the splits or the dense / sparse path."""
+    test(inv, small_split)
+
+
 def test_page_layout_and_size(device, interpret):
     """Physical pages (a permutation) and the page size (64, 128, one page per sequence) do not
     change a bit: blocks follow positions / list entries, not pages."""

@@ -30,10 +30,12 @@ bits depend on nothing but its q, its key list and the key values):
   written directly by the first kernel) or several (because another query of the batch is longer).
 * Precision: scores and ``p @ c_kv`` accumulate in fp32. With a bf16 cache the fp32 operands (q, p)
   are split into ``hi + lo`` bf16 pairs (q on the host, p in the kernel; elementwise roundings) and multiplied by the exact bf16 keys with two tensor-core
-  MMAs (about 16 significant bits for q and p, errors ~1e-5 relative, at bf16 MMA speed). Other cache
+  MMAs (about 16 significant bits for q and p, errors ~1e-5 relative, at bf16 MMA speed); with the numerics
+  field ``mla_operands = "bf16"`` they are rounded to bf16 once instead (one MMA per product, the hi halves
+  alone: half the tensor work, 8 significant bits, FlashMLA's practice; the row sums keep the fp32 p). Other cache
   dtypes use fp32 ``tf32x3`` dots (three tf32 MMAs, about fp32 accuracy; ``ieee`` fp32 dots of these
-  tile sizes spill tens of KB of registers). Under the Triton interpreter every dot runs on fp32 tiles
-  (its bf16 dot is wrong).
+  tile sizes spill tens of KB of registers; "bf16" operands: q and p rounded to bf16 values first). Under the
+  Triton interpreter every dot runs on fp32 tiles (its bf16 dot is wrong).
 
 Two forms of the split kernel, chosen by the numerics field ``mla_mma_rows`` (docs/numerics.md): "heads"
 (``_mla_split_kernel``, the heads on the MMA's rows: ``q @ k^T``, ``p @ c_kv``) and "keys"
@@ -74,7 +76,7 @@ import triton.language as tl
 
 from ..mla_attention import KEY_BLOCK, _check_shapes, key_width, mla_attention, mla_attention_dense
 from ..mla_attention_grads import mla_attention_grads
-from ..numerics import mla_mma_rows
+from ..numerics import mla_mma_rows, mla_operands
 from ._common import INTERPRET, arrival_counters, await_previous_kernel, cdiv, last_to_arrive, pdl, reset_arrivals
 
 log = logging.getLogger(__name__)
@@ -178,8 +180,9 @@ def kernel_config(num_heads: int, dc: int, dr: int, mma_rows: str = "heads") -> 
 
 @triton.jit
 def _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid,
-             COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    """s += q[:, COL:COL+W] @ k[:, COL:COL+W]^T (columns >= LIM are padding: exact zeros)."""
+             COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr, SPLIT_BF16: tl.constexpr, LO: tl.constexpr):
+    """s += q[:, COL:COL+W] @ k[:, COL:COL+W]^T (columns >= LIM are padding: exact zeros); the lo half's product
+    too with LO (``Numerics.mla_operands`` "hi_lo")."""
     offs = COL + tl.arange(0, W)
     cm = offs < LIM
     qm = hmask[:, None] & cm[None, :]
@@ -188,7 +191,8 @@ def _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid,
     if SPLIT_BF16:
         kt = tl.trans(k)
         s = tl.dot(tl.load(qh_ptr + q_off[:, None] + offs[None, :], mask=qm, other=0.0), kt, s)
-        s = tl.dot(tl.load(ql_ptr + q_off[:, None] + offs[None, :], mask=qm, other=0.0), kt, s)
+        if LO:
+            s = tl.dot(tl.load(ql_ptr + q_off[:, None] + offs[None, :], mask=qm, other=0.0), kt, s)
     else:
         q = tl.load(q_ptr + q_off[:, None] + offs[None, :], mask=qm, other=0.0)
         s = tl.dot(q, tl.trans(k.to(tl.float32)), s, input_precision="tf32x3")
@@ -196,17 +200,18 @@ def _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid,
 
 
 @triton.jit
-def _pv_part(acc, p, p_hi, p_lo, row, valid, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
-             SPLIT_BF16: tl.constexpr):
-    """acc += p @ c_kv[:, COL:COL+W]."""
+def _pv_part(acc, p_hi, p_lo, row, valid, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
+             SPLIT_BF16: tl.constexpr, LO: tl.constexpr):
+    """acc += p @ c_kv[:, COL:COL+W] (p as ``_softmax_block`` returns it: bf16 halves, or fp32 in p_hi)."""
     offs = COL + tl.arange(0, W)
     cm = offs < LIM
     c = tl.load(row[:, None] + offs[None, :], mask=valid[:, None] & cm[None, :], other=0.0)
     if SPLIT_BF16:
         acc = tl.dot(p_hi, c, acc)
-        acc = tl.dot(p_lo, c, acc)
+        if LO:
+            acc = tl.dot(p_lo, c, acc)
     else:
-        acc = tl.dot(p, c.to(tl.float32), acc, input_precision="tf32x3")
+        acc = tl.dot(p_hi, c.to(tl.float32), acc, input_precision="tf32x3")
     return acc
 
 
@@ -222,10 +227,11 @@ def _store_part(ptr, rows, rmask, x, COL: tl.constexpr, W: tl.constexpr, LIM: tl
 
 
 @triton.jit
-def _softmax_block(s, valid, m_i, l_i, scale, KEY_AXIS: tl.constexpr, SPLIT_BF16: tl.constexpr):
+def _softmax_block(s, valid, m_i, l_i, scale, KEY_AXIS: tl.constexpr, SPLIT_BF16: tl.constexpr, LO: tl.constexpr):
     """One key block of the online softmax over scores ``s`` whose keys run along KEY_AXIS (1: [heads, keys],
-    0: [keys, heads]); returns p (and its bf16 hi / lo halves with SPLIT_BF16, else p twice), the rescale
-    alpha of the running sums, the new max and the new sum."""
+    0: [keys, heads]); returns p as the value operand of ``p @ c_kv`` (hi, lo), the rescale alpha of the running
+    sums, the new max and the new sum (of the fp32 p). The operand: with SPLIT_BF16 the bf16 halves of p (lo
+    unused unless LO), else p in fp32 (rounded to bf16 values unless LO: ``Numerics.mla_operands`` "bf16")."""
     valid_s = tl.expand_dims(valid, 1 - KEY_AXIS)
     s = s * scale
     s = tl.where(valid_s, s, float("-inf"))
@@ -237,11 +243,17 @@ def _softmax_block(s, valid, m_i, l_i, scale, KEY_AXIS: tl.constexpr, SPLIT_BF16
     l_i = l_i * alpha + tl.sum(p, axis=KEY_AXIS)
     if SPLIT_BF16:
         p_hi = p.to(tl.bfloat16)
-        p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-    else:
+        if LO:
+            p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+        else:
+            p_lo = p_hi
+    elif LO:
         p_hi = p
         p_lo = p
-    return p, p_hi, p_lo, alpha, m_new, l_i
+    else:
+        p_hi = p.to(tl.bfloat16).to(tl.float32)
+        p_lo = p_hi
+    return p_hi, p_lo, alpha, m_new, l_i
 
 
 @triton.jit
@@ -365,7 +377,7 @@ def _mla_split_kernel(
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, SLOT_LIST: tl.constexpr = False,
+    FUSED_COMBINE: tl.constexpr, SLOT_LIST: tl.constexpr = False, LO: tl.constexpr = True,
 ):
     await_previous_kernel()
     qi, hg, sp = _program_coords(num_splits, N_HG)
@@ -397,19 +409,19 @@ def _mla_split_kernel(
                                              SLOT_LIST)
         # Scores: latent chunks in ascending column order, then the rope columns.
         s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 0, KC, DC, SPLIT_BF16)
+        s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 0, KC, DC, SPLIT_BF16, LO)
         if NCH > 1:
-            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, KC, KC, DC, SPLIT_BF16)
-            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
-            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, KC, KC, DC, SPLIT_BF16, LO)
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 2 * KC, KC, DC, SPLIT_BF16, LO)
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, 3 * KC, KC, DC, SPLIT_BF16, LO)
         if DR > 0:
-            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16)
-        p, p_hi, p_lo, alpha, m_new, l_i = _softmax_block(s, valid, m_i, l_i, scale, 1, SPLIT_BF16)
-        acc0 = _pv_part(acc0 * alpha[:, None], p, p_hi, p_lo, row, valid, 0, KC, DC, SPLIT_BF16)
+            s = _qk_part(s, q_ptr, qh_ptr, ql_ptr, q_off, hmask, row, valid, DC, DR_P, D, SPLIT_BF16, LO)
+        p_hi, p_lo, alpha, m_new, l_i = _softmax_block(s, valid, m_i, l_i, scale, 1, SPLIT_BF16, LO)
+        acc0 = _pv_part(acc0 * alpha[:, None], p_hi, p_lo, row, valid, 0, KC, DC, SPLIT_BF16, LO)
         if NCH > 1:
-            acc1 = _pv_part(acc1 * alpha[:, None], p, p_hi, p_lo, row, valid, KC, KC, DC, SPLIT_BF16)
-            acc2 = _pv_part(acc2 * alpha[:, None], p, p_hi, p_lo, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
-            acc3 = _pv_part(acc3 * alpha[:, None], p, p_hi, p_lo, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+            acc1 = _pv_part(acc1 * alpha[:, None], p_hi, p_lo, row, valid, KC, KC, DC, SPLIT_BF16, LO)
+            acc2 = _pv_part(acc2 * alpha[:, None], p_hi, p_lo, row, valid, 2 * KC, KC, DC, SPLIT_BF16, LO)
+            acc3 = _pv_part(acc3 * alpha[:, None], p_hi, p_lo, row, valid, 3 * KC, KC, DC, SPLIT_BF16, LO)
         m_i = m_new
         valid = valid_next
         slot = slot_next
@@ -423,14 +435,18 @@ def _mla_split_kernel(
 
 @triton.jit
 def _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
-              SPLIT_BF16: tl.constexpr):
-    """Columns COL..COL+W of the program's query rows, transposed ([W, heads]): the bf16 (hi, lo) halves, or the
-    fp32 query twice. Loaded once, before the key loop: the tiles stay in shared memory for every block's MMA."""
+              SPLIT_BF16: tl.constexpr, LO: tl.constexpr):
+    """Columns COL..COL+W of the program's query rows, transposed ([W, heads]): the bf16 (hi, lo) halves (hi twice
+    unless LO), or the fp32 query twice. Loaded once, before the key loop: the tiles stay in shared memory for
+    every block's MMA."""
     offs = COL + tl.arange(0, W)
     qm = (offs < LIM)[:, None] & hmask[None, :]
     if SPLIT_BF16:
         hi = tl.load(qh_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
-        lo = tl.load(ql_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
+        if LO:
+            lo = tl.load(ql_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
+        else:
+            lo = hi
     else:
         hi = tl.load(q_ptr + q_off[None, :] + offs[:, None], mask=qm, other=0.0)
         lo = hi
@@ -439,7 +455,7 @@ def _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, COL: tl.constexpr, W: tl.cons
 
 @triton.jit
 def _qk_part_keys_rows(s_t, q_hi, q_lo, row, valid, COL: tl.constexpr, W: tl.constexpr, LIM: tl.constexpr,
-                       SPLIT_BF16: tl.constexpr):
+                       SPLIT_BF16: tl.constexpr, LO: tl.constexpr):
     """s^T += k[:, COL:COL+W] @ q[:, COL:COL+W]^T: keys on the MMA's rows, heads on its columns, the query's
     columns (``_q_cols_t``) resident. Returns the key tile too (its latent columns are the values of
     ``p @ c_kv``)."""
@@ -447,21 +463,23 @@ def _qk_part_keys_rows(s_t, q_hi, q_lo, row, valid, COL: tl.constexpr, W: tl.con
     k = tl.load(row[:, None] + offs[None, :], mask=valid[:, None] & (offs < LIM)[None, :], other=0.0)
     if SPLIT_BF16:
         s_t = tl.dot(k, q_hi, s_t)
-        s_t = tl.dot(k, q_lo, s_t)
+        if LO:
+            s_t = tl.dot(k, q_lo, s_t)
     else:
         s_t = tl.dot(k.to(tl.float32), q_hi, s_t, input_precision="tf32x3")
     return s_t, k
 
 
 @triton.jit
-def _pv_part_keys_rows(acc_t, p_t, p_hi, p_lo, c, SPLIT_BF16: tl.constexpr):
-    """acc^T += c^T @ p^T: latent columns on the MMA's rows, heads on its columns."""
+def _pv_part_keys_rows(acc_t, p_hi, p_lo, c, SPLIT_BF16: tl.constexpr, LO: tl.constexpr):
+    """acc^T += c^T @ p^T: latent columns on the MMA's rows, heads on its columns (p as ``_pv_part`` takes it)."""
     c_t = tl.trans(c)
     if SPLIT_BF16:
         acc_t = tl.dot(c_t, p_hi, acc_t)
-        acc_t = tl.dot(c_t, p_lo, acc_t)
+        if LO:
+            acc_t = tl.dot(c_t, p_lo, acc_t)
     else:
-        acc_t = tl.dot(c_t.to(tl.float32), p_t, acc_t, input_precision="tf32x3")
+        acc_t = tl.dot(c_t.to(tl.float32), p_hi, acc_t, input_precision="tf32x3")
     return acc_t
 
 
@@ -479,7 +497,7 @@ def _mla_split_kernel_keys_rows(
     DC: tl.constexpr, DR: tl.constexpr, KC: tl.constexpr, NCH: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DENSE: tl.constexpr, DIRECT: tl.constexpr, SPLIT_BF16: tl.constexpr, N_HG: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, SLOT_LIST: tl.constexpr = False,
+    FUSED_COMBINE: tl.constexpr, SLOT_LIST: tl.constexpr = False, LO: tl.constexpr = True,
 ):
     await_previous_kernel()
     qi, hg, sp = _program_coords(num_splits, N_HG)
@@ -492,11 +510,11 @@ def _mla_split_kernel_keys_rows(
     seq = tl.load(seq_ptr + qi)
     start, qpos, n_blocks = _split_extent(qi, sp, kp_ptr, kp_stride, L, qpos_ptr, SPLIT, BLOCK_N, DENSE)
     # The query's columns, once: the MMA reads them from shared memory in every block (not reloaded per block).
-    qh0, ql0 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 0, KC, DC, SPLIT_BF16)
-    qh1, ql1 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, KC, KC, DC, SPLIT_BF16)
-    qh2, ql2 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 2 * KC, KC, DC, SPLIT_BF16)
-    qh3, ql3 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 3 * KC, KC, DC, SPLIT_BF16)
-    qhr, qlr = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, DC, DR_P, D, SPLIT_BF16)
+    qh0, ql0 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 0, KC, DC, SPLIT_BF16, LO)
+    qh1, ql1 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, KC, KC, DC, SPLIT_BF16, LO)
+    qh2, ql2 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 2 * KC, KC, DC, SPLIT_BF16, LO)
+    qh3, ql3 = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, 3 * KC, KC, DC, SPLIT_BF16, LO)
+    qhr, qlr = _q_cols_t(q_ptr, qh_ptr, ql_ptr, q_off, hmask, DC, DR_P, D, SPLIT_BF16, LO)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -512,19 +530,19 @@ def _mla_split_kernel_keys_rows(
                                              start + SPLIT, bt_ptr, seq, bt_stride, page_size, qpos, DENSE,
                                              SLOT_LIST)
         s_t = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-        s_t, c0 = _qk_part_keys_rows(s_t, qh0, ql0, row, valid, 0, KC, DC, SPLIT_BF16)
+        s_t, c0 = _qk_part_keys_rows(s_t, qh0, ql0, row, valid, 0, KC, DC, SPLIT_BF16, LO)
         if NCH > 1:
-            s_t, c1 = _qk_part_keys_rows(s_t, qh1, ql1, row, valid, KC, KC, DC, SPLIT_BF16)
-            s_t, c2 = _qk_part_keys_rows(s_t, qh2, ql2, row, valid, 2 * KC, KC, DC, SPLIT_BF16)
-            s_t, c3 = _qk_part_keys_rows(s_t, qh3, ql3, row, valid, 3 * KC, KC, DC, SPLIT_BF16)
+            s_t, c1 = _qk_part_keys_rows(s_t, qh1, ql1, row, valid, KC, KC, DC, SPLIT_BF16, LO)
+            s_t, c2 = _qk_part_keys_rows(s_t, qh2, ql2, row, valid, 2 * KC, KC, DC, SPLIT_BF16, LO)
+            s_t, c3 = _qk_part_keys_rows(s_t, qh3, ql3, row, valid, 3 * KC, KC, DC, SPLIT_BF16, LO)
         if DR > 0:
-            s_t, _ = _qk_part_keys_rows(s_t, qhr, qlr, row, valid, DC, DR_P, D, SPLIT_BF16)
-        p_t, p_hi, p_lo, alpha, m_new, l_i = _softmax_block(s_t, valid, m_i, l_i, scale, 0, SPLIT_BF16)
-        acc0 = _pv_part_keys_rows(acc0 * alpha[None, :], p_t, p_hi, p_lo, c0, SPLIT_BF16)
+            s_t, _ = _qk_part_keys_rows(s_t, qhr, qlr, row, valid, DC, DR_P, D, SPLIT_BF16, LO)
+        p_hi, p_lo, alpha, m_new, l_i = _softmax_block(s_t, valid, m_i, l_i, scale, 0, SPLIT_BF16, LO)
+        acc0 = _pv_part_keys_rows(acc0 * alpha[None, :], p_hi, p_lo, c0, SPLIT_BF16, LO)
         if NCH > 1:
-            acc1 = _pv_part_keys_rows(acc1 * alpha[None, :], p_t, p_hi, p_lo, c1, SPLIT_BF16)
-            acc2 = _pv_part_keys_rows(acc2 * alpha[None, :], p_t, p_hi, p_lo, c2, SPLIT_BF16)
-            acc3 = _pv_part_keys_rows(acc3 * alpha[None, :], p_t, p_hi, p_lo, c3, SPLIT_BF16)
+            acc1 = _pv_part_keys_rows(acc1 * alpha[None, :], p_hi, p_lo, c1, SPLIT_BF16, LO)
+            acc2 = _pv_part_keys_rows(acc2 * alpha[None, :], p_hi, p_lo, c2, SPLIT_BF16, LO)
+            acc3 = _pv_part_keys_rows(acc3 * alpha[None, :], p_hi, p_lo, c3, SPLIT_BF16, LO)
         m_i = m_new
         valid = valid_next
         slot = slot_next
@@ -684,13 +702,17 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     if kv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"mla_attention (triton): unsupported cache dtype {kv.dtype}")
     split_bf16 = kv.dtype == torch.bfloat16 and not _INTERPRET
-    # q = [q_lat | q_pe] in rows of D values: for bf16 caches its bf16 hi + lo halves (elementwise
-    # roundings: each query's halves depend on that query alone), else fp32.
+    lo = mla_operands() == "hi_lo"
+    # q = [q_lat | q_pe] in rows of D values: for bf16 caches its bf16 hi + lo halves (hi alone unless lo;
+    # elementwise roundings: each query's halves depend on that query alone), else fp32 (bf16 values unless lo).
     if split_bf16:
-        q_hi, q_lo = split_query(q_lat.detach(), q_pe.detach())
+        q_hi, q_lo = split_query(q_lat.detach(), q_pe.detach(), lo=lo)
         q = q_hi  # unused by the kernel
+        q_lo = q_hi if q_lo is None else q_lo
     else:
         q = torch.cat([q_lat.detach().to(torch.float32), q_pe.detach().to(torch.float32)], dim=-1).contiguous()
+        if not lo:
+            q = q.to(torch.bfloat16).to(torch.float32)
         q_hi = q_lo = q  # unused
     bt = block_table.to(torch.int64).contiguous()
     sidx = seq_idx.to(torch.int64).contiguous()
@@ -714,7 +736,7 @@ def _mla_forward(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     n_hg = cdiv(h, cfg.block_h)
     consts = dict(DC=dc, DR=dr, KC=cfg.chunk, NCH=cfg.n_chunks, DR_P=max(16, _next_pow2(dr)),
                   BLOCK_H=cfg.block_h, BLOCK_N=KEY_BLOCK, SPLIT=SPLIT_KEYS, DENSE=dense,
-                  SPLIT_BF16=split_bf16, N_HG=n_hg, SLOT_LIST=slot_list, num_warps=cfg.num_warps,
+                  SPLIT_BF16=split_bf16, LO=lo, N_HG=n_hg, SLOT_LIST=slot_list, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     scale = float(softmax_scale)
     if num_splits == 1:
