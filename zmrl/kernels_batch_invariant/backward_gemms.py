@@ -50,10 +50,15 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0, out: torch.Tens
 
 def mm_fp32_factor(a: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     """a @ f in fp32 for a 16-bit ``a`` [M, K] and an fp32 ``f`` [K, N] without an fp32 copy of ``a``: ``f`` as its
-    16-bit halves hi = f.to(a.dtype), lo = f - hi (two 16-bit GEMMs, fp32 accumulation and output, summed).
-    a is exact; f is carried to ~2^-16 relative (bf16 halves; TF32 would round it to 2^-11). For skinny
-    factors (LoRA: N = r) the cost is reading ``a`` twice in 16 bits instead of writing and reading an fp32
-    copy of it."""
-    hi = f.to(a.dtype)
-    lo = torch.sub(f, hi).to(a.dtype)  # f - hi in fp32 (hi promoted exactly inside the one kernel)
-    return mm_f32(a, hi).add_(mm_f32(a, lo))
+    16-bit halves hi = f.to(a.dtype), lo = f - hi, side by side in one [K, 2N] operand, so one 16-bit GEMM (fp32
+    accumulation and output) reads ``a`` once for both, and the two column halves of its result are summed.
+    a is exact; f is carried to ~2^-16 relative (bf16 halves; TF32 would round it to 2^-11). For skinny factors
+    (LoRA: N = r) the GEMM is a read of ``a`` in 16 bits, instead of writing and reading an fp32 copy of it (or
+    reading it once per half)."""
+    n = f.shape[1]
+    halves = torch.empty((f.shape[0], 2 * n), dtype=a.dtype, device=f.device)
+    hi, lo = halves[:, :n], halves[:, n:]
+    hi.copy_(f)
+    torch.sub(f, hi, out=lo)  # f - hi in fp32 (hi promoted exactly inside the one kernel), rounded into lo
+    both = mm_f32(a, halves)
+    return torch.add(both[:, :n], both[:, n:])
