@@ -204,9 +204,9 @@ def kda_reports(dk: int, dv: int, kernels: list[str], decode_maxnreg: int | None
 
 def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | None = None,
                num_warps: int | None = None, mma_rows: str = "heads", slot_list: bool = False,
-               lo: bool = True) -> KernelReport:
+               lo: bool = True, num_stages: int | None = None) -> KernelReport:
     """The sparse MLA split kernel (bf16 latent cache, split keys) at ``kernel_config``'s launch for the head
-    count and latent dims (bench preset by default), or with ``block_h`` / ``num_warps`` replaced; ``mma_rows``
+    count and latent dims (bench preset by default), or with ``block_h`` / ``num_warps`` / ``num_stages`` replaced; ``mma_rows``
     picks its form (Numerics.mla_mma_rows); ``slot_list``: the key lists hold cache slots (``SLOT_LIST``); ``lo``:
     the lo halves of q and p are multiplied too (Numerics.mla_operands "hi_lo"; False: "bf16")."""
     from zmrl.kernels_batch_invariant.mla_attention import KEY_BLOCK
@@ -225,7 +225,8 @@ def mla_report(num_heads: int = 64, dc: int = 512, dr: int = 64, block_h: int | 
     kernel = M.split_kernel_for(mma_rows)
     name = f"mla_split (H={num_heads}, BLOCK_H={bh}, {mma_rows} on the MMA rows{', slot list' if slot_list else ''}{'' if lo else ', bf16 operands'})"
     return build(name, kernel, ptrs, scalars, consts,
-                 cfg.num_warps if num_warps is None else num_warps, num_stages=cfg.num_stages)
+                 cfg.num_warps if num_warps is None else num_warps,
+                 num_stages=cfg.num_stages if num_stages is None else num_stages)
 
 
 def recurrent_report(dk: int = 128, dv: int = 128, v_dtype: str = "bf16") -> KernelReport:
@@ -255,6 +256,7 @@ def main() -> int:
                     help="register cap per thread of the two decode kernels (default: _launch_config's)")
     ap.add_argument("--mla-block-h", type=int, default=None, help="heads per program of the MLA kernel (default: its config's)")
     ap.add_argument("--mla-warps", type=int, default=None, help="warps of the MLA kernel (default: its config's)")
+    ap.add_argument("--mla-stages", type=int, default=None, help="pipeline stages of the MLA kernel (default: its config's)")
     ap.add_argument("--out", default=None, help="JSON report (default: print only)")
     a = ap.parse_args()
     kernels = [k for k in a.kernels.split(",") if k]
@@ -270,13 +272,13 @@ def main() -> int:
     if "recurrent" in kernels:
         reports.append(recurrent_report(a.dk, a.dv))
     if "mla" in kernels:
-        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps))
+        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, num_stages=a.mla_stages))
     if "mla_keys" in kernels:
-        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, mma_rows="keys"))
+        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, num_stages=a.mla_stages, mma_rows="keys"))
     if "mla_slots" in kernels:
-        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, slot_list=True))
+        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, num_stages=a.mla_stages, slot_list=True))
     if "mla_bf16" in kernels:
-        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, slot_list=True, lo=False))
+        reports.append(mla_report(block_h=a.mla_block_h, num_warps=a.mla_warps, num_stages=a.mla_stages, slot_list=True, lo=False))
     print(f"triton {triton.__version__}, sm_{TARGET_ARCH}, dk={a.dk}, dv={a.dv}")
     for r in reports:
         cap = "" if r.maxnreg is None else f" (cap {r.maxnreg})"

@@ -228,7 +228,9 @@ def mla_sweep_rows(device: torch.device, smoke: bool, bandwidth_tb_s: float,
         ref: dict[tuple[str, str], torch.Tensor] = {}
         # score and value products of every valid (query, head, key): 2 * (Dc + Dr) + 2 * Dc FLOPs
         flops = 2.0 * int((kp >= 0).sum()) * h * (q_lat.shape[-1] + q_pe.shape[-1] + q_lat.shape[-1])
-        for rows_form, ops, (block_h, warps, stages), slots in itertools.product(mma_rows, operands, launches,
+        # launches outside the operands and slot lists: a launch that faults the device (it ends the process) loses
+        # only its own rows and the later launches', so a sweep lists the untried launches last
+        for rows_form, (block_h, warps, stages), ops, slots in itertools.product(mma_rows, launches, operands,
                                                                                   slot_lists):
             block_h = min(block_h, h)
             config = f"{rows_form}/{ops}/h{block_h}/w{warps}/s{stages}{'/slots' if slots else ''}"
