@@ -91,27 +91,32 @@ def test_bf16_operands(problem, kind, monkeypatch):
 
 
 def check_bf16_grads(problem, kind, device):
-    """The bf16 path on ``device`` against float64. Each product's operands round to bf16, 2^-8 relative each;
-    the gradients sum hundreds of such terms whose errors partly cancel, and dS = P (dP - delta) subtracts
-    two rounded quantities, so the error is bounded relative to the largest gradient: 2^-5 (measured up to
-    8e-3 here; leaving delta out gives ~2, scaling it by 0.9 ~0.2). The bf16 path must differ from the fp32
-    one (it was taken) and repeat bitwise."""
+    """The bf16 path on ``device`` against float64, with delta = rowsum(dO * o) from the forward's output (as the
+    autograd function passes it) and from o formed of the bf16 probabilities (a caller without the output). Each
+    product's operands round to bf16, 2^-8 relative each; the gradients sum hundreds of such terms whose errors
+    partly cancel, and dS = P (dP - delta) subtracts two rounded quantities, so the error is bounded relative to
+    the largest gradient: 2^-5 (measured up to 8e-3 here; leaving delta out gives ~2, scaling it by 0.9 ~0.2).
+    The bf16 path must differ from the fp32 one (it was taken) and repeat bitwise."""
     cache, bt, sidx, _, q_lat, q_pe, kps, go = (t.to(device) if isinstance(t, torch.Tensor) else
                                                 {k: v.to(device) for k, v in t.items()} for t in problem)
     want = _reference(problem, kind)
+    out = mla_attention_ref(q_lat.cpu(), q_pe.cpu(), cache.cpu(), bt.cpu(), sidx.cpu(), kps[kind].cpu(), SCALE,
+                            DC).to(device, torch.float32)
 
-    def grads():
-        return M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC, (True, True, True))
+    def grads(o=None):
+        return M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC, (True, True, True), o)
 
     with numerics_scope(current_numerics().replace(backward_matmul_precision="ieee")):
         exact = grads()
     with numerics_scope(current_numerics().replace(backward_matmul_precision="bf16")):
-        got, again = grads(), grads()
-    for name, a, b, e in zip(("q_lat", "q_pe", "kv_cache"), got, want, exact):
+        got, again, with_out = grads(), grads(), grads(out)
+    for name, a, o, b, e in zip(("q_lat", "q_pe", "kv_cache"), got, with_out, want, exact):
         assert a.dtype == torch.float32 and not torch.equal(a, e)
-        err = (a.double().cpu() - b).abs().max().item()
-        assert err <= 2.0 ** -5 * b.abs().max().item(), f"{kind} d{name}: {err:.2e}"
+        for label, x in (("o formed", a), ("o given", o)):
+            err = (x.double().cpu() - b).abs().max().item()
+            assert err <= 2.0 ** -5 * b.abs().max().item(), f"{kind} d{name} ({label}): {err:.2e}"
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+    assert not all(torch.equal(a, b) for a, b in zip(got, with_out)), "the given output was not used"
 
 
 @pytest.mark.parametrize("rows,width,chunk", [(10, 7, 3), (8, 5, 8), (9, 4, 2), (5, 6, 10)])

@@ -48,12 +48,15 @@ KEY_PAD = 8
 
 def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_idx: torch.Tensor, key_positions: torch.Tensor,
-                        softmax_scale: float, kv_lora_rank: int, need: tuple[bool, bool, bool]
+                        softmax_scale: float, kv_lora_rank: int, need: tuple[bool, bool, bool],
+                        out: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of ``o = softmax(scale * q . k) @ c`` w.r.t. q_lat [T, H, Dc], q_pe [T, H, Dr] and
     kv_cache [pages, page_size, Dc + Dr], given grad_out [T, H, Dc] and each query's key positions
     [T, L] (-1 = no key; positions index the query's sequence ``seq_idx`` through ``block_table``).
-    ``need`` says which of the three are wanted; the others come back as None."""
+    ``need`` says which of the three are wanted; the others come back as None. ``out``: the forward's output o
+    [T, H, Dc], if the caller kept it (the bf16 path takes delta = rowsum(dO * o) from it; without it, it forms o
+    per chunk from its probabilities, one GEMM more)."""
     nq, h, dc = q_lat.shape
     num_pages, page_size, d = kv_cache.shape
     dev = q_lat.device
@@ -102,7 +105,7 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
                 if bf16_stages is None:
                     _chunk_grads(*args, *q_rows[:2], g_kv, cdt)
                 else:
-                    _chunk_grads_bf16(*args, q_rows[2], g_kv, bf16_stages)
+                    _chunk_grads_bf16(*args, q_rows[2], g_kv, bf16_stages, None if out is None else out[a:b])
             c0 = c_end
     return (None if g_ql is None else g_ql.to(q_lat.dtype),
             None if g_qr is None else g_qr.to(q_pe.dtype),
@@ -189,17 +192,17 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
 
 def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
                       loc: torch.Tensor, scale: float, dc: int, g_q: torch.Tensor | None, g_kv: torch.Tensor | None,
-                      stages: "Bf16Stages") -> None:
+                      stages: "Bf16Stages", o: torch.Tensor | None) -> None:
     """``_chunk_grads`` with bf16 GEMM operands and fp32 accumulation: the practice of FlashAttention's
     backward (P and dS rounded to bf16 for the tensor cores). Twice the tensor-core rate of TF32 and half
     the bytes per operand read; each operand rounds to 2^-8 relative (TF32: 2^-11), the softmax, the
     row sums and every accumulation stay fp32. A bf16 cache's keys are exact. The scale is folded into
     the (small) query operand once (``query_bf16``), so the [G*H, U] buffers see no extra pass for it.
-    ``delta = rowsum(dO * O)`` is taken as ``rowsum(P * dP)`` (the same sum: O = P C and dP = dO C^T) inside
-    the dS stage, so O is never formed (one GEMM fewer) and both terms of dS = P (dP - delta) use the same
-    (bf16) P. The query gradient ``g_q`` [G, H, Dc + Dr] (latent and rope columns) is one GEMM written into
-    its rows, the scale in its alpha. The elementwise stages (``stages``: softmax, dS, scaled query) are one
-    pass each on CUDA (triton/mla_attention_bwd.py)."""
+    ``delta = rowsum(dO * O)`` is a [G*H] vector known before dP, from the forward's output ``o`` [G, H, Dc] (fp32;
+    else O = P C formed here from the bf16 P), so dS = P (dP - delta) is the epilogue of dP's GEMM (``dp_ds``):
+    dP never exists in fp32 and no pass over [G*H, U] follows it. The query gradient ``g_q`` [G, H, Dc + Dr]
+    (latent and rope columns) is one GEMM written into its rows, the scale in its alpha. On CUDA the stages
+    (``stages``: softmax, dP GEMM with the dS epilogue, scaled query) are one kernel each (triton/mla_attention_bwd.py)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
     bf = torch.bfloat16
@@ -207,8 +210,11 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     c = k[:, :dc]
     qs = stages.query(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
     p16 = stages.softmax(mm_f32(qs, k.t()), listed, h)  # [G*H, U]
-    go16 = go.reshape(g * h, dc).to(bf)
-    ds16 = stages.ds(mm_f32(go16, c.t()), p16)  # dS / scale = P (dP - rowsum(P dP)), [G*H, U]
+    go_rows = go.reshape(g * h, dc)
+    o_rows = mm_f32(p16, c) if o is None else o.reshape(g * h, dc)
+    delta = (go_rows.to(torch.float32) * o_rows.to(torch.float32)).sum(-1)  # rowsum(dO * O), fp32 [G*H]
+    go16 = go_rows.to(bf)
+    ds16 = stages.dp_ds(go16, c, p16, delta)  # dS / scale = P (dO C^T - delta), [G*H, U]
     if g_q is not None:
         mm_f32(ds16, k, scale, out=g_q.view(g * h, -1))  # dQ = scale * dS K, latent and rope columns at once
     if g_kv is not None:
@@ -239,10 +245,10 @@ def _softmax_bf16_torch(s: torch.Tensor, listed: torch.Tensor, heads: int) -> to
     return _probabilities(s.view(rows // heads, heads, n_u), ~listed.unsqueeze(1)).view(rows, n_u).to(torch.bfloat16)
 
 
-def _ds_bf16_torch(dp: torch.Tensor, p16: torch.Tensor) -> torch.Tensor:
-    """P (dP - rowsum(P dP)) in bf16, from dP [R, U] fp32 and P [R, U] bf16 (dP is overwritten)."""
-    delta = (p16.float() * dp).sum(-1, keepdim=True)
-    return dp.sub_(delta).mul_(p16).to(torch.bfloat16)
+def _dp_ds_bf16_torch(go16: torch.Tensor, c: torch.Tensor, p16: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """dS = P (dO C^T - delta) in bf16 [R, U], from dO [R, Dc] and C [U, Dc] (bf16; any row strides), P [R, U]
+    bf16 and delta [R] fp32: dP = dO C^T accumulated in fp32, then the subtract, the multiply, one rounding."""
+    return mm_f32(go16, c.t()).sub_(delta.unsqueeze(1)).mul_(p16).to(torch.bfloat16)
 
 
 def _query_bf16_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> torch.Tensor:
@@ -253,22 +259,23 @@ def _query_bf16_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, scale: float) -> 
 
 
 SoftmaxBf16 = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-DsBf16 = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+DpDsBf16 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 QueryBf16 = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Bf16Stages:
-    """The bf16 path's elementwise stages between its GEMMs: ``softmax(s [G*H, U] fp32, listed [G, U], heads)``
-    -> P bf16; ``ds(dP [G*H, U] fp32, P)`` -> P (dP - rowsum(P dP)) bf16 (dP may be overwritten);
-    ``query(q_lat [G, H, Dc], q_pe [G, H, Dr], scale)`` -> bf16(scale * [q_lat | q_pe]) [G*H, Dc + Dr]."""
+    """The bf16 path's stages around its plain GEMMs: ``softmax(s [G*H, U] fp32, listed [G, U], heads)`` -> P bf16;
+    ``dp_ds(dO [G*H, Dc] bf16, C [U, Dc] bf16, P [G*H, U] bf16, delta [G*H] fp32)`` -> P (dO C^T - delta) bf16 (a
+    GEMM with its elementwise epilogue); ``query(q_lat [G, H, Dc], q_pe [G, H, Dr], scale)`` -> bf16(scale *
+    [q_lat | q_pe]) [G*H, Dc + Dr]."""
 
     softmax: SoftmaxBf16
-    ds: DsBf16
+    dp_ds: DpDsBf16
     query: QueryBf16
 
 
-TORCH_STAGES = Bf16Stages(_softmax_bf16_torch, _ds_bf16_torch, _query_bf16_torch)
+TORCH_STAGES = Bf16Stages(_softmax_bf16_torch, _dp_ds_bf16_torch, _query_bf16_torch)
 _bf16_kernels: tuple[Bf16Stages, Callable[[torch.device], bool]] | None = None
 
 

@@ -144,12 +144,14 @@ def test_expert_backward_builds_for_sm90(precision):
 
 @compiled_only
 def test_mla_backward_stages_build_for_sm90():
-    from zmrl.kernels_batch_invariant.triton.mla_attention_bwd import _ds_kernel, _masked_softmax_kernel
+    from zmrl.kernels_batch_invariant.triton import mla_attention_bwd as B
 
-    _build_ir(_masked_softmax_kernel, {"s_ptr": "*fp32", "keep_ptr": "*u8", "p_ptr": "*bf16", "H": "i32", "U": "i32",
-                                       "BLOCK": "constexpr"}, {"BLOCK": 1024})
-    _build_ir(_ds_kernel, {"dp_ptr": "*fp32", "p_ptr": "*bf16", "ds_ptr": "*bf16", "U": "i32", "BLOCK": "constexpr"},
-              {"BLOCK": 1024})
+    _build_ir(B._masked_softmax_kernel, {"s_ptr": "*fp32", "keep_ptr": "*u8", "p_ptr": "*bf16", "H": "i32", "U": "i32",
+                                         "BLOCK": "constexpr"}, {"BLOCK": 1024})
+    consts = dict(DC=512, BLOCK_R=B.DP_DS_BLOCK_R, BLOCK_U=B.DP_DS_BLOCK_U, BLOCK_K=B.DP_DS_BLOCK_K, F32_DOT=False)
+    ptrs = {"go_ptr": "*bf16", "c_ptr": "*bf16", "p_ptr": "*bf16", "delta_ptr": "*fp32", "ds_ptr": "*bf16"}
+    _build_ir(B._dp_ds_kernel, {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in B._dp_ds_kernel.arg_names},
+              consts)
 
 
 @compiled_only

@@ -4,9 +4,9 @@ against float64. Runs on CUDA, or on CPU under TRITON_INTERPRET=1.
 
 Tolerances. The softmax: both sides compute fp32 probabilities (exp, max, sum in different orders: a few
 fp32 ulps apart) and round them to bf16, so they differ by at most one bf16 ulp (2^-7 relative to the
-value, at a rounding boundary); unlisted keys and rows without keys are exact zeros on both. dS: its row sum
-delta = rowsum(P dP) is summed in another order than torch's, then the same two fp32 operations and one
-rounding (test_ds_matches_torch states the bound). The
+value, at a rounding boundary); unlisted keys and rows without keys are exact zeros on both. dS: the dP GEMM
+sums in another order than torch's, then the same two fp32 operations and one rounding (test_dp_ds_matches_torch
+states the bound). The
 end-to-end check is test_mla_attention_grads.py's ``check_bf16_grads`` (2^-5 of the largest gradient).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.kernels.test_mla_attention_grads import check_bf16_grads  # noqa: E40
 from tests.kernels.test_mla_attention_grads import problem as problem  # noqa: E402,F401 (fixture)
 from zmrl.kernels_batch_invariant import mla_attention_grads as M  # noqa: E402
 from zmrl.kernels_batch_invariant.triton.mla_attention_bwd import (  # noqa: E402
-    DS_BLOCK, SOFTMAX_BLOCK, ds_bf16, masked_softmax_bf16)
+    DP_DS_BLOCK_U, SOFTMAX_BLOCK, dp_ds_bf16, masked_softmax_bf16)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 
@@ -54,19 +54,27 @@ def test_masked_softmax_matches_torch(device, u):
     assert bool(((rows[live] - 1).abs() <= 2.0 ** -7 + u * 2.0 ** -24).all())
 
 
-@pytest.mark.parametrize("u", [1, 300, DS_BLOCK + 7])
-def test_ds_matches_torch(device, u):
-    """dS = P (dP - rowsum(P dP)): the row sum in a different order than torch's (fp32: ~u ulps of the sum's
-    terms), then the same subtract, multiply and rounding; one bf16 ulp (2^-7 relative) of slack where a
-    shifted delta moves a value across a rounding boundary, plus the fp32 sum's error carried by P."""
+@pytest.mark.parametrize("rows, u", [(7, 1), (130, 300), (5, 2 * DP_DS_BLOCK_U + 9)])
+def test_dp_ds_matches_torch(device, rows, u):
+    """dS = P (dO C^T - delta): the GEMM's fp32 sum over Dc in another order than torch's (at most Dc ulps of the
+    sum of |dO||C| terms), then the same subtract, multiply and rounding; one bf16 ulp (2^-7 relative) of slack
+    where the shifted sum moves a value across a rounding boundary. C is a strided view (the keys' latent
+    columns), as the backward passes it."""
     gen = torch.Generator().manual_seed(5)
-    dp = torch.randn(7, u, generator=gen).to(device)
-    p16 = torch.rand(7, u, generator=gen).to(device, torch.bfloat16)
-    got = ds_bf16(dp, p16)
-    want = M._ds_bf16_torch(dp.clone(), p16)
-    delta_err = u * 2.0 ** -23 * (p16.float() * dp).abs().sum(-1, keepdim=True)
-    bound = 2.0 ** -7 * want.float().abs() + p16.float() * delta_err
+    dc = 96
+    go16 = torch.randn(rows, dc, generator=gen).to(device, torch.bfloat16)
+    k = torch.randn(u, dc + 16, generator=gen).to(device, torch.bfloat16)
+    c = k[:, :dc]
+    p16 = torch.rand(rows, u, generator=gen).to(device, torch.bfloat16)
+    delta = torch.randn(rows, generator=gen).to(device)
+    got = dp_ds_bf16(go16, c, p16, delta)
+    want = M._dp_ds_bf16_torch(go16, c, p16, delta)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, u)
+    sum_err = dc * 2.0 ** -23 * (go16.float().abs() @ c.float().abs().t())
+    bound = 2.0 ** -7 * want.float().abs() + p16.float() * sum_err
     assert bool(((got.float() - want.float()).abs() <= bound).all())
+    exact = (p16.double() * (go16.double() @ c.double().t() - delta.double()[:, None]))
+    assert bool(((got.double() - exact).abs() <= 2.0 ** -7 * exact.abs() + p16.double() * sum_err.double()).all())
 
 
 def test_query_bf16_matches_torch(device, interpret):

@@ -781,20 +781,22 @@ class _MLAFunction(torch.autograd.Function):
                 softmax_scale, kv_lora_rank, kv_len=None):
         out = _mla_forward(q_lat, q_pe, kv_cache, block_table, seq_idx, key_positions, query_pos,
                            softmax_scale, kv_lora_rank, kv_len)
+        # the output too: the backward's delta = rowsum(dO * o) comes from it (the op after MLA keeps it for its
+        # own backward when it has LoRA, so this holds no extra memory there)
         ctx.save_for_backward(q_lat, q_pe, kv_cache, block_table, seq_idx,
-                              key_positions if key_positions is not None else query_pos)
+                              key_positions if key_positions is not None else query_pos, out)
         ctx.dense = key_positions is None
         ctx.softmax_scale, ctx.kv_lora_rank, ctx.kv_len = softmax_scale, kv_lora_rank, kv_len
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        q_lat, q_pe, kv_cache, block_table, seq_idx, kp = ctx.saved_tensors
+        q_lat, q_pe, kv_cache, block_table, seq_idx, kp, out = ctx.saved_tensors
         if ctx.dense:
             kp = _dense_list(kp, ctx.kv_len)
         need = tuple(ctx.needs_input_grad[:3])
         g = mla_attention_grads(grad_out, q_lat, q_pe, kv_cache, block_table, seq_idx, kp,
-                                ctx.softmax_scale, ctx.kv_lora_rank, need)  # type: ignore[arg-type]
+                                ctx.softmax_scale, ctx.kv_lora_rank, need, out)  # type: ignore[arg-type]
         return (*g, None, None, None, None, None, None, None)
 
 
