@@ -336,7 +336,8 @@ if has final7; then
   step gpu_tests_final7 "${T_FINAL7_TESTS:-200}" env ZMRL_TEST_DEVICE=cuda $PY -m pytest -p no:cacheprovider $XDIST -q -rfEs \
     tests/kernels/triton/test_pdl.py tests/kernels/triton/test_mla_attention.py tests/kernels/triton/test_matmul.py \
     tests/rollout/test_graph_runner.py tests/kernels/triton/test_model_static_decode.py \
-    tests/kernels/triton/test_gemm_compiles_for_hopper.py
+    tests/kernels/triton/test_gemm_compiles_for_hopper.py tests/kernels/triton/test_mla_attention_bwd.py \
+    tests/kernels/triton/test_mla_attention_grads_gpu.py tests/kernels/test_backward_gemms.py
   step bench_parity "${T_PARITY:-90}" $PY -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/bitwise/test_parity_gpu_bench.py
   # the MLA kernel alone with the key lists walked through the block table in the kernel and as cache slots (same bits)
   # (FINAL7_OPERANDS, e.g. "hi_lo,bf16": also with q and p as bf16 halves and rounded to bf16 once, Numerics.mla_operands)
