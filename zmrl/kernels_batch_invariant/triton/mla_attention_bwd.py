@@ -73,7 +73,7 @@ def _dp_ds_kernel(go_ptr, c_ptr, p_ptr, delta_ptr, ds_ptr, R, U, c_stride, DC: t
                   BLOCK_R: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
     """One program per [BLOCK_R, BLOCK_U] tile of dS: dP = dO C^T over the Dc latent columns (ascending BLOCK_K
     steps, fp32 accumulation), then dS = P (dP - delta) rounded to bf16. Row tiles vary fastest: the programs of
-    a wave share their C tile and read dO (a few MB per chunk) from L2."""
+    a wave share their C tile, and dO (32 MB for a 512-query chunk at 64 heads) stays mostly in L2 between them."""
     await_previous_kernel()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_U + tl.arange(0, BLOCK_U)
