@@ -267,8 +267,8 @@ def main() -> int:
         import triton
     except ImportError:
         raise SystemExit("kernel_resources.py needs triton (the GPU's version: see the module docstring)") from None
-    mla_kernels = ("mla", "mla_keys", "mla_slots", "mla_bf16", "recurrent")
-    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in mla_kernels], a.decode_maxnreg)
+    not_chunk_kda = ("mla", "mla_keys", "mla_slots", "mla_bf16", "recurrent")
+    reports = kda_reports(a.dk, a.dv, [k for k in kernels if k not in not_chunk_kda], a.decode_maxnreg)
     if "recurrent" in kernels:
         reports.append(recurrent_report(a.dk, a.dv))
     if "mla" in kernels:

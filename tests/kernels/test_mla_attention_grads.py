@@ -57,6 +57,24 @@ def test_matches_float64(problem, kind, chunk_elems, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_delta_from_the_forward_output(problem, kind):
+    """Given the forward's output (as the autograd function passes it), delta = rowsum(dO * o) comes from it instead
+    of P C: the same bound against float64, and it is really read (a zero output, i.e. delta = 0, is off by O(1))."""
+    cache, bt, sidx, _, q_lat, q_pe, kps, go = problem
+    want = _reference(problem, kind)
+    out = mla_attention_ref(q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC).float()
+
+    def grads(o):
+        return M.mla_attention_grads(go, q_lat, q_pe, cache, bt, sidx, kps[kind], SCALE, DC, (True, True, True), o)
+
+    for name, a, b in zip(("q_lat", "q_pe", "kv_cache"), grads(out), want):
+        err = (a.double() - b).abs().max().item()
+        assert err <= 1e-5 * b.abs().max().item(), f"{kind} d{name}: {err:.2e}"
+    wrong = grads(torch.zeros_like(out))
+    assert (wrong[0].double() - want[0]).abs().max() > 1e-2 * want[0].abs().max(), "the given output was not read"
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
 def test_one_sync_for_many_chunks_changes_no_bit(problem, kind, monkeypatch):
     """The chunks' key unions found together (``UNION_ENTRIES``: all chunks in one sort) or one chunk at a time give
     the same gradients bit for bit, with several chunks (a small ``CHUNK_ELEMS``) and with the halving of chunks

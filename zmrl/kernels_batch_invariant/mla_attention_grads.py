@@ -55,12 +55,14 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
     kv_cache [pages, page_size, Dc + Dr], given grad_out [T, H, Dc] and each query's key positions
     [T, L] (-1 = no key; positions index the query's sequence ``seq_idx`` through ``block_table``).
     ``need`` says which of the three are wanted; the others come back as None. ``out``: the forward's output o
-    [T, H, Dc], if the caller kept it (the bf16 path takes delta = rowsum(dO * o) from it; without it, it forms o
-    per chunk from its probabilities, one GEMM more)."""
+    [T, H, Dc], if the caller kept it: delta = rowsum(dO * o) is taken from it; without it each chunk forms o from
+    its probabilities, one [G*H, U] x [U, Dc] GEMM more."""
     nq, h, dc = q_lat.shape
     num_pages, page_size, d = kv_cache.shape
     dev = q_lat.device
     cdt = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
+    if out is not None and out.dtype != cdt:
+        out = None  # an fp32 output is coarser than a float64 backward's own P C
     flat = kv_cache.detach().reshape(num_pages * page_size, d)
     kp = key_positions.to(torch.int64)
     width = max(1, kp.shape[1])
@@ -102,10 +104,11 @@ def mla_attention_grads(grad_out: torch.Tensor, q_lat: torch.Tensor, q_pe: torch
                     _zero(*(q_rows[2:] if g_q is not None else q_rows[:2]))  # (g_ql, g_qr are views of g_q)
                     continue
                 args = (grad_out[a:b], q_lat[a:b], q_pe[a:b], flat, u[:n_u], inv, softmax_scale, dc)
+                o = None if out is None else out[a:b]
                 if bf16_stages is None:
-                    _chunk_grads(*args, *q_rows[:2], g_kv, cdt)
+                    _chunk_grads(*args, *q_rows[:2], g_kv, cdt, o)
                 else:
-                    _chunk_grads_bf16(*args, q_rows[2], g_kv, bf16_stages, None if out is None else out[a:b])
+                    _chunk_grads_bf16(*args, q_rows[2], g_kv, bf16_stages, o)
             c0 = c_end
     return (None if g_ql is None else g_ql.to(q_lat.dtype),
             None if g_qr is None else g_qr.to(q_pe.dtype),
@@ -156,14 +159,16 @@ def chunk_unions(keyed: torch.Tensor, chunk: int, sentinel: int) -> list[tuple[t
 
 def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat: torch.Tensor, u: torch.Tensor,
                  loc: torch.Tensor, scale: float, dc: int,
-                 g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None, cdt: torch.dtype) -> None:
+                 g_ql: torch.Tensor | None, g_qr: torch.Tensor | None, g_kv: torch.Tensor | None, cdt: torch.dtype,
+                 o: torch.Tensor | None) -> None:
     """One chunk of G queries over its U >= 1 unique key slots ``u`` (``loc`` [G, L]: each key-list entry's
     column in ``u``, U for an entry without key); writes into the gradient buffers.
 
     The [G*H, U] buffers dominate the traffic, so each is made once and then updated in place: the
     softmax scale rides in the GEMMs' alpha (``addmm``), the latent and rope halves of q and k stay
     separate operands (two accumulating GEMMs instead of a concatenated copy of q), and the query
-    gradients are written by their GEMMs straight into the output rows. With the contract's
+    gradients are written by their GEMMs straight into the output rows; delta = rowsum(dO * O) takes O from the
+    forward's output ``o`` when given (``_row_delta``). With the contract's
     ``backward_matmul_precision="bf16"`` the products take bf16 operands instead (``_chunk_grads_bf16``)."""
     g, h, _ = q_lat.shape
     n_u = u.numel()
@@ -176,8 +181,8 @@ def _chunk_grads(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, flat
     s = torch.mm(ql, c.t()).addmm_(qr, kr.t(), beta=scale, alpha=scale).view(g, h, n_pad)  # scale * (q . k)
     p = _probabilities(s, masked).view(g * h, n_pad)
     gof = go.to(cdt).reshape(g * h, dc)
-    delta = (gof * (p @ c)).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
-    ds = torch.mm(gof, c.t()).sub_(delta).mul_(p)  # dS / scale, [G*H, U]
+    delta = _row_delta(gof, o, lambda: p @ c)
+    ds = torch.mm(gof, c.t()).sub_(delta.unsqueeze(1)).mul_(p)  # dS / scale, [G*H, U]
     # beta=0: the (unfilled) output rows are ignored, not read.
     for buf, kpart in ((g_ql, c), (g_qr, kr)):
         if buf is not None:
@@ -211,8 +216,7 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
     qs = stages.query(q_lat.detach(), q_pe.detach(), scale)  # scale * [q_lat | q_pe], [G*H, D] bf16
     p16 = stages.softmax(mm_f32(qs, k.t()), listed, h)  # [G*H, U]
     go_rows = go.reshape(g * h, dc)
-    o_rows = mm_f32(p16, c) if o is None else o.reshape(g * h, dc)
-    delta = (go_rows.to(torch.float32) * o_rows.to(torch.float32)).sum(-1)  # rowsum(dO * O), fp32 [G*H]
+    delta = _row_delta(go_rows, o, lambda: mm_f32(p16, c))
     go16 = go_rows.to(bf)
     ds16 = stages.dp_ds(go16, c, p16, delta)  # dS / scale = P (dO C^T - delta), [G*H, U]
     if g_q is not None:
@@ -221,6 +225,13 @@ def _chunk_grads_bf16(go: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
         dk = mm_f32(ds16.t(), qs)  # scale * dS^T q: dK (latent and rope)
         dk[:, :dc] += mm_f32(p16.t(), go16)  # + dV (the latents are the values)
         g_kv.index_add_(0, u, dk[:n_u])  # u is unique: one add per row
+
+
+def _row_delta(go_rows: torch.Tensor, o: torch.Tensor | None, form_o: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """delta = rowsum(dO * O) [R] in dO's dtype, for dO rows ``go_rows`` [R, Dc]: O from the forward's output rows
+    ``o`` [G, H, Dc] when the caller kept them, else ``form_o()`` (P C, [R, Dc])."""
+    o_rows = form_o() if o is None else o.reshape(go_rows.shape)
+    return (go_rows * o_rows.to(go_rows.dtype)).sum(-1)
 
 
 def _chunk_keys(flat: torch.Tensor, u: torch.Tensor, loc: torch.Tensor, dtype: torch.dtype

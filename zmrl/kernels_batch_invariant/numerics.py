@@ -45,7 +45,7 @@ Fields:
   probabilities p) by a bf16 cache. "hi_lo" (default): each as its bf16 halves hi + lo, two tensor-core MMAs per
   product, ~16 significant bits (scores and outputs ~1e-5 relative of float64). "bf16": rounded to bf16 once,
   one MMA per product (FlashMLA's practice): half the kernel's tensor work and half its resident query tile,
-  operands rounded to 2^-9 relative. Shared numerics (the engine and the trainer change together); a
+  operands rounded to 2^-8 relative. Shared numerics (the engine and the trainer change together); a
   speed-for-accuracy choice that the torch (CPU) backend does not have (it multiplies in fp32 either way).
   Default: ``$ZMRL_MLA_OPERANDS`` if set when this module is first imported, else "hi_lo".
 * ``cpu_gemm_cnr``: MKL's conditional-numerical-reproducibility mode for CPU GEMMs (the value of
